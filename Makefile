@@ -1,0 +1,41 @@
+# Quick start on a fresh machine:  make demo   (runs the batch job on the embedded tiny checkpoint)
+#                                  make test   (CPU test suite; GPU tests skip with the reason shown)
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# CPU torch: the wheel on this machine's disk when there is one (never a multi-GB CUDA download in CI).
+TORCH_WHEELS := $(wildcard /opt/wheels)
+
+.PHONY: setup demo test test-gpu bench build-ext lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(if $(TORCH_WHEELS),--find-links $(TORCH_WHEELS)) "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/ovbatch demo
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+test-gpu: setup
+	$(PY) -m pytest -q -m gpu
+
+bench: setup
+	$(PY) bench/run_all.py
+
+build-ext: setup
+	$(PY) -m engine.kernels.build
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,145 @@
+"""Configuration dataclasses: the model (read from config.json), generation and engine settings."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from engine.errors import CheckpointError, InputError
+
+
+@dataclass(frozen=True)
+class LLMConfig:
+    """The Qwen3 backbone (`llm_config` in the official config.json)."""
+
+    hidden_size: int = 1024
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    intermediate_size: int = 3072
+    vocab_size: int = 151676
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LLMConfig:
+        model_type = d.get("model_type", "qwen3")
+        if model_type != "qwen3":
+            raise CheckpointError(
+                f"llm_config.model_type is {model_type!r}; OmniVoice's backbone is 'qwen3'. "
+                "Pass an official OmniVoice checkpoint directory."
+            )
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        if "rope_theta" not in d and isinstance(d.get("rope_parameters"), dict):
+            kwargs["rope_theta"] = d["rope_parameters"].get("rope_theta", cls.rope_theta)
+        if "head_dim" not in d and "hidden_size" in d and "num_attention_heads" in d:
+            kwargs["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The whole OmniVoice model (`config.json`, model_type 'omnivoice')."""
+
+    llm: LLMConfig = field(default_factory=LLMConfig)
+    audio_vocab_size: int = 1025
+    audio_mask_id: int = 1024
+    num_audio_codebook: int = 8
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        model_type = d.get("model_type")
+        if model_type != "omnivoice":
+            raise CheckpointError(
+                f"config.json has model_type {model_type!r}, expected 'omnivoice'. "
+                "Point --checkpoint at an OmniVoice checkpoint directory (k2-fsa/OmniVoice layout)."
+            )
+        if not isinstance(d.get("llm_config"), dict):
+            raise CheckpointError("config.json lacks an 'llm_config' object (the qwen3 backbone settings).")
+        return cls(
+            llm=LLMConfig.from_dict(d["llm_config"]),
+            audio_vocab_size=int(d.get("audio_vocab_size", 1025)),
+            audio_mask_id=int(d.get("audio_mask_id", 1024)),
+            num_audio_codebook=int(d.get("num_audio_codebook", 8)),
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} not found: a checkpoint directory needs config.json.") from None
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path} is not valid JSON ({e}).") from None
+        return cls.from_dict(d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The official config.json layout."""
+        llm = asdict(self.llm)
+        llm["model_type"] = "qwen3"
+        return {
+            "model_type": "omnivoice",
+            "architectures": ["OmniVoice"],
+            "audio_vocab_size": self.audio_vocab_size,
+            "audio_mask_id": self.audio_mask_id,
+            "num_audio_codebook": self.num_audio_codebook,
+            "audio_codebook_weights": [8, 8, 6, 6, 4, 4, 2, 2][: self.num_audio_codebook],
+            "llm_config": llm,
+        }
+
+
+@dataclass
+class GenerationConfig:
+    """Decoding settings; defaults are upstream's (OmniVoiceGenerationConfig)."""
+
+    num_step: int = 32
+    guidance_scale: float = 2.0
+    t_shift: float = 0.1
+    layer_penalty_factor: float = 5.0
+    position_temperature: float = 5.0
+    class_temperature: float = 0.0
+    denoise: bool = True
+    preprocess_prompt: bool = True
+    postprocess_output: bool = True
+    audio_chunk_duration: float = 15.0
+    audio_chunk_threshold: float = 30.0
+    pad_duration: float = 0.1
+    fade_duration: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.num_step < 1:
+            raise InputError(f"num_step={self.num_step}: needs at least 1 decoding step.")
+        if self.position_temperature < 0 or self.class_temperature < 0:
+            raise InputError("temperatures must be >= 0 (0 means greedy).")
+
+
+PRECISIONS = ("fp32", "bf16", "fp16", "w4a4")
+
+
+@dataclass
+class EngineConfig:
+    """How to run: which checkpoint, where, in what precision, with which fast paths."""
+
+    checkpoint: str | None = None  # None: the embedded tiny checkpoint
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16 | w4a4
+    attention: str = "auto"  # auto | flash | varlen | sdpa
+    cuda_graphs: bool = True
+    # Packed-token buckets a CUDA graph is captured for (cond + uncond tokens of a whole batch).
+    buckets: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384)
+    max_batch_tokens: int = 16384
+    prompt_cache_dir: str | None = None
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+
+    def __post_init__(self) -> None:
+        if self.precision != "auto" and self.precision not in PRECISIONS:
+            raise InputError(f"precision={self.precision!r}: choose one of auto, {', '.join(PRECISIONS)}.")
+        if self.attention not in ("auto", "flash", "varlen", "sdpa"):
+            raise InputError(f"attention={self.attention!r}: choose auto, flash, varlen or sdpa.")
