@@ -1,0 +1,1 @@
+"""Request frontend: text and prompt layout, languages, instructs, duration, chunking, audio, prompts."""
