@@ -1,0 +1,192 @@
+"""Read an official OmniVoice checkpoint (k2-fsa/OmniVoice layout) into an OmniVoiceModel.
+
+A checkpoint is a directory holding config.json, model.safetensors (or model.safetensors.index.json
+and its shards), tokenizer.json and audio_tokenizer/. A Hugging Face repo id ("owner/name") is
+fetched into the Hugging Face cache first. Only safetensors are read: pickles can run code on load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import threading
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.errors import CheckpointError
+from engine.model import LinearFactory, OmniVoiceModel
+
+log = logging.getLogger(__name__)
+
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# Tensors upstream may save that the engine does not use (it computes them itself).
+IGNORED = re.compile(r"codebook_layer_offsets|llm\.lm_head\..*|(.*\.)?rotary_emb\..*")
+NETWORK_PROBE_S = 4.0
+
+
+def resolve_checkpoint(path_or_repo: str | os.PathLike) -> Path:
+    """A local checkpoint directory for a directory path or a Hugging Face repo id ("owner/name")."""
+    text = str(path_or_repo)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(f"{path} is a file: --checkpoint takes the checkpoint directory.")
+    if REPO_ID.fullmatch(text):
+        return _download(text)
+    raise CheckpointError(
+        f"checkpoint {text!r} is neither an existing directory nor a Hugging Face repo id (owner/name)."
+    )
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not in the local cache: fetch it below
+        pass
+    offline = f"pass a local checkpoint directory with --checkpoint (the {repo_id} layout)"
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise CheckpointError(
+            f"{repo_id} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: {offline}."
+        )
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    if not _reachable(endpoint):
+        raise CheckpointError(f"cannot reach {endpoint} to download {repo_id} (offline?): {offline}.")
+    try:
+        return Path(snapshot_download(repo_id, etag_timeout=10))
+    except Exception as e:
+        raise CheckpointError(f"downloading {repo_id} from {endpoint} failed ({e}): {offline}.") from None
+
+
+def _reachable(endpoint: str) -> bool:
+    """Whether a TCP connection to the endpoint opens within NETWORK_PROBE_S (name lookup included)."""
+    url = urlparse(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    result = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((url.hostname, port), timeout=NETWORK_PROBE_S).close()
+            result.append(True)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(NETWORK_PROBE_S)
+    return bool(result)
+
+
+def read_config(ckpt_dir: Path) -> tuple[ModelConfig, dict]:
+    """The model config and the raw config.json dict (which may carry a "quantization" entry)."""
+    cfg = ModelConfig.from_json(ckpt_dir / "config.json")
+    return cfg, json.loads((ckpt_dir / "config.json").read_text())
+
+
+def weight_files(ckpt_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint; CheckpointError for pickles or missing shards."""
+    index = ckpt_dir / WEIGHTS_INDEX
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise CheckpointError(f"{index} is not a safetensors index (needs a 'weight_map'): {e}") from None
+        missing = [s for s in shards if not (ckpt_dir / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names shards that are not in {ckpt_dir}: {', '.join(missing)}.")
+        return [ckpt_dir / s for s in shards]
+    if (ckpt_dir / WEIGHTS).is_file():
+        return [ckpt_dir / WEIGHTS]
+    pickles = sorted(p.name for p in ckpt_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(
+            f"{ckpt_dir} holds pickle weights ({', '.join(pickles)}), which are refused because loading them "
+            "can run arbitrary code. Convert them to safetensors (safetensors.torch.save_file) as "
+            f"{WEIGHTS}."
+        )
+    raise CheckpointError(f"{ckpt_dir} has neither {WEIGHTS} nor {WEIGHTS_INDEX}.")
+
+
+def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the files, read from the headers only."""
+    shapes = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def read_tensors(
+    files: list[Path], device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """All tensors of the files (except IGNORED ones); floating ones cast to dtype when given."""
+    tensors = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if IGNORED.fullmatch(name):
+                    continue
+                t = f.get_tensor(name)
+                cast = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+                tensors[name] = t.to(device=device, dtype=cast)
+    return tensors
+
+
+def check_shapes(
+    expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], where: Path
+) -> None:
+    """CheckpointError naming every missing, unexpected or misshapen tensor."""
+    found = {k: v for k, v in found.items() if not IGNORED.fullmatch(k)}
+    problems = [
+        f"missing tensor {k} (expected shape {list(v)})" for k, v in expected.items() if k not in found
+    ]
+    problems += [f"unexpected tensor {k} (shape {list(v)})" for k, v in found.items() if k not in expected]
+    problems += [
+        f"tensor {k} has shape {list(found[k])}, expected {list(v)}"
+        for k, v in expected.items()
+        if k in found and tuple(found[k]) != tuple(v)
+    ]
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise CheckpointError(
+            f"{where} does not match its config.json: {shown}. Use the weights that came with this config."
+        )
+
+
+def load_model(
+    path_or_repo: str | os.PathLike,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    linear_factory: LinearFactory | None = None,
+    attention: str = "auto",
+) -> tuple[ModelConfig, OmniVoiceModel]:
+    """Read a checkpoint (official or W4A4) into an OmniVoiceModel on `device` in `dtype`, in eval mode."""
+    ckpt_dir = resolve_checkpoint(path_or_repo)
+    cfg, raw = read_config(ckpt_dir)
+    if "quantization" in raw:
+        from engine.quant.load import build_w4a4_model
+
+        model = build_w4a4_model(ckpt_dir, cfg, device=device, dtype=dtype, attention=attention)
+        return cfg, model.eval()
+    files = weight_files(ckpt_dir)
+    with torch.device("meta"):
+        model = OmniVoiceModel(cfg, linear_factory=linear_factory, attention=attention)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    check_shapes(expected, tensor_shapes(files), files[0] if len(files) == 1 else ckpt_dir)
+    model.load_state_dict(read_tensors(files, device, dtype), strict=True, assign=True)
+    model.requires_grad_(False)
+    log.info("loaded %s (%s on %s)", ckpt_dir, dtype, device)
+    return cfg, model.eval()

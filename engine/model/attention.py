@@ -1,0 +1,141 @@
+"""Bidirectional attention over packed variable-length sequences.
+
+Every backend takes q [T, Hq, D], k and v [T, Hkv, D] (GQA: Hq a multiple of Hkv), the int32
+sequence boundaries `cu_seqlens` [S+1] and the longest sequence length, and returns [T, Hq, D].
+Tokens attend to every token of their own sequence and to nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engine.errors import BackendUnavailable
+
+log = logging.getLogger(__name__)
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _needs_cuda_half(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    if device.type != "cuda":
+        return False, f"needs a CUDA device, the model is on {device.type}"
+    if dtype not in _HALF:
+        return False, f"needs fp16 or bf16, the model runs in {dtype}"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return False, f"needs compute capability >= 8.0, this GPU has {major}.x"
+    return True, ""
+
+
+class FlashAttnBackend:
+    """flash_attn.flash_attn_varlen_func (the flash-attn package)."""
+
+    name = "flash"
+
+    def can_use(self, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+        if importlib.util.find_spec("flash_attn") is None:
+            return False, "the flash_attn package is not installed (pip install flash-attn)"
+        return _needs_cuda_half(device, dtype)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+        from flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens,
+            cu_seqlens,
+            max_seqlen,
+            max_seqlen,
+            softmax_scale=q.shape[-1] ** -0.5,
+            causal=False,
+        )
+
+
+class TorchVarlenBackend:
+    """torch.nn.attention.varlen.varlen_attn (PyTorch's built-in flash varlen kernel)."""
+
+    name = "varlen"
+
+    def __init__(self) -> None:
+        self._fn = None
+        self._native_gqa = False
+
+    def can_use(self, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            return False, f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn"
+        self._fn = varlen_attn
+        self._native_gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
+        return _needs_cuda_half(device, dtype)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+        kwargs = {}
+        if q.shape[1] != k.shape[1]:
+            if self._native_gqa:
+                kwargs["enable_gqa"] = True
+            else:
+                group = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return self._fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+
+
+class SdpaBackend:
+    """F.scaled_dot_product_attention one sequence at a time: any device, any dtype (the reference)."""
+
+    name = "sdpa"
+
+    def can_use(self, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+        return True, ""
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+        out = torch.empty_like(q)
+        group = q.shape[1] // k.shape[1]
+        bounds = cu_seqlens.tolist()
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end == start:
+                continue
+            qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+            if group > 1:
+                ks, vs = ks.repeat_interleave(group, dim=0), vs.repeat_interleave(group, dim=0)
+            out[start:end] = F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1)
+        return out
+
+
+BACKENDS = {"flash": FlashAttnBackend, "varlen": TorchVarlenBackend, "sdpa": SdpaBackend}
+PRIORITY = ("flash", "varlen", "sdpa")
+
+
+def choose_attention(choice: str, device: torch.device, dtype: torch.dtype):
+    """The backend for `choice` ("auto" or a name); logs the pick and why faster ones were skipped."""
+    device = torch.device(device)
+    if choice != "auto":
+        if choice not in BACKENDS:
+            raise BackendUnavailable(f"attention={choice!r} is unknown: choose auto, {', '.join(PRIORITY)}.")
+        backend = BACKENDS[choice]()
+        ok, reason = backend.can_use(device, dtype)
+        if not ok:
+            raise BackendUnavailable(
+                f"attention backend {choice!r} cannot run here: {reason}. Use attention=auto to fall back."
+            )
+        log.info("attention backend: %s (requested)", choice)
+        return backend
+    skipped = []
+    for name in PRIORITY[:-1]:
+        backend = BACKENDS[name]()
+        ok, reason = backend.can_use(device, dtype)
+        if ok:
+            break
+        skipped.append(f"; skipped {name}: {reason}")
+    else:
+        backend = SdpaBackend()  # runs on any device and dtype
+    log.info("attention backend: %s%s", backend.name, "".join(skipped))
+    return backend

@@ -1,0 +1,132 @@
+"""OmniVoiceModel: the official OmniVoice network over packed variable-length sequences.
+
+Many sequences (the conditional and unconditional copy of every request of a batch) are laid end to end
+in one token axis; `cu_seqlens` marks where each starts. Positions restart at 0 in every sequence and
+attention stays inside it, so a sequence's activations do not depend on its neighbours. Parameter
+names equal the official state-dict keys, so official weights load with `load_state_dict`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor, nn
+
+from engine.config import LLMConfig, ModelConfig
+from engine.model.attention import choose_attention
+from engine.model.layers import LinearFactory, RMSNorm, SwiGLU, apply_rope, default_linear, rope_cos_sin
+
+
+@dataclass
+class PackedBatch:
+    input_ids: Tensor  # [C, T] long; text ids repeated over the C rows at text positions
+    audio_mask: Tensor  # [T] bool; True at audio positions (reference + target)
+    position_ids: Tensor  # [T] long; restarts at 0 in every sequence
+    cu_seqlens: Tensor  # [S+1] int32 sequence boundaries
+    max_seqlen: int
+    target_index: Tensor  # [n_target] long; positions whose logits are wanted
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, Tensor):
+                moved[name] = value.to(device)
+        return PackedBatch(**moved)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, prefix: str, cfg: LLMConfig, linear_factory: LinearFactory) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = linear_factory(f"{prefix}.q_proj", h, self.num_heads * d)
+        self.k_proj = linear_factory(f"{prefix}.k_proj", h, self.num_kv_heads * d)
+        self.v_proj = linear_factory(f"{prefix}.v_proj", h, self.num_kv_heads * d)
+        self.o_proj = linear_factory(f"{prefix}.o_proj", self.num_heads * d, h)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, attend) -> Tensor:
+        t = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attend(q, k, v, batch.cu_seqlens, batch.max_seqlen)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, index: int, cfg: LLMConfig, linear_factory: LinearFactory) -> None:
+        super().__init__()
+        prefix = f"llm.layers.{index}"
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(f"{prefix}.self_attn", cfg, linear_factory)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(f"{prefix}.mlp", cfg.hidden_size, cfg.intermediate_size, linear_factory)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, attend) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Backbone(nn.Module):
+    """Qwen3 without its LM head (the official checkpoint's `llm.*`), bidirectional within a sequence."""
+
+    def __init__(self, cfg: LLMConfig, linear_factory: LinearFactory) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(i, cfg, linear_factory) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, batch: PackedBatch, attend) -> Tensor:
+        """Hidden states [T, H] before the final norm."""
+        cos, sin = rope_cos_sin(batch.position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch, attend)
+        return x
+
+
+class OmniVoiceModel(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, linear_factory: LinearFactory | None = None, attention: str = "auto"
+    ):
+        super().__init__()
+        self.cfg = cfg
+        self.attention = attention
+        hidden, codebook_rows = cfg.llm.hidden_size, cfg.num_audio_codebook * cfg.audio_vocab_size
+        self.llm = Qwen3Backbone(cfg.llm, linear_factory or default_linear)
+        self.audio_embeddings = nn.Embedding(codebook_rows, hidden)
+        self.audio_heads = nn.Linear(hidden, codebook_rows, bias=False)
+        self._backend = None
+        self._backend_key = None
+
+    def attention_backend(self, device: torch.device, dtype: torch.dtype):
+        """The attention backend for this device and dtype, chosen once (and logged) per combination."""
+        key = (self.attention, device, dtype)
+        if self._backend_key != key:
+            self._backend = choose_attention(self.attention, device, dtype)
+            self._backend_key = key
+        return self._backend
+
+    def embed(self, input_ids: Tensor, audio_mask: Tensor) -> Tensor:
+        """[T, H]: text embedding (row 0) at text positions, sum of the C codebook embeddings at audio ones."""
+        text = self.llm.embed_tokens(input_ids[0] * ~audio_mask)  # audio ids may exceed a small text vocab
+        offsets = (
+            torch.arange(self.cfg.num_audio_codebook, device=input_ids.device) * self.cfg.audio_vocab_size
+        )
+        audio = self.audio_embeddings(input_ids * audio_mask[None, :] + offsets[:, None]).sum(dim=0)
+        return torch.where(audio_mask[:, None], audio, text)
+
+    def forward(self, batch: PackedBatch) -> Tensor:
+        """Logits [n_target, C, audio_vocab] in float32 at `batch.target_index`."""
+        x = self.embed(batch.input_ids, batch.audio_mask)
+        attend = self.attention_backend(x.device, x.dtype)
+        x = self.llm(x, batch, attend)
+        x = self.llm.norm(x.index_select(0, batch.target_index))
+        logits = self.audio_heads(x)
+        return logits.view(-1, self.cfg.num_audio_codebook, self.cfg.audio_vocab_size).float()

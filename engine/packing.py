@@ -1,0 +1,111 @@
+"""Lay the sequences of a batch of requests end to end into one PackedBatch.
+
+Every request contributes two sequences: the conditional one [prompt text ids on all C rows, reference
+audio tokens, MASK x target_len] and the unconditional one [MASK x target_len] (classifier-free
+guidance). Order on the token axis: cond_0 .. cond_{B-1}, uncond_0 .. uncond_{B-1}, then optionally one
+padding sequence up to a fixed token count (CUDA-graph buckets). `target_index` lists the cond target
+positions of all requests (request-major), then the uncond ones, so logits[:N] are conditional and
+logits[N:2N] unconditional, N = sum of target lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.model import PackedBatch
+
+
+@dataclass
+class GenItem:
+    prompt_ids: list[int]  # from TextFrontend.prompt_ids
+    ref_tokens: Tensor | None  # [C, Tr] reference audio codes (None: no reference)
+    target_len: int  # target frames
+    seed: int  # per-request RNG: outputs do not depend on batch neighbours
+
+
+def cond_len(item: GenItem) -> int:
+    ref = 0 if item.ref_tokens is None else item.ref_tokens.shape[-1]
+    return len(item.prompt_ids) + ref + item.target_len
+
+
+def packed_tokens(item: GenItem) -> int:
+    """Tokens a request occupies in a packed batch: its cond plus its uncond sequence."""
+    return cond_len(item) + item.target_len
+
+
+def _cond_sequence(item: GenItem, num_codebooks: int, mask_id: int) -> tuple[Tensor, Tensor]:
+    text = torch.tensor(item.prompt_ids, dtype=torch.long).expand(num_codebooks, -1)
+    parts = [text]
+    if item.ref_tokens is not None:
+        parts.append(item.ref_tokens.to(device="cpu", dtype=torch.long))
+    parts.append(torch.full((num_codebooks, item.target_len), mask_id, dtype=torch.long))
+    ids = torch.cat(parts, dim=1)
+    audio_mask = torch.arange(ids.shape[1]) >= len(item.prompt_ids)
+    return ids, audio_mask
+
+
+@dataclass
+class PackLayout:
+    """Fixed sizes a packed batch is padded to (one CUDA graph per layout); None: exact sizes."""
+
+    tokens: int
+    sequences: int  # entries of cu_seqlens minus one
+    targets: int
+    max_seqlen: int
+
+
+def pack_items(
+    items: list[GenItem], num_codebooks: int, mask_id: int, layout: PackLayout | None = None
+) -> PackedBatch:
+    """The packed cond + uncond sequences of `items` (on CPU), padded to `layout` when given."""
+    ids, masks, lengths = [], [], []
+    cond_targets, uncond_targets = [], []
+    start = 0
+    for item in items:
+        cond_ids, cond_mask = _cond_sequence(item, num_codebooks, mask_id)
+        ids.append(cond_ids)
+        masks.append(cond_mask)
+        lengths.append(cond_ids.shape[1])
+        cond_targets.append(torch.arange(start + lengths[-1] - item.target_len, start + lengths[-1]))
+        start += lengths[-1]
+    for item in items:
+        ids.append(torch.full((num_codebooks, item.target_len), mask_id, dtype=torch.long))
+        masks.append(torch.ones(item.target_len, dtype=torch.bool))
+        lengths.append(item.target_len)
+        uncond_targets.append(torch.arange(start, start + item.target_len))
+        start += item.target_len
+    target_index = torch.cat(cond_targets + uncond_targets)
+    max_seqlen = max(lengths)
+    if layout is not None:
+        pad = layout.tokens - start
+        # Padding sequences no longer than max_seqlen, so attention kernels sized by it cover them.
+        pad_lens = [min(layout.max_seqlen, pad - i) for i in range(0, pad, layout.max_seqlen)]
+        if (
+            pad < 0
+            or max_seqlen > layout.max_seqlen
+            or len(lengths) + len(pad_lens) > layout.sequences
+            or len(target_index) > layout.targets
+        ):
+            raise ValueError(f"batch ({start} tokens, {len(lengths)} sequences) does not fit {layout}")
+        if pad:
+            ids.append(torch.zeros((num_codebooks, pad), dtype=torch.long))
+            masks.append(torch.zeros(pad, dtype=torch.bool))
+            lengths += pad_lens
+        # Unused slots are empty sequences; unused target rows read token 0 and are never looked at.
+        lengths += [0] * (layout.sequences - len(lengths))
+        target_index = torch.cat(
+            [target_index, torch.zeros(layout.targets - len(target_index), dtype=torch.long)]
+        )
+        max_seqlen = layout.max_seqlen
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    return PackedBatch(
+        input_ids=torch.cat(ids, dim=1),
+        audio_mask=torch.cat(masks),
+        position_ids=torch.cat([torch.arange(n) for n in lengths]),
+        cu_seqlens=torch.nn.functional.pad(seq_lens.cumsum(0, dtype=torch.int32), (1, 0)),
+        max_seqlen=max_seqlen,
+        target_index=target_index,
+    )

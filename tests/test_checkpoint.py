@@ -1,0 +1,143 @@
+"""Checkpoint reading: the tiny checkpoint round-trips; every malformed checkpoint is refused by name."""
+
+import json
+import shutil
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.checkpoint import load_model, resolve_checkpoint
+from engine.errors import CheckpointError
+from engine.tiny import ensure_tiny_checkpoint, tiny_state_dict
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return ensure_tiny_checkpoint(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture
+def broken(tiny, tmp_path):
+    """A writable copy of the tiny checkpoint to damage."""
+    shutil.copytree(tiny, tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def rewrite_weights(ckpt, edit):
+    sd = load_file(ckpt / "model.safetensors")
+    edit(sd)
+    save_file(sd, str(ckpt / "model.safetensors"))
+
+
+def test_tiny_checkpoint_is_deterministic(tiny, tmp_path):
+    again = ensure_tiny_checkpoint(tmp_path)
+    assert again != tiny
+    names = sorted(p.relative_to(tiny) for p in tiny.rglob("*") if p.is_file())
+    assert [str(n) for n in names] == sorted(
+        str(p.relative_to(again)) for p in again.rglob("*") if p.is_file()
+    )
+    for name in names:
+        assert (tiny / name).read_bytes() == (again / name).read_bytes(), name
+
+
+def test_tiny_checkpoint_is_cached(tiny):
+    stamp = (tiny / "model.safetensors").stat().st_mtime_ns
+    assert ensure_tiny_checkpoint(tiny.parent) == tiny
+    assert (tiny / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_tiny_checkpoint_loads_with_the_weights_it_was_made_from(tiny):
+    cfg, model = load_model(tiny, dtype=torch.bfloat16)
+    expected = tiny_state_dict(cfg)
+    got = model.state_dict()
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == torch.bfloat16
+        torch.testing.assert_close(got[name].float(), tensor.to(torch.bfloat16).float(), rtol=0, atol=0)
+    assert json.loads((tiny / "config.json").read_text())["model_type"] == "omnivoice"
+
+
+def test_sharded_checkpoint_loads(broken):
+    sd = load_file(broken / "model.safetensors")
+    names = sorted(sd)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in halves.items():
+        save_file({k: sd[k] for k in keys}, str(broken / shard))
+    index = {"weight_map": {k: shard for shard, keys in halves.items() for k in keys}}
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    (broken / "model.safetensors").unlink()
+    _, model = load_model(broken)
+    torch.testing.assert_close(model.state_dict()["audio_heads.weight"], sd["audio_heads.weight"])
+
+
+def test_tolerates_buffers_upstream_saves(broken):
+    def add(sd):
+        sd["codebook_layer_offsets"] = torch.arange(8) * 1025
+        sd["llm.rotary_emb.inv_freq"] = torch.ones(8)
+
+    rewrite_weights(broken, add)
+    load_model(broken)
+
+
+def test_missing_tensor_is_named(broken):
+    rewrite_weights(broken, lambda sd: sd.pop("llm.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(
+        CheckpointError, match=r"missing tensor llm\.layers\.1\.mlp\.up_proj\.weight.*\[192, 64\]"
+    ):
+        load_model(broken)
+
+
+def test_unexpected_tensor_is_named(broken):
+    rewrite_weights(broken, lambda sd: sd.__setitem__("llm.layers.2.extra.weight", torch.zeros(3)))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor llm\.layers\.2\.extra\.weight"):
+        load_model(broken)
+
+
+def test_wrong_shape_is_named(broken):
+    rewrite_weights(broken, lambda sd: sd.__setitem__("audio_heads.weight", torch.zeros(8200, 32)))
+    with pytest.raises(
+        CheckpointError, match=r"audio_heads\.weight has shape \[8200, 32\], expected \[8200, 64\]"
+    ):
+        load_model(broken)
+
+
+def test_wrong_model_type_is_named(broken):
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="'llama'.*'omnivoice'"):
+        load_model(broken)
+
+
+def test_pickle_weights_are_refused(broken):
+    (broken / "model.safetensors").unlink()
+    (broken / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin.*safetensors"):
+        load_model(broken)
+
+
+def test_missing_shard_is_named(broken):
+    (broken / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "gone.safetensors"}})
+    )
+    with pytest.raises(CheckpointError, match=r"gone\.safetensors"):
+        load_model(broken)
+
+
+def test_nonexistent_path_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="neither an existing directory"):
+        resolve_checkpoint(tmp_path / "nothing" / "here")
+
+
+def test_repo_id_offline_fails_fast(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens there
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match="--checkpoint"):
+        resolve_checkpoint("k2-fsa/OmniVoice")
+    assert time.monotonic() - start < 10

@@ -1,0 +1,136 @@
+"""The packed model equals a plain dense forward pass, one sequence at a time."""
+
+import pytest
+import torch
+from dense_reference import dense_logits
+from torch import nn
+
+from engine.errors import BackendUnavailable
+from engine.model import OmniVoiceModel
+from engine.model.attention import BACKENDS, choose_attention
+from engine.packing import GenItem, PackLayout, pack_items
+from engine.tiny import tiny_model_config, tiny_state_dict
+
+C, MASK = 8, 1024
+
+
+def random_model(seed: int) -> tuple[OmniVoiceModel, dict]:
+    cfg = tiny_model_config(vocab_size=300)
+    sd = tiny_state_dict(cfg, seed=seed)
+    model = OmniVoiceModel(cfg, attention="sdpa")
+    model.load_state_dict(sd)
+    return model.eval(), sd
+
+
+def random_items(lengths, with_ref, seed):
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for i, (n_prompt, n_ref, n_target) in enumerate(lengths):
+        ref = torch.randint(0, 1024, (C, n_ref), generator=g) if with_ref[i] else None
+        prompt = torch.randint(0, 300, (n_prompt,), generator=g).tolist()
+        items.append(GenItem(prompt_ids=prompt, ref_tokens=ref, target_len=n_target, seed=i))
+    return items, g
+
+
+def randomize_targets(batch, g):
+    """Decoding fills target positions step by step: test with a mix of MASK and real tokens there."""
+    t = batch.target_index
+    tokens = torch.randint(0, 1025, (C, len(t)), generator=g)
+    batch.input_ids[:, t] = torch.where(torch.rand(len(t), generator=g) < 0.5, MASK, tokens)
+
+
+def dense_targets(sd, cfg, batch, n_seqs):
+    """Dense logits of every sequence, concatenated and read at the target positions."""
+    bounds = batch.cu_seqlens.tolist()
+    pieces = [
+        dense_logits(sd, cfg, batch.input_ids[:, a:b], batch.audio_mask[a:b])
+        for a, b in zip(bounds[:n_seqs], bounds[1 : n_seqs + 1])
+    ]
+    return torch.cat(pieces)[batch.target_index]
+
+
+CASES = {
+    "single_ref": ([(12, 30, 25)], [True]),
+    "single_noref": ([(9, 0, 40)], [False]),
+    "batch4_ref": ([(12, 30, 25), (5, 17, 60), (20, 8, 9), (7, 40, 33)], [True] * 4),
+    "batch4_mixed": ([(12, 30, 25), (5, 0, 60), (20, 8, 9), (7, 0, 33)], [True, False, True, False]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_packed_equals_dense(case):
+    lengths, with_ref = CASES[case]
+    model, sd = random_model(seed=len(case))
+    items, g = random_items(lengths, with_ref, seed=7)
+    batch = pack_items(items, C, MASK)
+    randomize_targets(batch, g)
+    with torch.inference_mode():
+        packed = model(batch)
+    dense = dense_targets(sd, model.cfg, batch, 2 * len(items))
+    assert packed.dtype == torch.float32
+    assert packed.shape == (2 * sum(n for _, _, n in lengths), C, 1025)
+    assert (packed.double() - dense).abs().max().item() <= 1e-4
+
+
+def test_padding_to_a_layout_leaves_real_logits_unchanged():
+    model, _ = random_model(seed=3)
+    items, g = random_items([(12, 30, 25), (5, 0, 60)], [True, False], seed=1)
+    exact = pack_items(items, C, MASK)
+    randomize_targets(exact, g)
+    layout = PackLayout(tokens=512, sequences=16, targets=256, max_seqlen=128)
+    padded = pack_items(items, C, MASK, layout)
+    n_real = exact.input_ids.shape[1]
+    padded.input_ids[:, :n_real] = exact.input_ids
+    with torch.inference_mode():
+        a, b = model(exact), model(padded)
+    assert b.shape[0] == 256 and padded.input_ids.shape[1] == 512
+    torch.testing.assert_close(b[: a.shape[0]], a, rtol=0, atol=1e-5)
+
+
+def test_layout_too_small_is_refused():
+    items, _ = random_items([(12, 30, 25)], [True], seed=1)
+    with pytest.raises(ValueError, match="does not fit"):
+        pack_items(items, C, MASK, PackLayout(tokens=64, sequences=4, targets=64, max_seqlen=64))
+
+
+def test_linear_factory_builds_the_seven_backbone_linears():
+    made = []
+
+    def factory(name, n_in, n_out):
+        made.append((name, n_in, n_out))
+        return nn.Linear(n_in, n_out, bias=False)
+
+    cfg = tiny_model_config(vocab_size=300)
+    OmniVoiceModel(cfg, linear_factory=factory)
+    names = {n for n, _, _ in made}
+    assert len(made) == 7 * cfg.llm.num_hidden_layers
+    assert ("llm.layers.1.mlp.down_proj", 192, 64) in made
+    assert {f"llm.layers.0.self_attn.{p}_proj" for p in "qkvo"} <= names
+
+
+def test_attention_chooser_on_cpu():
+    assert choose_attention("auto", torch.device("cpu"), torch.float32).name == "sdpa"
+    with pytest.raises(BackendUnavailable, match="varlen.*CUDA"):
+        choose_attention("varlen", torch.device("cpu"), torch.float32)
+    with pytest.raises(BackendUnavailable, match="unknown"):
+        choose_attention("magic", torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["varlen", "flash"])
+def test_bf16_fast_backend_matches_fp32_sdpa(backend):
+    ok, reason = BACKENDS[backend]().can_use(torch.device("cuda"), torch.bfloat16)
+    if not ok:
+        pytest.skip(reason)
+    model, _ = random_model(seed=11)
+    items, g = random_items([(12, 30, 25), (5, 0, 60), (20, 8, 9), (7, 40, 33)], [True, False, True, True], 5)
+    batch = pack_items(items, C, MASK)
+    randomize_targets(batch, g)
+    batch = batch.to("cuda")
+    model = model.to("cuda")
+    with torch.inference_mode():
+        ref = model(batch)
+        model.attention = backend
+        fast_logits = model.to(torch.bfloat16)(batch)
+    cos = torch.nn.functional.cosine_similarity(ref.flatten(), fast_logits.flatten(), dim=0)
+    assert cos.item() >= 0.999
