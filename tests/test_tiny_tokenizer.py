@@ -49,7 +49,8 @@ def test_vocab_and_special_tokens(tiny_dir, tmp_path):
 
 def test_byte_level_round_trip(tiny_dir):
     tok = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
-    texts = ["Hello, world!  Two  spaces\nnew line", "你好，世界！今天天气很好。", "emoji 🌍 and ü é", "[laughter] ok"]
+    texts = ["Hello, world!  Two  spaces\nnew line", "你好，世界！今天天气很好。"]
+    texts += ["emoji 🌍 and ü é", "[laughter] ok"]
     for text in texts:
         ids = tok.encode(text).ids
         assert tok.decode(ids) == text
