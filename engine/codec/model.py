@@ -1,0 +1,203 @@
+"""Codec: our HiggsAudioV2 audio tokenizer, loading the official weights by transformers' names.
+
+Encode: 24 kHz audio -> acoustic latents (DAC encoder) + semantic latents (HuBERT on 16 kHz, then a conv
+encoder), concatenated, projected by `fc`, residual-vector-quantized -> codes [C, F].
+Decode: codes -> summed codewords -> `fc2` -> DAC decoder -> audio [F * hop].
+Batches are right-padded and every conv is length-aware, so each item's result equals its solo result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModel, HiggsAudioV2TokenizerConfig
+from transformers.models.dac.modeling_dac import DacEncoder
+
+from engine.codec.acoustic import build_decoder, decode_acoustic, encode_acoustic
+from engine.codec.checkpoint import read_codec_config, read_codec_weights
+from engine.codec.lengths import conv_output_lengths, pad_stack
+from engine.codec.quantizer import ResidualVectorQuantizer
+from engine.codec.semantic import SemanticEncoder, semantic_features
+from engine.errors import InputError
+
+
+def _hubert_config(cfg: HiggsAudioV2TokenizerConfig):
+    # Inference never applies SpecAugment; without masking HuBERT has no masked_spec_embed parameter.
+    semantic = cfg.semantic_model_config.__class__.from_dict(cfg.semantic_model_config.to_dict())
+    semantic.mask_time_prob = 0.0
+    semantic.mask_feature_prob = 0.0
+    return semantic
+
+
+class Codec(nn.Module):
+    def __init__(self, cfg: HiggsAudioV2TokenizerConfig):
+        super().__init__()
+        self.config = cfg
+        self.sample_rate: int = cfg.sample_rate
+        self.hop_length: int = cfg.hop_length
+        self.frame_rate: float = float(cfg.frame_rate)
+        self.num_codebooks: int = cfg.num_quantizers
+        self.codebook_size: int = cfg.codebook_size
+        self.acoustic_encoder = DacEncoder(cfg.acoustic_model_config)
+        self.acoustic_decoder = build_decoder(cfg.acoustic_model_config)
+        self.encoder_semantic = SemanticEncoder(cfg)
+        self.semantic_model = AutoModel.from_config(_hubert_config(cfg)).eval()
+        self.fc = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.fc2 = nn.Linear(cfg.hidden_size, cfg.acoustic_model_config.hidden_size)
+        self.quantizer = ResidualVectorQuantizer(cfg)
+        self._identity: str | None = None
+        self.eval()
+
+    @classmethod
+    def from_dir(
+        cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ):
+        """Load `<checkpoint>/audio_tokenizer/` (config.json + model.safetensors, transformers' names)."""
+        path = Path(path)
+        cfg = read_codec_config(path / "config.json")
+        with torch.device("meta"):
+            codec = cls(cfg)
+        expected = {name: t.shape for name, t in codec.state_dict().items()}
+        weights = read_codec_weights(path / "model.safetensors", expected, cfg)
+        codec._identity = _identity(cfg, weights, dtype)
+        codec.load_state_dict(weights, strict=True, assign=True)
+        return codec.to(device=device, dtype=dtype).eval()
+
+    @property
+    def identity(self) -> str:
+        """sha256 of the config, every weight and the compute dtype: equal identities encode alike."""
+        if self._identity is None:
+            dtype = self.fc.weight.dtype
+            self._identity = _identity(self.config, self.state_dict(), dtype)
+        return self._identity
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    # ----------------------------------------------------------------------------------------- encode
+
+    @torch.inference_mode()
+    def encode(self, wavs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Mono float clips [T] at sample_rate -> codes [num_codebooks, F] (int64, on the codec's device).
+
+        F is the number of HuBERT frames at the codec rate (T / hop for T a multiple of hop_length, which
+        is how OmniVoice trims its references)."""
+        if not wavs:
+            return []
+        dtype = self.fc.weight.dtype
+        wavs = [self._checked_wav(i, w).to(self.device, dtype) for i, w in enumerate(wavs)]
+        semantic = [semantic_features(self.semantic_model, w, self.config) for w in wavs]
+        frames = [s.shape[0] for s in semantic]
+        e_semantic, _ = self.encoder_semantic(pad_stack([s.t() for s in semantic]), frames)
+        clips = [self._acoustic_input(i, w, f) for i, (w, f) in enumerate(zip(wavs, frames))]
+        e_acoustic, acoustic_frames = encode_acoustic(
+            self.acoustic_encoder, pad_stack([c[None] for c in clips]), [c.shape[-1] for c in clips]
+        )
+        assert acoustic_frames == frames, (acoustic_frames, frames)
+        latents = torch.cat([e_acoustic, e_semantic], dim=1)
+        latents = self.fc(latents.transpose(1, 2)).transpose(1, 2)
+        codes = self.quantizer.encode(latents)
+        return [codes[i, :, :f] for i, f in enumerate(frames)]
+
+    def _acoustic_frames(self, samples: int) -> int:
+        lengths = [samples]
+        for conv in self.acoustic_encoder.modules():
+            if isinstance(conv, nn.Conv1d):
+                lengths = conv_output_lengths(conv, lengths)
+        return lengths[0]
+
+    def _acoustic_input(self, index: int, wav: torch.Tensor, frames: int) -> torch.Tensor:
+        """As transformers: the clip as is when the DAC encoder yields as many frames as HuBERT does,
+        else padded by half a hop on both sides."""
+        if self._acoustic_frames(wav.shape[-1]) == frames:
+            return wav
+        half = self.hop_length // 2
+        if self._acoustic_frames(wav.shape[-1] + 2 * half) == frames:
+            return F.pad(wav, (half, half))
+        raise InputError(
+            f"wavs[{index}] has {wav.shape[-1]} samples, for which the semantic and acoustic encoders "
+            f"disagree on the frame count; trim it to a multiple of hop_length={self.hop_length} samples."
+        )
+
+    def _checked_wav(self, index: int, wav: torch.Tensor) -> torch.Tensor:
+        if not isinstance(wav, torch.Tensor) or wav.dim() != 1 or not wav.is_floating_point():
+            raise InputError(
+                f"wavs[{index}] is {type(wav).__name__} {getattr(wav, 'dtype', '')} "
+                f"{tuple(getattr(wav, 'shape', ()))}; pass a mono float tensor [T] at {self.sample_rate} Hz "
+                "(downmix stereo first)."
+            )
+        if wav.shape[0] < self.hop_length:
+            raise InputError(
+                f"wavs[{index}] has {wav.shape[0]} samples, fewer than one frame ({self.hop_length} samples "
+                f"at {self.sample_rate} Hz); pass a longer clip."
+            )
+        if not bool(torch.isfinite(wav).all()):
+            raise InputError(f"wavs[{index}] contains NaN or infinite samples; clean the audio first.")
+        return wav
+
+    # ----------------------------------------------------------------------------------------- decode
+
+    @torch.inference_mode()
+    def decode(self, codes: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Codes [num_codebooks, F] -> float32 audio [F * hop_length] at sample_rate, on the codec's device."""
+        if not codes:
+            return []
+        codes = [self._checked_codes(i, c).to(self.device) for i, c in enumerate(codes)]
+        frames = [c.shape[1] for c in codes]
+        vectors = self.quantizer.decode(pad_stack(codes))
+        latents = self.fc2(vectors.transpose(1, 2)).transpose(1, 2)
+        audio, samples = decode_acoustic(self.acoustic_decoder, latents, frames)
+        return [audio[i, 0, :n].float() for i, n in enumerate(samples)]
+
+    def _checked_codes(self, index: int, codes: torch.Tensor) -> torch.Tensor:
+        if (
+            not isinstance(codes, torch.Tensor)
+            or codes.dim() != 2
+            or codes.dtype.is_floating_point
+            or codes.dtype.is_complex
+            or codes.dtype == torch.bool
+        ):
+            raise InputError(
+                f"codes[{index}] is {type(codes).__name__} {getattr(codes, 'dtype', '')} "
+                f"{tuple(getattr(codes, 'shape', ()))}; pass integer codes [{self.num_codebooks}, frames]."
+            )
+        if codes.shape[0] != self.num_codebooks:
+            raise InputError(
+                f"codes[{index}] has {codes.shape[0]} codebooks (shape {tuple(codes.shape)}); this codec has "
+                f"{self.num_codebooks}: pass [{self.num_codebooks}, frames]."
+            )
+        if codes.shape[1] == 0:
+            raise InputError(f"codes[{index}] has no frames (shape {tuple(codes.shape)}); pass at least one.")
+        low, high = int(codes.min()), int(codes.max())
+        if low < 0 or high >= self.codebook_size:
+            bad = low if low < 0 else high
+            raise InputError(
+                f"codes[{index}] holds id {bad}, outside the codebook range 0..{self.codebook_size - 1}; "
+                "drop mask/padding ids (e.g. 1024) before decoding."
+            )
+        return codes.long()
+
+
+def _identity(cfg: HiggsAudioV2TokenizerConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> str:
+    digest = hashlib.sha256()
+    digest.update(json.dumps(_without_version(cfg.to_dict()), sort_keys=True, default=str).encode())
+    digest.update(str(dtype).encode())
+    for name in sorted(weights):
+        tensor = weights[name].detach().to("cpu")
+        tensor = (tensor.float() if tensor.is_floating_point() else tensor).contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def _without_version(d):
+    """The config as data: transformers stamps its own version into to_dict(), which is no model property."""
+    if isinstance(d, dict):
+        return {k: _without_version(v) for k, v in d.items() if k != "transformers_version"}
+    return d

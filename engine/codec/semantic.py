@@ -1,0 +1,79 @@
+"""The semantic branch: HuBERT features of the 16 kHz signal, then a small conv encoder.
+
+Parameter names follow transformers' HiggsAudioV2 tokenizer (`encoder_semantic.*`, `semantic_model.*`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import HiggsAudioV2TokenizerConfig, HubertModel
+
+from engine.codec.lengths import masked_conv
+from engine.resample import resample
+
+# transformers pads the 16 kHz signal by 160 samples (half of HuBERT's 320-sample hop) on both sides.
+HUBERT_EDGE_PAD = 160
+
+
+class SemanticResidualUnit(nn.Module):
+    def __init__(self, cfg: HiggsAudioV2TokenizerConfig, channels: int, dilation: int):
+        super().__init__()
+        k = cfg.unit_kernel_size
+        self.conv1 = nn.Conv1d(
+            channels, channels, k, padding=((k - 1) // 2) * dilation, dilation=dilation, bias=False
+        )
+        self.conv2 = nn.Conv1d(channels, channels, kernel_size=1, bias=False)
+
+    def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        y, _ = masked_conv(self.conv1, F.elu(x), lengths)
+        return x + self.conv2(F.elu(y))
+
+
+class SemanticEncoderBlock(nn.Module):
+    def __init__(self, cfg: HiggsAudioV2TokenizerConfig, c_in: int, c_out: int, stride: int):
+        super().__init__()
+        self.res_units = nn.ModuleList(SemanticResidualUnit(cfg, c_in, d) for d in cfg.block_dilations)
+        kernel = 3 if stride == 1 else 2 * stride
+        self.conv = nn.Conv1d(c_in, c_out, kernel, stride=stride, padding=(kernel - 1) // 2)
+
+    def forward(self, x: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, list[int]]:
+        for unit in self.res_units:
+            x = unit(x, lengths)
+        return masked_conv(self.conv, x, lengths)
+
+
+class SemanticEncoder(nn.Module):
+    def __init__(self, cfg: HiggsAudioV2TokenizerConfig):
+        super().__init__()
+        hidden, k = cfg.semantic_hidden_size, cfg.kernel_size
+        self.conv = nn.Conv1d(hidden, hidden, k, padding=k // 2, bias=False)
+        blocks, c_in = [], hidden
+        for ratio, stride in zip(cfg.channel_ratios, cfg.strides, strict=True):
+            c_out = int(hidden * ratio)
+            blocks.append(SemanticEncoderBlock(cfg, c_in, c_out, stride))
+            c_in = c_out
+        self.conv_blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """x [B, hidden, F] right-padded, lengths in frames."""
+        x, lengths = masked_conv(self.conv, x, lengths)
+        for block in self.conv_blocks:
+            x, lengths = block(x, lengths)
+        return x, lengths
+
+
+def semantic_features(
+    hubert: HubertModel, wav: torch.Tensor, cfg: HiggsAudioV2TokenizerConfig
+) -> torch.Tensor:
+    """One clip [T] at cfg.sample_rate -> HuBERT features [F, hidden] at the codec frame rate.
+
+    Runs one clip at a time: HuBERT's first conv layer group-normalises over the whole time axis and its
+    attention spans every position, so zero padding would change the features of shorter clips.
+    """
+    x = resample(wav, cfg.sample_rate, cfg.semantic_sample_rate)
+    x = F.pad(x, (HUBERT_EDGE_PAD, HUBERT_EDGE_PAD))[None]
+    hidden_states = hubert(x, output_hidden_states=True).hidden_states
+    features = torch.stack(hidden_states, dim=1).mean(dim=1)[0]
+    return features[:: max(cfg.semantic_downsample_factor, 1)]

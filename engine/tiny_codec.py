@@ -1,0 +1,104 @@
+"""The tiny codec of the tiny checkpoint: HiggsAudioV2 architecture at toy width, seeded random weights.
+
+Same layout as the official `audio_tokenizer/` folder (config.json, preprocessor_config.json,
+model.safetensors with every tensor name the official file has), 24 kHz, hop 960 (25 frames/s),
+8 codebooks of 1024 entries, so its ids fit OmniVoice's audio vocabulary of 1025.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine.codec.checkpoint import read_codec_config, training_only_shapes
+from engine.codec.model import Codec
+
+SEED = 20240611
+
+TINY_CODEC_CONFIG = {
+    "model_type": "higgs_audio_v2_tokenizer",
+    "sample_rate": 24000,
+    "semantic_sample_rate": 16000,
+    "downsample_factor": 320,
+    "codebook_size": 1024,
+    "codebook_dim": 8,
+    "target_bandwidths": [0.5, 1, 1.5, 2],
+    "kernel_size": 3,
+    "unit_kernel_size": 3,
+    "strides": [1, 1],
+    "channel_ratios": [1, 1],
+    "block_dilations": [1, 1],
+    "acoustic_model_config": {
+        "model_type": "dac",
+        "encoder_hidden_size": 4,
+        "decoder_hidden_size": 64,
+        "hidden_size": 16,
+        "downsampling_ratios": [8, 5, 4, 2, 3],
+        "upsampling_ratios": [8, 5, 4, 2, 3],
+        "sampling_rate": 24000,
+    },
+    "semantic_model_config": {
+        "model_type": "hubert",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "conv_dim": [16] * 7,
+        "conv_kernel": [10, 3, 3, 3, 3, 2, 2],
+        "conv_stride": [5, 2, 2, 2, 2, 2, 2],
+        "num_conv_pos_embeddings": 16,
+        "num_conv_pos_embedding_groups": 4,
+        "layer_norm_eps": 1e-5,
+        "mask_time_prob": 0.0,
+    },
+}
+
+
+def _preprocessor_config(hop_length: int, sample_rate: int) -> dict:
+    return {
+        "feature_extractor_type": "DacFeatureExtractor",
+        "feature_size": 1,
+        "hop_length": hop_length,
+        "padding_side": "right",
+        "padding_value": 0.0,
+        "return_attention_mask": True,
+        "sampling_rate": sample_rate,
+    }
+
+
+def _random_weights(codec: Codec, cfg) -> dict[str, torch.Tensor]:
+    tensors = {name: t.detach().clone().contiguous() for name, t in codec.state_dict().items()}
+    # Codebooks start at zero in the module (the official ones are trained); spread them over the
+    # scale of the projected latents so different audio picks different codes.
+    for name in tensors:
+        if name.endswith(".codebook.embed"):
+            tensors[name] = torch.randn(cfg.codebook_size, cfg.codebook_dim) * 0.5
+    for name, shape in training_only_shapes(cfg).items():
+        if name.endswith(".inited"):
+            tensors[name] = torch.ones(shape)
+        elif name.endswith((".cluster_size", ".embed_avg")):
+            tensors[name] = torch.zeros(shape)
+        else:
+            tensors[name] = torch.randn(shape) * 0.02
+    return tensors
+
+
+def write_tiny_codec(out_dir: Path) -> Path:
+    """Write `<out_dir>/audio_tokenizer/` and return that folder. Same bytes on every call."""
+    target = Path(out_dir) / "audio_tokenizer"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.json").write_text(json.dumps(TINY_CODEC_CONFIG, indent=2, sort_keys=True) + "\n")
+    cfg = read_codec_config(target / "config.json")
+    preprocessor = _preprocessor_config(cfg.hop_length, cfg.sample_rate)
+    (target / "preprocessor_config.json").write_text(
+        json.dumps(preprocessor, indent=2, sort_keys=True) + "\n"
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        codec = Codec(cfg)
+        tensors = _random_weights(codec, cfg)
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
