@@ -1,0 +1,197 @@
+import io
+import json
+import multiprocessing as mp
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from engine.errors import AudioError, InputError
+from engine.frontend.audio import ReferenceSettings, prepare_reference
+from engine.frontend.prompt import PromptCache, VoicePrompt, build_prompt
+
+DATA = Path(__file__).parent / "data"
+CLIP = DATA / "en_24k_mono.wav"
+TEXT = "The quick brown fox jumps over the lazy dog."
+
+
+class CountingCodec:
+    """Stands in for engine.codec.Codec: deterministic codes from the samples, counts encode calls."""
+
+    sample_rate, hop_length, num_codebooks, identity = 24000, 960, 4, "counting-codec-v1"
+
+    def __init__(self):
+        self.calls = 0
+        self.seen: list[torch.Tensor] = []
+
+    def encode(self, wavs):
+        self.calls += 1
+        self.seen.extend(wavs)
+        out = []
+        for w in wavs:
+            frames = w.reshape(-1, self.hop_length)
+            level = (frames.abs().mean(dim=1) * 1000).long() % 1024
+            out.append(torch.stack([(level + c) % 1024 for c in range(self.num_codebooks)]))
+        return out
+
+
+def _random_prompt(rng, frames=None):
+    frames = frames or int(rng.integers(1, 400))
+    tokens = torch.from_numpy(rng.integers(0, 1024, size=(8, frames)))
+    return VoicePrompt(
+        tokens=tokens, ref_text='Grüße, 你好 — "quoted"', ref_rms=float(rng.uniform(0.01, 0.3))
+    )
+
+
+def _cache(directory, codec=None, settings=None):
+    codec, settings = codec or CountingCodec(), settings or ReferenceSettings()
+    return PromptCache(directory, codec.identity, settings.fingerprint(codec.sample_rate, codec.hop_length))
+
+
+def _maker(codec, settings=None, text=TEXT):
+    return lambda raw: build_prompt(raw, "clip", text, codec, settings or ReferenceSettings())
+
+
+# ---------------------------------------------------------------- VoicePrompt files
+
+
+def test_voice_prompt_roundtrip(tmp_path):
+    rng = np.random.default_rng()
+    prompt = _random_prompt(rng)
+    prompt.save(tmp_path / "voice")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["voice.json", "voice.safetensors"]
+    back = VoicePrompt.load(tmp_path / "voice")
+    assert torch.equal(back.tokens, prompt.tokens) and back.tokens.dtype == torch.long
+    assert back.ref_text == prompt.ref_text and back.ref_rms == prompt.ref_rms
+    assert (tmp_path / "voice.safetensors").read_bytes()[8:9] == b"{"  # safetensors header, not a pickle
+
+
+def test_voice_prompt_detects_mismatched_or_damaged_files(tmp_path):
+    rng = np.random.default_rng()
+    _random_prompt(rng, 50).save(tmp_path / "a")
+    _random_prompt(rng, 50).save(tmp_path / "b")
+    (tmp_path / "b.json").replace(tmp_path / "a.json")  # tokens of a, metadata of b
+    with pytest.raises(InputError, match=r"a\.safetensors does not match .*a\.json"):
+        VoicePrompt.load(tmp_path / "a")
+    with pytest.raises(InputError, match=r"c\.json is missing"):
+        VoicePrompt.load(tmp_path / "c")
+    _random_prompt(rng).save(tmp_path / "d")
+    (tmp_path / "d.safetensors").write_bytes(b"\x00" * 20)
+    with pytest.raises(InputError, match="unreadable"):
+        VoicePrompt.load(tmp_path / "d")
+    _random_prompt(rng).save(tmp_path / "e")
+    meta = json.loads((tmp_path / "e.json").read_text())
+    (tmp_path / "e.json").write_text(json.dumps({**meta, "version": 99}))
+    with pytest.raises(InputError, match="not a version-1 ovbatch-voice-prompt file"):
+        VoicePrompt.load(tmp_path / "e")
+
+
+# ---------------------------------------------------------------- building and caching
+
+
+def test_build_prompt_encodes_the_prepared_reference():
+    codec = CountingCodec()
+    prompt = build_prompt(CLIP.read_bytes(), "clip", TEXT, codec, ReferenceSettings())
+    ref = prepare_reference(CLIP, 24000, 960)
+    assert codec.calls == 1 and torch.equal(codec.seen[0], torch.from_numpy(ref.audio))
+    assert prompt.tokens.shape == (4, len(ref.audio) // 960) and prompt.tokens.dtype == torch.long
+    assert prompt.ref_rms == ref.rms and prompt.ref_text == TEXT
+
+
+@pytest.mark.parametrize("on_disk", [True, False])
+def test_same_clip_twice_encodes_once(tmp_path, on_disk):
+    codec = CountingCodec()
+    cache = _cache(tmp_path if on_disk else None, codec)
+    first = cache.get_or_create(CLIP, TEXT, _maker(codec))
+    second = cache.get_or_create(CLIP.read_bytes(), TEXT, _maker(codec))  # same content, given as bytes
+    assert codec.calls == 1
+    assert torch.equal(first.tokens, second.tokens) and first.ref_rms == second.ref_rms
+    if on_disk:  # a fresh cache object (another process, a later job) reads the entry back
+        again = _cache(tmp_path, codec).get_or_create(CLIP, TEXT, _maker(codec))
+        assert codec.calls == 1 and torch.equal(again.tokens, first.tokens)
+
+
+def test_key_depends_on_clip_text_settings_and_codec(tmp_path):
+    codec = CountingCodec()
+    cache = _cache(tmp_path, codec)
+    cache.get_or_create(CLIP, TEXT, _maker(codec))
+    cache.get_or_create(CLIP, TEXT + " Again.", _maker(codec, text=TEXT + " Again."))
+    cache.get_or_create(DATA / "en_16k_mono.wav", TEXT, _maker(codec))
+    assert codec.calls == 3
+    raw_settings = ReferenceSettings(preprocess=False)
+    _cache(tmp_path, codec, raw_settings).get_or_create(CLIP, TEXT, _maker(codec, raw_settings))
+    assert codec.calls == 4
+    other = CountingCodec()
+    other.identity = "another-codec"
+    _cache(tmp_path, other).get_or_create(CLIP, TEXT, _maker(other))
+    assert other.calls == 1
+    # limits that do not change the prepared samples share entries
+    _cache(tmp_path, codec, ReferenceSettings(max_seconds=30)).get_or_create(CLIP, TEXT, _maker(codec))
+    assert codec.calls == 4
+    assert len(list(tmp_path.glob("*/*/prompt.json"))) == 5
+
+
+def test_damaged_entry_is_rebuilt(tmp_path):
+    codec = CountingCodec()
+    cache = _cache(tmp_path, codec)
+    first = cache.get_or_create(CLIP, TEXT, _maker(codec))
+    (entry,) = tmp_path.glob("*/*/prompt.safetensors")
+    entry.write_bytes(b"garbage")
+    again = cache.get_or_create(CLIP, TEXT, _maker(codec))
+    assert codec.calls == 2 and torch.equal(again.tokens, first.tokens)
+    assert VoicePrompt.load(entry.with_suffix("")).ref_text == TEXT
+
+
+def test_bad_clip_is_not_cached(tmp_path):
+    codec = CountingCodec()
+    cache = _cache(tmp_path, codec)
+    with pytest.raises(AudioError, match="is silent"):
+        cache.get_or_create(_silent_wav(), TEXT, _maker(codec))
+    assert codec.calls == 0 and not list(tmp_path.rglob("prompt.json"))
+
+
+def _silent_wav():
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros(24000, np.float32), 24000, format="WAV")
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------- concurrent writers
+
+
+def _race_writer(directory, marker, barrier, results):
+    cache = PromptCache(directory, "race-codec", {"v": 1})
+
+    def make(raw):
+        time.sleep(0.3)  # both writers are inside make() before either publishes
+        return VoicePrompt(
+            tokens=torch.full((8, 300), marker, dtype=torch.long), ref_text=TEXT, ref_rms=marker
+        )
+
+    barrier.wait()
+    prompt = cache.get_or_create(CLIP, TEXT, make)
+    results.put((marker, int(prompt.tokens[0, 0])))
+
+
+def test_two_processes_preparing_one_clip_leave_one_valid_entry(tmp_path):
+    ctx = mp.get_context("fork")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_race_writer, args=(tmp_path, m, barrier, results)) for m in (1, 2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    outcomes = sorted(results.get(timeout=5) for _ in procs)
+    assert outcomes == [(1, 1), (2, 2)]  # both raced through make(): each returned its own prompt
+    entries = [p for p in tmp_path.rglob("*") if p.is_dir() and len(p.name) == 64]
+    assert len(entries) == 1
+    assert sorted(p.name for p in entries[0].iterdir()) == ["prompt.json", "prompt.safetensors"]
+    assert not [p for p in tmp_path.rglob(".tmp-*")]
+    winner = VoicePrompt.load(entries[0] / "prompt")  # one writer's complete entry, never a mix
+    assert winner.ref_rms in (1.0, 2.0) and (winner.tokens == int(winner.ref_rms)).all()
+    reread = PromptCache(tmp_path, "race-codec", {"v": 1}).get_or_create(CLIP, TEXT, lambda raw: 1 / 0)
+    assert torch.equal(reread.tokens, winner.tokens)
