@@ -1,0 +1,168 @@
+"""Quantize one Linear: low-rank correction (SVDQuant, arXiv 2411.05007) refit around GPTQ, plus smoothing.
+
+    L = SVD_r(W)                        the branch kept in 16-bit takes the weight's dominant directions
+    repeat:  Q = GPTQ(W - L)            int4 only has to represent what is left
+             L = SVD_r(W - Q)           refit the branch to what int4 got wrong
+    keep the (Q, L) with the lowest output error on calibration rows; stop when it stops improving.
+
+Output error is measured through the real W4A4 forward (engine/quant/reference.py, activations quantized
+too) as ||Y_w4a4 - Y|| / ||Y|| over the calibration sample. Smoothing strengths are screened cheaply (SVD +
+round-to-nearest); the best one is then refit with GPTQ and kept only if it beats the unsmoothed result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import QuantError
+from engine.quant.format import STORE_DTYPE, SUPPORTED_RANKS, W4A4Tensors, check_group_multiple, pack_int4
+from engine.quant.gptq import GPTQConfig, gptq_quantize, quantize_rtn
+from engine.quant.reference import dequantize_weight, w4a4_linear_reference
+from engine.quant.smooth import smoothing_factors
+
+
+@dataclass
+class LayerStats:
+    """What calibration gathers about one Linear's inputs."""
+
+    hessian: torch.Tensor  # [K, K] float32: sum of x^T x over calibration rows
+    absmax: torch.Tensor  # [K] max |x| per input channel
+    sample: torch.Tensor  # [S, K] calibration rows kept to measure output error
+    rows: int  # calibration rows behind the Hessian
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    rank: int = 16
+    max_refits: int = 4  # SVD refits after the first GPTQ pass
+    min_gain: float = 0.005  # a refit must lower the error by this fraction to continue
+    alphas: tuple[float, ...] = (0.25, 0.5, 0.75)  # smoothing strengths screened; () turns smoothing off
+    gptq: GPTQConfig = field(default_factory=GPTQConfig)
+    stage_report: bool = False  # also measure GPTQ without low-rank (one more GPTQ pass per layer)
+
+    def __post_init__(self) -> None:
+        if self.rank not in SUPPORTED_RANKS:
+            raise QuantError(f"rank={self.rank}: the W4A4 format supports ranks {SUPPORTED_RANKS}.")
+
+
+@dataclass
+class LayerResult:
+    tensors: W4A4Tensors
+    errors: dict[str, float]  # stage -> relative output error on the calibration sample
+    alpha: float | None  # smoothing strength kept (None: no smoothing)
+    refits: int  # SVD refits of the kept result
+
+
+def lowrank_factors(m: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best rank-r approximation of m [N, K] as (proj_up [N, r], proj_down [K, r]) in the stored dtype.
+
+    The singular values are split evenly (sqrt on each side) so both factors have moderate magnitudes.
+    """
+    u, s, vh = torch.linalg.svd(m.float(), full_matrices=False)
+    root = s[:rank].sqrt()
+    return (u[:, :rank] * root).to(STORE_DTYPE), (vh[:rank].T * root).to(STORE_DTYPE)
+
+
+def _lowrank_product(up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return up.float() @ down.float().T
+
+
+def _pack(q, scales, up, down, smooth, bias) -> W4A4Tensors:
+    return W4A4Tensors(
+        qweight=pack_int4(q),
+        wscales=scales.to(STORE_DTYPE),
+        proj_down=down,
+        proj_up=up,
+        smooth=smooth.to(STORE_DTYPE) if smooth is not None else None,
+        bias=bias,
+    )
+
+
+class _Problem:
+    """One layer under one smoothing: W' = W * s, H' = H / (s s^T), rows' = rows / s."""
+
+    def __init__(self, w, bias, stats: LayerStats, smooth: torch.Tensor | None, cfg: MethodConfig):
+        self.cfg, self.smooth, self.bias = cfg, smooth, bias
+        self.w = w.float() * smooth if smooth is not None else w.float()
+        self.h = stats.hessian / (smooth[:, None] * smooth[None, :]) if smooth is not None else stats.hessian
+        self.sample = stats.sample.float()
+        self.y_ref = self.sample @ w.float().T + (bias.float() if bias is not None else 0.0)
+        self.zero_up = torch.zeros(w.shape[0], cfg.rank, dtype=STORE_DTYPE, device=w.device)
+        self.zero_down = torch.zeros(w.shape[1], cfg.rank, dtype=STORE_DTYPE, device=w.device)
+
+    def error(self, t: W4A4Tensors) -> float:
+        y = w4a4_linear_reference(self.sample, t)
+        return float((y - self.y_ref).norm() / self.y_ref.norm().clamp_min(1e-30))
+
+    def measure(self, q, scales, up, down) -> tuple[W4A4Tensors, float]:
+        t = _pack(q, scales, up, down, self.smooth, self.bias)
+        return t, self.error(t)
+
+    def rtn(self, lowrank: bool) -> tuple[W4A4Tensors, float]:
+        up, down = lowrank_factors(self.w, self.cfg.rank) if lowrank else (self.zero_up, self.zero_down)
+        q, scales = quantize_rtn(self.w - _lowrank_product(up, down))
+        return self.measure(q, scales, up, down)
+
+    def gptq_plain(self) -> tuple[W4A4Tensors, float]:
+        q, scales = gptq_quantize(self.w, self.h, self.cfg.gptq)
+        return self.measure(q, scales, self.zero_up, self.zero_down)
+
+    def gptq_lowrank(self) -> tuple[W4A4Tensors, float, float, int]:
+        """Iterate GPTQ(W - L) / L = SVD_r(W - Q); returns (best, its error, first-pass error, refits)."""
+        up, down = lowrank_factors(self.w, self.cfg.rank)
+        best, best_err, first_err, refits = None, float("inf"), None, 0
+        for it in range(self.cfg.max_refits + 1):
+            q, scales = gptq_quantize(self.w - _lowrank_product(up, down), self.h, self.cfg.gptq)
+            t, err = self.measure(q, scales, up, down)
+            first_err = err if first_err is None else first_err
+            improved = err < best_err * (1 - self.cfg.min_gain)
+            if err < best_err:
+                best, best_err, refits = t, err, it
+            if not improved:
+                break
+            up, down = lowrank_factors(self.w - dequantize_weight(t.qweight, t.wscales), self.cfg.rank)
+        return best, best_err, first_err, refits
+
+
+def quantize_linear(
+    w: torch.Tensor,
+    stats: LayerStats,
+    cfg: MethodConfig,
+    bias: torch.Tensor | None = None,
+    name: str = "layer",
+) -> LayerResult:
+    """Quantize weight w [N, K] (on stats' device) given its calibration statistics."""
+    n, k = w.shape
+    check_group_multiple(name, k)
+    if stats.hessian.shape != (k, k) or stats.sample.shape[1] != k:
+        raise QuantError(
+            f"{name}: calibration statistics are for {stats.sample.shape[1]} inputs, weight has {k}."
+        )
+    if stats.rows == 0 or stats.sample.shape[0] == 0:
+        raise QuantError(f"{name}: no calibration rows reached this layer; give calibration requests.")
+    plain = _Problem(w, bias, stats, None, cfg)
+    errors = {"rtn": plain.rtn(lowrank=False)[1]}
+    if cfg.stage_report:
+        errors["gptq"] = plain.gptq_plain()[1]
+    errors["rtn+svd"] = plain.rtn(lowrank=True)[1]
+    best, best_err, first_err, refits = plain.gptq_lowrank()
+    errors["gptq+svd"] = first_err
+    errors["gptq+svd iterated"] = best_err
+    alpha = None
+
+    if cfg.alphas:
+        screened = {}
+        for a in cfg.alphas:
+            smooth = smoothing_factors(stats.absmax, w, a)
+            screened[a] = (_Problem(w, bias, stats, smooth, cfg).rtn(lowrank=True)[1], smooth)
+        a_best = min(screened, key=lambda a: screened[a][0])
+        errors[f"rtn+svd smooth {a_best}"] = screened[a_best][0]
+        if screened[a_best][0] < errors["rtn+svd"]:
+            t, err, _, r = _Problem(w, bias, stats, screened[a_best][1], cfg).gptq_lowrank()
+            errors[f"gptq+svd iterated smooth {a_best}"] = err
+            if err < best_err:
+                best, best_err, refits, alpha = t, err, r, a
+    errors["final"] = best_err
+    return LayerResult(tensors=best, errors=errors, alpha=alpha, refits=refits)
