@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import csv
 import difflib
-import json
 import re
 from functools import cache
 from importlib import resources
 from pathlib import Path
 
-from tokenizers import Tokenizer, processors
+from tokenizers import Tokenizer
 
 from engine.errors import InputError, TokenizerError
 from engine.frontend.instruct import has_chinese, resolve_instruct
@@ -113,37 +112,12 @@ def resolve_language(name_or_code: str | None) -> str | None:
     )
 
 
-def _mirror_transformers_bos_eos(tok: Tokenizer, config_path: Path) -> None:
-    """Apply tokenizer_config.json's add_bos_token/add_eos_token as transformers' fast tokenizers do.
-
-    When the config names either flag, transformers replaces the post-processor by a template that adds
-    exactly the requested bos/eos tokens. Qwen-based configs say add_bos_token=false, which adds nothing.
-    """
-    if not config_path.is_file():
-        return
-    cfg = json.loads(config_path.read_text(encoding="utf-8"))
-    if "add_bos_token" not in cfg and "add_eos_token" not in cfg:
-        return
-
-    def token(key: str) -> str | None:
-        value = cfg.get(key)
-        return value.get("content") if isinstance(value, dict) else value
-
-    bos = token("bos_token") if cfg.get("add_bos_token") else None
-    eos = token("eos_token") if cfg.get("add_eos_token") else None
-    single = " ".join(([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else []))
-    pair = single + " " + " ".join(([f"{bos}:1"] if bos else []) + ["$B:1"] + ([f"{eos}:1"] if eos else []))
-    specials = [(t, tok.token_to_id(t)) for t in (bos, eos) if t]
-    missing = [t for t, i in specials if i is None]
-    if missing:
-        raise TokenizerError(
-            f"{config_path} asks to add {missing} but tokenizer.json has no such token: fix the config."
-        )
-    tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
-
-
 class TextFrontend:
-    """Tokenizer wrapper building OmniVoice prompts; loads tokenizer.json (+ tokenizer_config.json)."""
+    """Tokenizer wrapper building OmniVoice prompts from a checkpoint's tokenizer.json.
+
+    Special-token handling comes from tokenizer.json's post-processor, as in transformers' fast
+    tokenizer for Qwen2/Qwen3 (whose post-processor adds nothing: no bos, no eos).
+    """
 
     def __init__(self, tokenizer_json: Path):
         path = Path(tokenizer_json)
@@ -166,7 +140,6 @@ class TextFrontend:
                 "an OmniVoice checkpoint, or add these tokens as special added tokens (all seven: "
                 f"{', '.join(OMNIVOICE_SPECIAL_TOKENS)})."
             )
-        _mirror_transformers_bos_eos(self._tok, path.parent / "tokenizer_config.json")
 
     @property
     def vocab_size(self) -> int:
