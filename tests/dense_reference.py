@@ -76,3 +76,48 @@ def dense_logits(sd: dict, cfg, input_ids: torch.Tensor, audio_mask: torch.Tenso
         hidden = hidden + (gate * torch.sigmoid(gate) * up) @ sd[p + "mlp.down_proj.weight"].T
     out = _rms(hidden, sd["llm.norm.weight"], eps) @ sd["audio_heads.weight"].T
     return out.view(length, n_cb, vocab)
+
+
+def upstream_style_step(tokens, cond, uncond, k, gen, mask_id, noise=None, step=0):
+    """One decoding step for one request in upstream's layout (tokens [C, T], logits [C, T, V]).
+
+    noise: an engine.decoding.RequestNoise of this request when a temperature is nonzero.
+    """
+    c, u = torch.log_softmax(cond, -1), torch.log_softmax(uncond, -1)
+    lp = torch.log_softmax(c + gen.guidance_scale * (c - u), -1)
+    lp[..., mask_id] = -float("inf")
+    if gen.class_temperature > 0:
+        val, ind = lp.topk(math.ceil(0.1 * lp.shape[-1]), dim=-1)
+        filtered = torch.full_like(lp, -float("inf")).scatter(-1, ind, val)
+        uniforms = noise.class_uniforms(ind.shape[-1]).transpose(0, 1)  # drawn as [T, C, top]
+        g = torch.zeros_like(lp).scatter(-1, ind, -torch.log(-torch.log(uniforms + 1e-10) + 1e-10))
+        pred = (filtered / gen.class_temperature + g).argmax(-1)
+    else:
+        pred = lp.argmax(-1)
+    scores = lp.max(-1)[0] - torch.arange(lp.shape[0]).view(-1, 1) * gen.layer_penalty_factor
+    if gen.position_temperature > 0:
+        uniforms = noise.position[step].T
+        scores = scores / gen.position_temperature - torch.log(-torch.log(uniforms + 1e-10) + 1e-10)
+    scores.masked_fill_(tokens != mask_id, -float("inf"))
+    _, idx = torch.topk(scores.flatten(), k)
+    flat = tokens.flatten().clone()
+    flat[idx] = pred.flatten()[idx]
+    return flat.view_as(tokens)
+
+
+def dense_generate(sd, cfg, prompt_ids, ref_tokens, target_len, gen, schedule):
+    """Greedy generation of one request with the dense forward pass: tokens [C, target_len]."""
+    n_cb, mask_id = cfg.num_audio_codebook, cfg.audio_mask_id
+    text = torch.tensor(prompt_ids).repeat(n_cb, 1)
+    ref = ref_tokens if ref_tokens is not None else torch.zeros(n_cb, 0, dtype=torch.long)
+    tokens = torch.full((n_cb, target_len), mask_id)
+    n_text = text.shape[1]
+    for k in schedule:
+        cond_ids = torch.cat([text, ref, tokens], dim=1)
+        cond_mask = torch.arange(cond_ids.shape[1]) >= n_text
+        cond = dense_logits(sd, cfg, cond_ids, cond_mask)[-target_len:].float().transpose(0, 1)
+        uncond = (
+            dense_logits(sd, cfg, tokens, torch.ones(target_len, dtype=torch.bool)).float().transpose(0, 1)
+        )
+        tokens = upstream_style_step(tokens, cond, uncond, k, gen, mask_id)
+    return tokens

@@ -1,0 +1,138 @@
+"""The generation loop: pack a batch, run num_step forward passes, unmask target tokens step by step.
+
+On CUDA the forward pass of each packed layout is captured once as a CUDA graph (the batch padded up
+to a token bucket) and replayed; elsewhere, or when the attention backend loops on the host, it runs
+eagerly. Both give the same tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from engine.config import EngineConfig, GenerationConfig
+from engine.decoding import BatchDecoder
+from engine.model import OmniVoiceModel, PackedBatch
+from engine.packing import GenItem, PackLayout, cond_len, pack_items, packed_tokens
+
+__all__ = ["GenItem", "Runner", "choose_layout"]
+
+log = logging.getLogger(__name__)
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def choose_layout(items: list[GenItem], buckets: tuple[int, ...]) -> PackLayout | None:
+    """The padded layout (graph key) for a batch: the smallest token bucket that holds it, with sequence
+    slots, target rows and max sequence length rounded up to powers of two; None if no bucket fits."""
+    tokens = sum(packed_tokens(item) for item in items)
+    fitting = [b for b in sorted(buckets) if b >= tokens]
+    if not fitting:
+        return None
+    bucket = fitting[0]
+    max_seqlen = min(bucket, _pow2_at_least(max(cond_len(item) for item in items), 64))
+    pad_sequences = math.ceil((bucket - tokens) / max_seqlen)
+    targets = 2 * sum(item.target_len for item in items)
+    return PackLayout(
+        tokens=bucket,
+        sequences=_pow2_at_least(2 * len(items) + pad_sequences, 8),
+        targets=_pow2_at_least(targets, 64),
+        max_seqlen=max_seqlen,
+    )
+
+
+class GraphedForward:
+    """A model forward pass captured as a CUDA graph over static input buffers of one PackLayout."""
+
+    def __init__(self, model: OmniVoiceModel, batch: PackedBatch, pool) -> None:
+        self.batch = batch
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            model(batch)  # warm-up: lazy initialisation and autotuning happen outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = model(batch)
+
+    def load(self, batch: PackedBatch) -> PackedBatch:
+        """Copy a batch of this layout into the static buffers; returns the static batch to update."""
+        for name in ("input_ids", "audio_mask", "position_ids", "cu_seqlens", "target_index"):
+            getattr(self.batch, name).copy_(getattr(batch, name))
+        return self.batch
+
+    def __call__(self, batch: PackedBatch) -> Tensor:
+        self.graph.replay()
+        return self.logits
+
+
+class Runner:
+    def __init__(self, model: OmniVoiceModel, cfg: EngineConfig, device, dtype: torch.dtype) -> None:
+        self.model, self.cfg = model, cfg
+        self.device, self.dtype = torch.device(device), dtype
+        self.num_codebooks, self.mask_id = model.cfg.num_audio_codebook, model.cfg.audio_mask_id
+        self.graphs: dict[PackLayout, GraphedForward] = {}
+        self._pool = None
+        self.use_graphs = self._graphs_possible()
+
+    def _graphs_possible(self) -> bool:
+        if not self.cfg.cuda_graphs:
+            return False
+        if self.device.type != "cuda":
+            log.info("CUDA graphs off: the model runs on %s", self.device)
+            return False
+        backend = self.model.attention_backend(self.device, self.dtype)
+        if backend.name == "sdpa":
+            log.info("CUDA graphs off: the sdpa attention backend walks the sequences on the host")
+            return False
+        return True
+
+    @staticmethod
+    def packed_tokens(item: GenItem) -> int:
+        return packed_tokens(item)
+
+    def _prepare(self, items: list[GenItem]) -> tuple[PackedBatch, Callable[[PackedBatch], Tensor]]:
+        """The device batch the loop updates in place, and the forward pass to run on it."""
+        layout = choose_layout(items, self.cfg.buckets) if self.use_graphs else None
+        if layout is None:
+            if self.use_graphs:
+                log.info(
+                    "batch of %d tokens exceeds every bucket: running eagerly", sum(map(packed_tokens, items))
+                )
+            return pack_items(items, self.num_codebooks, self.mask_id).to(self.device), self.model
+        batch = pack_items(items, self.num_codebooks, self.mask_id, layout).to(self.device)
+        graphed = self.graphs.get(layout)
+        if graphed is None:
+            log.info("capturing a CUDA graph for %s", layout)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graphed = self.graphs[layout] = GraphedForward(self.model, batch, self._pool)
+        return graphed.load(batch), graphed
+
+    @torch.inference_mode()
+    def generate(self, items: list[GenItem], gen: GenerationConfig) -> list[Tensor]:
+        """Audio tokens [C, target_len] per item, in order."""
+        if not items:
+            return []
+        batch, forward = self._prepare(items)
+        n = sum(item.target_len for item in items)
+        write_index = batch.target_index[: 2 * n]  # cond targets, then uncond targets
+        decoder = BatchDecoder(
+            [item.target_len for item in items],
+            [item.seed for item in items],
+            self.num_codebooks,
+            self.mask_id,
+            gen,
+            self.device,
+        )
+        for step in range(gen.num_step):
+            logits = forward(batch)
+            tokens = decoder.step(step, logits[:n], logits[n : 2 * n])
+            batch.input_ids.index_copy_(1, write_index, torch.cat([tokens, tokens]).T)
+        return decoder.request_tokens()
