@@ -1,0 +1,148 @@
+// Kernel 1: per-token, per-64 int4 activation quantization into the GEMM's packed operand layout,
+// fused with the low-rank down-projection (x @ proj_down) so that x is read from memory once.
+//
+// One warp owns 16 rows and walks the K groups. Lane (gr, t) loads exactly the elements its int8 MMA
+// fragments need: rows gr and gr + 8, columns 16c + 4t .. 16c + 4t + 3 of the group for c = 0..3.
+// The per-row max is a 4-lane shuffle, so nothing is staged in shared memory. The low-rank product
+// reuses the same registers as bf16/fp16 MMA fragments by permuting k inside each 16-wide block
+// (lane t's columns 4t, 4t+1 play k = 2t, 2t+1 and 4t+2, 4t+3 play k = 2t+8, 2t+9); proj_down is
+// read with the same permutation, and a dot product does not depend on the order of k.
+#include "w4a4_common.cuh"
+#include "w4a4_launch.h"
+
+namespace w4a4 {
+namespace {
+
+constexpr int kWarpsPerBlock = 4;
+
+template <typename T, bool kSmooth, int R>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    quantize_act_lora_down_kernel(const T* __restrict__ x, const float* __restrict__ smooth,
+                                  const T* __restrict__ pd_t, int4* __restrict__ qact,
+                                  float* __restrict__ ascales, float* __restrict__ lora, int M, int M_pad,
+                                  int K) {
+  const int lane = threadIdx.x & 31;
+  const int gr = lane >> 2, t = lane & 3;
+  const int mtile = blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5);
+  const int row0 = mtile * 16 + gr, row1 = row0 + 8;
+  const bool ok0 = row0 < M, ok1 = row1 < M;
+  const int G = K / kGroup;
+  const T* x0 = x + static_cast<int64_t>(row0) * K + 4 * t;
+  const T* x1 = x + static_cast<int64_t>(row1) * K + 4 * t;
+
+  float lacc[R / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < R / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) lacc[nt][e] = 0.f;
+
+  for (int g = 0; g < G; ++g) {
+    // raw[row][c]: 4 consecutive elements (8 bytes) of block c of this group.
+    uint2 raw[2][4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int off = g * kGroup + 16 * c;
+      raw[0][c] = ok0 ? *reinterpret_cast<const uint2*>(x0 + off) : make_uint2(0, 0);
+      raw[1][c] = ok1 ? *reinterpret_cast<const uint2*>(x1 + off) : make_uint2(0, 0);
+    }
+
+    // Smoothed float32 values and the per-row max |x|.
+    float xs[2][4][4];
+    float amax[2] = {0.f, 0.f};
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      float4 s = make_float4(1.f, 1.f, 1.f, 1.f);
+      if (kSmooth) s = *reinterpret_cast<const float4*>(smooth + g * kGroup + 16 * c + 4 * t);
+      const float sv[4] = {s.x, s.y, s.z, s.w};
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const T* v = reinterpret_cast<const T*>(&raw[r][c]);
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          const float f = to_float<T>(v[b]);
+          xs[r][c][b] = kSmooth ? f / sv[b] : f;
+          amax[r] = fmaxf(amax[r], fabsf(xs[r][c][b]));
+        }
+      }
+    }
+    float scale[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
+      amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 2));
+      scale[r] = amax[r] / 7.0f;
+    }
+    if (t == 0) {
+      ascales[static_cast<int64_t>(g) * M_pad + row0] = scale[0];
+      ascales[static_cast<int64_t>(g) * M_pad + row1] = scale[1];
+    }
+
+    // q = clamp(round_half_even(xs / scale), -8, 7); a zero group stays 0 (no division).
+    uint32_t words[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = i & 1, h = i >> 1;
+      uint32_t w = 0;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        int q0 = 0, q1 = 0;
+        if (scale[r] > 0.f) {
+          q0 = min(7, max(-8, __float2int_rn(xs[r][h][b] / scale[r])));
+          q1 = min(7, max(-8, __float2int_rn(xs[r][h + 2][b] / scale[r])));
+        }
+        w |= (static_cast<uint32_t>(q0 & 0xF) | (static_cast<uint32_t>(q1 & 0xF) << 4)) << (8 * b);
+      }
+      words[i] = w;
+    }
+    qact[(static_cast<int64_t>(mtile) * G + g) * 32 + lane] =
+        make_int4(static_cast<int>(words[0]), static_cast<int>(words[1]), static_cast<int>(words[2]),
+                  static_cast<int>(words[3]));
+
+    // Low-rank down-projection on the raw (unsmoothed) x; smoothing is folded into pd_t at load.
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const uint32_t a[4] = {raw[0][c].x, raw[1][c].x, raw[0][c].y, raw[1][c].y};
+#pragma unroll
+      for (int nt = 0; nt < R / 8; ++nt) {
+        const uint2 b = *reinterpret_cast<const uint2*>(pd_t + static_cast<int64_t>(nt * 8 + gr) * K +
+                                                        g * kGroup + 16 * c + 4 * t);
+        mma_16816<T>(lacc[nt], a, b.x, b.y);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int nt = 0; nt < R / 8; ++nt) {
+    *reinterpret_cast<float2*>(lora + static_cast<int64_t>(row0) * R + nt * 8 + 2 * t) =
+        make_float2(lacc[nt][0], lacc[nt][1]);
+    *reinterpret_cast<float2*>(lora + static_cast<int64_t>(row1) * R + nt * 8 + 2 * t) =
+        make_float2(lacc[nt][2], lacc[nt][3]);
+  }
+}
+
+template <typename T, bool kSmooth, int R>
+cudaError_t launch_typed(const QuantizeArgs& a, cudaStream_t stream) {
+  const dim3 grid(a.M_pad / (16 * kWarpsPerBlock));
+  quantize_act_lora_down_kernel<T, kSmooth, R><<<grid, kWarpsPerBlock * 32, 0, stream>>>(
+      static_cast<const T*>(a.x), a.smooth, static_cast<const T*>(a.pd_t), static_cast<int4*>(a.qact),
+      a.ascales, a.lora, a.M, a.M_pad, a.K);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_rank(const QuantizeArgs& a, cudaStream_t stream) {
+  const bool s = a.smooth != nullptr;
+  if (a.R == 16) return s ? launch_typed<T, true, 16>(a, stream) : launch_typed<T, false, 16>(a, stream);
+  if (a.R == 32) return s ? launch_typed<T, true, 32>(a, stream) : launch_typed<T, false, 32>(a, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t launch_quantize_act_lora_down(const QuantizeArgs& a, cudaStream_t stream) {
+  if (a.M_pad % kMPad || a.K % kGroup) return cudaErrorInvalidValue;
+  if (a.M_pad == 0) return cudaSuccess;
+  return a.bf16 ? launch_rank<__nv_bfloat16>(a, stream) : launch_rank<__half>(a, stream);
+}
+
+}  // namespace w4a4

@@ -1,0 +1,40 @@
+// Host-side entry points of the W4A4 kernels (plain C++; the torch binding lives in binding.cpp).
+#pragma once
+#include <cuda_runtime.h>
+
+namespace w4a4 {
+
+// Rows of the packed activation buffers are padded to a multiple of this (the GEMM's largest M tile).
+constexpr int kMPad = 128;
+// The GEMM's N tile: packed weights are padded with zero rows to a multiple of it.
+constexpr int kBlockN = 128;
+
+struct QuantizeArgs {
+  const void* x;        // [M, K] bf16 or fp16, row-major
+  const float* smooth;  // [K] or nullptr
+  const void* pd_t;     // [R, K], x's dtype: proj_down.T / smooth (smoothing folded in)
+  void* qact;           // int32 [M_pad/16, K/64, 32, 4] packed int4 operand
+  float* ascales;       // [K/64, M_pad]
+  float* lora;          // [M_pad, R] = x_smoothed @ proj_down
+  int M, M_pad, K, R;
+  bool bf16;
+};
+
+struct GemmArgs {
+  const void* qact;        // as written by the quantize kernel
+  const float* ascales;    // [K/64, M_pad]
+  const void* qweight;     // int32 [N_pad/16, K/64, 32, 4] packed int4 operand
+  const float* wscales;    // [K/64, N_pad, 2]: (wscale / 256, -12582912 * wscale / 256)
+  const float* lora;       // [M_pad, R]
+  const float* proj_up;    // [N_pad, R]
+  const float* bias;       // [N] or nullptr
+  void* y;                 // [M, N] bf16 or fp16
+  int M, M_pad, N, N_pad, K, R;
+  int num_sms;
+  bool bf16;
+};
+
+cudaError_t launch_quantize_act_lora_down(const QuantizeArgs& args, cudaStream_t stream);
+cudaError_t launch_w4a4_gemm_lora_up(const GemmArgs& args, cudaStream_t stream);
+
+}  // namespace w4a4

@@ -1,0 +1,81 @@
+"""Build and load the CUDA extension in csrc/ (torch.utils.cpp_extension + ninja), cached on disk.
+
+`python -m engine.kernels.build` builds it (same as `make build-ext`) and prints where it went. The build
+directory is keyed by the sources' hash, the torch version and the CUDA version, so an edit or an
+upgrade rebuilds and an unchanged tree loads the cached library in well under a second.
+Set OVBATCH_KERNEL_CACHE to move the cache (default ~/.cache/ovbatch/kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+SOURCES = ("binding.cpp", "quantize_act.cu", "w4a4_gemm.cu")
+HEADERS = ("w4a4_common.cuh", "w4a4_launch.h")
+EXTENSION_NAME = "ovbatch_w4a4"
+# wgmma-free code, but sm_90a keeps the door open for it; the kernels use mma.sync and cp.async.
+CUDA_FLAGS = ("-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-Xptxas=-warn-spills")
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("OVBATCH_KERNEL_CACHE", Path.home() / ".cache" / "ovbatch" / "kernels"))
+    digest = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        digest.update(name.encode())
+        digest.update((CSRC / name).read_bytes())
+    digest.update(" ".join(CUDA_FLAGS).encode())
+    tag = f"torch{torch.__version__}-cuda{torch.version.cuda}-{digest.hexdigest()[:16]}"
+    return root / tag.replace("+", "_")
+
+
+@functools.lru_cache(maxsize=1)
+def load_extension() -> tuple[bool, str]:
+    """Build (if needed) and load the extension once per process -> (loaded, reason when not)."""
+    if torch.version.cuda is None:
+        return False, f"torch {torch.__version__} was built without CUDA"
+    try:
+        from torch.utils.cpp_extension import load
+    except ImportError as exc:  # pragma: no cover - part of every torch
+        return False, f"torch.utils.cpp_extension is unavailable: {exc}"
+    build_dir = cache_dir()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    try:
+        load(
+            name=EXTENSION_NAME,
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cuda_cflags=list(CUDA_FLAGS),
+            extra_cflags=["-O3"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=os.environ.get("OVBATCH_KERNEL_VERBOSE") == "1",
+        )
+    except Exception as exc:  # a failed compile or load: report it, the caller falls back
+        return False, f"building the CUDA extension in {build_dir} failed: {type(exc).__name__}: {exc}"
+    log.info("loaded %s from %s in %.1f s", EXTENSION_NAME, build_dir, time.perf_counter() - start)
+    return True, ""
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ok, reason = load_extension()
+    if not ok:
+        print(f"CUDA extension not built: {reason}", file=sys.stderr)
+        return 1
+    print(f"CUDA extension {EXTENSION_NAME} ready in {cache_dir()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""The W4A4 custom ops (torch.ops.ovbatch_w4a4.*) with fake implementations.
+
+The CUDA implementations are registered by the extension (csrc/binding.cpp) when `load()` succeeds; the
+fake (meta) implementations here give shapes and dtypes without running anything, which is what CUDA-graph
+capture and torch.compile need. Shapes follow csrc/w4a4_launch.h: activation rows are padded to a multiple
+of M_PAD, packed weights to a multiple of BLOCK_N rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from engine.errors import BackendUnavailable
+from engine.kernels.build import load_extension
+
+GROUP = 64
+M_PAD = 128
+BLOCK_N = 128
+
+
+def padded_rows(m: int, multiple: int = M_PAD) -> int:
+    return (m + multiple - 1) // multiple * multiple
+
+
+def _fake_quantize(x, smooth, pd_t):
+    m, k = x.shape
+    m_pad = padded_rows(m)
+    return (
+        x.new_empty((m_pad // 16, k // GROUP, 128), dtype=torch.int32),
+        x.new_empty((k // GROUP, m_pad), dtype=torch.float32),
+        x.new_empty((m_pad, pd_t.shape[0]), dtype=torch.float32),
+    )
+
+
+def _fake_gemm(qact, ascales, lora, qweight, wscales, proj_up, bias, m, n, out_dtype):
+    return qact.new_empty((m, n), dtype=out_dtype)
+
+
+def _fake_linear(x, smooth, pd_t, qweight, wscales, proj_up, bias, n):
+    return x.new_empty((x.shape[0], n))
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> object:
+    """Load the extension and register the fakes once; returns torch.ops.ovbatch_w4a4."""
+    ok, reason = load_extension()
+    if not ok:
+        raise BackendUnavailable(f"W4A4 CUDA ops unavailable: {reason}")
+    torch.library.register_fake("ovbatch_w4a4::quantize_act_lora_down")(_fake_quantize)
+    torch.library.register_fake("ovbatch_w4a4::gemm_lora_up")(_fake_gemm)
+    torch.library.register_fake("ovbatch_w4a4::w4a4_linear")(_fake_linear)
+    return torch.ops.ovbatch_w4a4

@@ -1,0 +1,198 @@
+"""W4A4 linear backends and the chooser.
+
+Each backend has `name`, `can_use(device) -> (ok, reason)`, `prepare(layer) -> packed` (once, at load)
+and `forward(x, packed) -> y`.
+
+- `CudaW4A4Backend`: the csrc/ kernels (Hopper, sm_90a): activation quantization + low-rank down in one
+  kernel, INT8-tensor-core GEMM + low-rank up in the other. `prepare` repacks the canonical layout once.
+- `ReferenceBackend`: engine/quant/reference.py in plain torch, on any device.
+
+The kernels' packed operand layout is defined here in torch (`pack_operand` / `unpack_operand`) and in
+csrc/w4a4_common.cuh; the GPU tests hold the two to each other.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import BackendUnavailable, QuantError
+from engine.kernels import ops
+from engine.quant.format import GROUP_SIZE, W4A4Tensors, unpack_int4
+from engine.quant.reference import ReferenceW4A4Backend
+
+log = logging.getLogger(__name__)
+
+# int32 accumulators start at the float bits of 1.5 * 2^23 (see csrc/w4a4_gemm.cu); operands carry 16 each.
+MAGIC = 12582912.0
+OPERAND_SCALE = 256.0
+
+# reshape of one 16 x 64 tile as (row split, k split) and the permutation to (gr, t, word, byte, step):
+# activations: row = 8 * ri + gr, k = 32 * s + 16 * ki + 4 * t + b, word = 2 * ki + ri
+# weights:     row = 8 * j + gr,  k = 32 * s + 16 * r + 4 * t + b,  word = 2 * j + r
+_ACT_PERM = (0, 3, 2, 6, 5, 1, 7, 4)
+_WEIGHT_PERM = (0, 3, 2, 6, 1, 5, 7, 4)
+
+
+def _perm(kind: str) -> tuple[int, ...]:
+    if kind not in ("act", "weight"):
+        raise ValueError(f"operand kind must be 'act' or 'weight', got {kind!r}")
+    return _ACT_PERM if kind == "act" else _WEIGHT_PERM
+
+
+def pack_operand(q: torch.Tensor, kind: str) -> torch.Tensor:
+    """int values in [-8, 7], [rows, K] (rows % 16 == 0, K % 64 == 0) -> int32 [rows/16, K/64, 128]."""
+    rows, k = q.shape
+    if rows % 16 or k % GROUP_SIZE:
+        raise QuantError(f"pack_operand needs rows % 16 == 0 and K % 64 == 0, got {tuple(q.shape)}")
+    t, g = rows // 16, k // GROUP_SIZE
+    nib = (q.to(torch.int16) & 0xF).to(torch.uint8)
+    tiles = nib.reshape(t, 2, 8, g, 2, 2, 4, 4).permute(*_perm(kind)).contiguous()
+    packed = tiles[..., 0] | (tiles[..., 1] << 4)
+    return packed.reshape(t, g, 512).view(torch.int32)
+
+
+def unpack_operand(packed: torch.Tensor, kind: str) -> torch.Tensor:
+    """Inverse of pack_operand: int32 [rows/16, K/64, 128] -> int8 [rows, K]."""
+    t, g, _ = packed.shape
+    raw = packed.contiguous().view(torch.uint8).reshape(t, g, 8, 4, 2, 2, 4)
+    both = torch.stack((raw & 0xF, raw >> 4), dim=-1).to(torch.int8)
+    both = torch.where(both > 7, both - 16, both)
+    inverse = [0] * 8
+    for i, p in enumerate(_perm(kind)):
+        inverse[p] = i
+    return both.permute(*inverse).reshape(t * 16, g * GROUP_SIZE)
+
+
+def kernel_weight_scales(wscales: torch.Tensor, n_pad: int) -> torch.Tensor:
+    """[N, K/64] -> float32 [K/64, N_pad, 2] = (ws / 256, -MAGIC * ws / 256), ws rounded to 22 bits.
+
+    Rounding to 22 significant bits makes MAGIC * ws exact (fp16 scales, the stored format, have 11, so
+    for them this is the identity); the GEMM then recovers round(dot * ws) with a single FMA.
+    """
+    bits = wscales.float().contiguous().view(torch.int32)
+    ws = ((bits + 2) & ~3).view(torch.float32) / OPERAND_SCALE
+    ws = torch.nn.functional.pad(ws, (0, 0, 0, n_pad - ws.shape[0]))
+    return torch.stack((ws, -MAGIC * ws), dim=-1).transpose(0, 1).contiguous()
+
+
+@dataclass
+class CudaW4A4Packed:
+    qweight: torch.Tensor  # int32 [N_pad/16, K/64, 128]
+    wscales: torch.Tensor  # float32 [K/64, N_pad, 2]
+    proj_up: torch.Tensor  # float32 [N_pad, r]
+    pd_t: dict[torch.dtype, torch.Tensor]  # [r, K] per activation dtype: (proj_down / smooth).T
+    smooth: torch.Tensor | None  # float32 [K]
+    bias: torch.Tensor | None  # float32 [N]
+    in_features: int
+    out_features: int
+
+
+def _tensors(layer) -> W4A4Tensors:
+    return layer if isinstance(layer, W4A4Tensors) else layer.tensors()
+
+
+class CudaW4A4Backend:
+    name = "cuda-sm90"
+
+    def can_use(self, device) -> tuple[bool, str]:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return False, f"device is {device}; the W4A4 kernels need a CUDA GPU"
+        if not torch.cuda.is_available():
+            return False, f"torch {torch.__version__} sees no CUDA GPU"
+        cap = torch.cuda.get_device_capability(device)
+        if cap != (9, 0):
+            name = torch.cuda.get_device_name(device)
+            return False, f"{name} is sm_{cap[0]}{cap[1]}; the kernels are built for sm_90a (H100/H200)"
+        try:
+            ops.load()
+        except BackendUnavailable as exc:
+            return False, str(exc)
+        return True, ""
+
+    def prepare(self, layer) -> CudaW4A4Packed:
+        t = _tensors(layer)
+        t.validate()
+        device = t.qweight.device
+        if device.type != "cuda":
+            raise BackendUnavailable(
+                f"{self.name}.prepare got a layer on {device}; move the layer to the GPU before preparing it."
+            )
+        n, k = t.out_features, t.in_features
+        n_pad = ops.padded_rows(n, ops.BLOCK_N)
+        q = torch.nn.functional.pad(unpack_int4(t.qweight), (0, 0, 0, n_pad - n))
+        pd = t.proj_down.float()
+        smooth = t.smooth.float().contiguous() if t.smooth is not None else None
+        if smooth is not None:
+            pd = pd / smooth[:, None]
+        pd_t = pd.t().contiguous()
+        return CudaW4A4Packed(
+            qweight=pack_operand(q, "weight"),
+            wscales=kernel_weight_scales(t.wscales, n_pad),
+            proj_up=torch.nn.functional.pad(t.proj_up.float(), (0, 0, 0, n_pad - n)).contiguous(),
+            pd_t={dt: pd_t.to(dt) for dt in (torch.bfloat16, torch.float16)},
+            smooth=smooth,
+            bias=t.bias.float().contiguous() if t.bias is not None else None,
+            in_features=k,
+            out_features=n,
+        )
+
+    def forward(self, x: torch.Tensor, packed: CudaW4A4Packed) -> torch.Tensor:
+        k, n = packed.in_features, packed.out_features
+        if x.shape[-1] != k:
+            raise QuantError(f"W4A4 layer expects inputs with last dimension {k}, got {tuple(x.shape)}.")
+        if x.dtype not in packed.pd_t:
+            raise QuantError(
+                f"{self.name} takes bfloat16 or float16 activations, got {x.dtype}; run the model in "
+                "bf16/fp16 or choose the reference backend."
+            )
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        if not x2.is_contiguous() or x2.data_ptr() % 16:
+            x2 = x2.clone(memory_format=torch.contiguous_format)
+        p = packed
+        y = ops.load().w4a4_linear(x2, p.smooth, p.pd_t[x.dtype], p.qweight, p.wscales, p.proj_up, p.bias, n)
+        return y.reshape(*lead, n)
+
+
+class ReferenceBackend(ReferenceW4A4Backend):
+    """engine/quant/reference.py: correct everywhere, fast nowhere."""
+
+    def can_use(self, device) -> tuple[bool, str]:
+        return True, ""
+
+
+BACKENDS = (CudaW4A4Backend, ReferenceBackend)
+
+
+def w4a4_backend_report(device) -> list[tuple[str, bool, str]]:
+    """(name, usable, reason) for every backend in priority order."""
+    return [(cls.name, *cls().can_use(device)) for cls in BACKENDS]
+
+
+def choose_w4a4_backend(device, prefer: str | None = None):
+    """The fastest usable backend for `device`; logs why each faster one was skipped.
+
+    `prefer` (or the environment variable OVBATCH_W4A4_BACKEND): "auto" (default), "cuda-sm90" or
+    "reference". Asking for a backend by name that cannot run here raises BackendUnavailable.
+    """
+    prefer = prefer or os.environ.get("OVBATCH_W4A4_BACKEND", "auto")
+    names = [cls.name for cls in BACKENDS]
+    if prefer != "auto" and prefer not in names:
+        raise BackendUnavailable(f"unknown W4A4 backend {prefer!r}; choose one of {['auto', *names]}")
+    for cls in BACKENDS:
+        if prefer != "auto" and cls.name != prefer:
+            continue
+        backend = cls()
+        ok, reason = backend.can_use(device)
+        if ok:
+            log.info("W4A4 backend on %s: %s", device, backend.name)
+            return backend
+        if prefer != "auto":
+            raise BackendUnavailable(f"W4A4 backend {prefer!r} cannot run on {device}: {reason}")
+        log.warning("W4A4 backend %s skipped on %s: %s", backend.name, device, reason)
+    raise BackendUnavailable(f"no W4A4 backend can run on {device}")  # unreachable: the reference always can

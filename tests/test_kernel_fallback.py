@@ -1,0 +1,112 @@
+"""CPU side of engine.kernels: backend choice and fallback, the packed operand layout, the scale identity."""
+
+import logging
+
+import pytest
+import torch
+
+from engine.errors import BackendUnavailable
+from engine.kernels import CudaW4A4Backend, choose_w4a4_backend, w4a4_backend_report
+from engine.kernels.build import load_extension
+from engine.kernels.w4a4 import MAGIC, OPERAND_SCALE, kernel_weight_scales, pack_operand, unpack_operand
+from engine.quant.format import W4A4Tensors, pack_int4
+from engine.quant.reference import w4a4_linear_reference
+
+needs_no_cuda = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the fallback on a CPU-only machine"
+)
+
+
+@needs_no_cuda
+def test_chooser_falls_back_to_reference_with_reason(caplog):
+    with caplog.at_level(logging.WARNING, logger="engine.kernels.w4a4"):
+        backend = choose_w4a4_backend("cpu")
+    assert backend.name == "reference"
+    assert "cuda-sm90 skipped on cpu" in caplog.text and "need a CUDA GPU" in caplog.text
+    report = dict((name, (ok, reason)) for name, ok, reason in w4a4_backend_report("cuda"))
+    assert report["cuda-sm90"][0] is False and "CUDA" in report["cuda-sm90"][1]
+    assert report["reference"] == (True, "")
+
+
+@needs_no_cuda
+def test_asking_for_cuda_on_cpu_raises_with_reason():
+    with pytest.raises(BackendUnavailable, match="cannot run on cpu: device is cpu"):
+        choose_w4a4_backend("cpu", prefer="cuda-sm90")
+    with pytest.raises(BackendUnavailable, match="unknown W4A4 backend 'int3'"):
+        choose_w4a4_backend("cpu", prefer="int3")
+    ok, reason = load_extension()
+    assert not ok and "without CUDA" in reason
+
+
+def test_reference_backend_runs_the_contract():
+    g = torch.Generator().manual_seed(1)
+    layer = W4A4Tensors(
+        qweight=pack_int4(torch.randint(-8, 8, (128, 128), generator=g)),
+        wscales=(torch.rand(128, 2, generator=g) * 0.02).half(),
+        proj_down=torch.randn(128, 16, generator=g).half() * 0.1,
+        proj_up=torch.randn(128, 16, generator=g).half() * 0.1,
+    )
+    backend = choose_w4a4_backend("cpu", prefer="reference")
+    x = torch.randn(3, 5, 128, generator=g).to(torch.bfloat16)
+    assert torch.equal(backend.forward(x, backend.prepare(layer)), w4a4_linear_reference(x, layer))
+
+
+def test_cuda_prepare_refuses_cpu_tensors():
+    layer = W4A4Tensors(
+        qweight=torch.zeros(128, 64, dtype=torch.uint8),
+        wscales=torch.ones(128, 2).half(),
+        proj_down=torch.zeros(128, 16).half(),
+        proj_up=torch.zeros(128, 16).half(),
+    )
+    with pytest.raises(BackendUnavailable, match="move the layer to the GPU"):
+        CudaW4A4Backend().prepare(layer)
+
+
+@pytest.mark.parametrize("kind", ["act", "weight"])
+def test_packed_layout_follows_the_mma_fragments(kind):
+    """Each nibble sits where the m16n8k32 s8 fragment of its lane, register and k-step expects it
+    (PTX ISA: A rows gr / gr+8 for registers 0,2 / 1,3, columns 4t (+16 for registers 2,3); B columns 4t
+    (+16 for register 1), row gr of its n8 sub-tile), written out here element by element."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-8, 8, (32, 128), generator=g, dtype=torch.int8)
+    packed = pack_operand(q, kind)
+    assert packed.shape == (2, 2, 128) and packed.dtype == torch.int32
+    raw = packed.view(torch.uint8).reshape(2, 2, 32, 4, 4)  # tile, group, lane, word, byte
+    for tile in range(2):
+        for grp in range(2):
+            for lane in range(32):
+                gr, t = lane // 4, lane % 4
+                for word in range(4):
+                    if kind == "act":
+                        row, kofs = gr + 8 * (word & 1), 16 * (word >> 1)
+                    else:
+                        row, kofs = 8 * (word >> 1) + gr, 16 * (word & 1)
+                    for b in range(4):
+                        byte = int(raw[tile, grp, lane, word, b])
+                        for step, nib in ((0, byte & 0xF), (1, byte >> 4)):
+                            value = nib - 16 if nib > 7 else nib
+                            k = grp * 64 + 32 * step + kofs + 4 * t + b
+                            assert value == q[tile * 16 + row, k]
+    assert torch.equal(unpack_operand(packed, kind), q)
+
+
+def test_one_fma_recovers_dot_times_scale_exactly():
+    """t = fma(MAGIC + 256 dot, ws/256, -MAGIC ws/256) equals round(dot * ws): checked exactly in float64
+    (every product of two 24-bit significands fits in 53 bits) for fp16 scales and wider float32 ones."""
+    g = torch.Generator().manual_seed(0)
+    scales = torch.cat(
+        [(torch.rand(4000, generator=g) * 0.05).half().float(), torch.rand(4000, generator=g) * 3]
+    )
+    packed = kernel_weight_scales(scales.reshape(-1, 1), n_pad=scales.numel())
+    ws, neg = packed[0, :, 0].double(), packed[0, :, 1].double()
+    assert torch.equal(neg, -MAGIC * ws), "MAGIC * ws must be exact in float32"
+    dots = torch.randint(-4096, 4097, (scales.numel(),), generator=g).double()
+    f = MAGIC + OPERAND_SCALE * dots
+    assert torch.equal(f.float().double(), f), "the int32 accumulator's float bits must be exact"
+    recovered = (f * ws + neg).float()
+    assert torch.equal(recovered, (dots * ws * OPERAND_SCALE).float())
+    fp16_part = slice(0, 4000)
+    assert torch.equal(ws[fp16_part] * OPERAND_SCALE, scales[fp16_part].double()), (
+        "fp16 scales stay as stored"
+    )
+    assert ((ws * OPERAND_SCALE - scales.double()).abs() <= scales.double() * 2.0**-22).all()

@@ -1,0 +1,217 @@
+"""The W4A4 CUDA kernels against engine/quant/reference.py (GPU only; `pytest -m gpu`).
+
+Fresh random inputs for every case, odd M (1, 7, 700, 2049), every OmniVoice N x K. Outputs are poisoned:
+before each call the caching allocator is handed blocks of exactly the output sizes filled with NaN, so
+an element the kernel fails to write reads back NaN (or a bit pattern that decodes wrong) and fails.
+"""
+
+import pytest
+import torch
+
+from engine.errors import QuantError
+from engine.kernels import CudaW4A4Backend, choose_w4a4_backend
+from engine.kernels import ops as kops
+from engine.kernels.w4a4 import unpack_operand
+from engine.quant.format import W4A4Tensors, pack_int4
+from engine.quant.reference import quantize_activations, w4a4_linear_reference
+
+pytestmark = pytest.mark.gpu
+
+DEV = torch.device("cuda")
+ODD_M = (1, 7, 700, 2049)
+# (N, K): q, k/v, fused qkv, o, gate/up, fused gate_up, down.
+OMNIVOICE_SHAPES = [
+    (2048, 1024),
+    (1024, 1024),
+    (4096, 1024),
+    (1024, 2048),
+    (3072, 1024),
+    (6144, 1024),
+    (1024, 3072),
+]
+REL_TOL = 1e-2
+
+
+def fresh_generator() -> torch.Generator:
+    g = torch.Generator(device=DEV)
+    g.seed()
+    return g
+
+
+def random_layer(n, k, rank, smooth, bias, g) -> W4A4Tensors:
+    return W4A4Tensors(
+        qweight=pack_int4(torch.randint(-8, 8, (n, k), generator=g, device=DEV)),
+        wscales=(torch.rand(n, k // 64, generator=g, device=DEV) * 0.02 + 1e-4).half(),
+        proj_down=(torch.randn(k, rank, generator=g, device=DEV) / k**0.5).half(),
+        proj_up=(torch.randn(n, rank, generator=g, device=DEV) * 0.05).half(),
+        smooth=(torch.rand(k, generator=g, device=DEV) * 2 + 0.25).half() if smooth else None,
+        bias=torch.randn(n, generator=g, device=DEV) if bias else None,
+    )
+
+
+def random_activations(m, k, dtype, g) -> torch.Tensor:
+    """Gaussian rows with a few outlier channels (what LLM activations look like)."""
+    x = torch.randn(m, k, generator=g, device=DEV)
+    outliers = torch.randint(0, k, (4,), generator=g, device=DEV)
+    x[:, outliers] *= 20
+    return x.to(dtype)
+
+
+def poison(*shapes_dtypes):
+    """Leave 0xFF-filled blocks (NaN as floats, -1 nibbles as int4) of exactly these sizes in the caching
+    allocator, so the outputs allocated next start poisoned."""
+    sizes = [torch.Size(s).numel() * torch.empty(0, dtype=d).element_size() for s, d in shapes_dtypes]
+    blocks = [torch.full((n,), 0xFF, dtype=torch.uint8, device=DEV) for n in sizes]
+    torch.cuda.synchronize()
+    del blocks
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def smoothed(x, layer):
+    xs = x.float()
+    return xs / layer.smooth.float() if layer.smooth is not None else xs
+
+
+@pytest.mark.parametrize("m", ODD_M)
+@pytest.mark.parametrize("k", (1024, 2048, 3072))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_quantize_act_bit_exact(m, k, dtype):
+    g = fresh_generator()
+    layer = random_layer(1024, k, 32, smooth=(k != 2048), bias=False, g=g)
+    backend = CudaW4A4Backend()
+    packed = backend.prepare(layer)
+    x = random_activations(m, k, dtype, g)
+    m_pad = kops.padded_rows(m)
+    groups = k // 64
+    poison(
+        ((m_pad // 16, groups, 128), torch.int32),
+        ((groups, m_pad), torch.float32),
+        ((m_pad, 32), torch.float32),
+    )
+    qact, ascales, lora = kops.load().quantize_act_lora_down(x, packed.smooth, packed.pd_t[dtype])
+    torch.cuda.synchronize()
+
+    xs = smoothed(x, layer)
+    q_ref, s_ref = quantize_activations(xs)
+    q = unpack_operand(qact, "act")
+    assert torch.equal(q[:m], q_ref), f"{(q[:m] != q_ref).sum().item()} quantized values differ"
+    assert torch.equal(q[m:], torch.zeros_like(q[m:])), "padding rows must quantize to 0"
+    assert torch.equal(ascales.t()[:m], s_ref), "activation scales differ from the reference (IEEE division)"
+    assert torch.equal(ascales.t()[m:], torch.zeros_like(ascales.t()[m:]))
+    assert torch.isfinite(lora).all()
+    lora_ref = xs @ layer.proj_down.float()
+    assert rel_err(lora[:m], lora_ref) < 5e-3
+    assert torch.equal(lora[m:], torch.zeros_like(lora[m:]))
+
+
+def test_quantize_act_ties_and_zero_groups():
+    """Half-way cases round to even, zero groups give scale 0 and q 0, exactly like the reference."""
+    k = 128
+    x = torch.zeros(3, k)
+    x[0, :8] = torch.tensor([7.0, 2.5, -3.5, 0.5, -0.5, 1.5, -2.5, 6.5])  # scale 1: ties
+    x[1, 64:] = torch.linspace(-3, 3, 64)  # group 0 all zero
+    x[2] = torch.randn(k)
+    x = x.to(DEV, torch.bfloat16)
+    layer = random_layer(128, k, 16, smooth=False, bias=False, g=fresh_generator())
+    packed = CudaW4A4Backend().prepare(layer)
+    qact, ascales, _ = kops.load().quantize_act_lora_down(x, None, packed.pd_t[torch.bfloat16])
+    q_ref, s_ref = quantize_activations(x)
+    q = unpack_operand(qact, "act")[:3]
+    assert torch.equal(q, q_ref)
+    assert q[0, :8].tolist() == [7, 2, -4, 0, 0, 2, -2, 6]
+    assert torch.equal(ascales.t()[:3], s_ref)
+    assert ascales[0, 1].item() == 0.0
+
+
+@pytest.mark.parametrize("m", ODD_M)
+@pytest.mark.parametrize("n,k", OMNIVOICE_SHAPES)
+def test_w4a4_linear_matches_reference(m, n, k):
+    g = fresh_generator()
+    layer = random_layer(n, k, 32, smooth=True, bias=False, g=g)
+    backend = CudaW4A4Backend()
+    packed = backend.prepare(layer)
+    x = random_activations(m, k, torch.bfloat16, g)
+    poison(((m, n), torch.bfloat16))
+    y = backend.forward(x, packed)
+    ref = w4a4_linear_reference(x, layer)
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    assert torch.isfinite(y).all(), "NaN/Inf in the output: an element was not written or overflowed"
+    err = rel_err(y, ref)
+    assert err <= REL_TOL, f"relative Frobenius error {err:.2e} > {REL_TOL}"
+
+
+@pytest.mark.parametrize(
+    "m,n,k,rank,smooth,bias,dtype",
+    [
+        (333, 1024, 1024, 16, False, True, torch.float16),
+        (129, 192, 128, 16, True, True, torch.bfloat16),  # N a multiple of 64, not of 128
+        (64, 320, 640, 32, False, False, torch.float16),
+        (5000, 3072, 1024, 16, True, False, torch.bfloat16),
+    ],
+)
+def test_w4a4_linear_variants(m, n, k, rank, smooth, bias, dtype):
+    g = fresh_generator()
+    layer = random_layer(n, k, rank, smooth, bias, g)
+    backend = CudaW4A4Backend()
+    packed = backend.prepare(layer)
+    x = random_activations(m, k, dtype, g).reshape(1, m, k)
+    poison(((m, n), dtype))
+    y = backend.forward(x, packed)
+    ref = w4a4_linear_reference(x, layer)
+    assert y.shape == (1, m, n) and y.dtype == dtype
+    assert torch.isfinite(y).all()
+    assert rel_err(y, ref) <= REL_TOL
+
+
+def test_quantized_term_tight():
+    """Without the low-rank branch's bf16/tf32 roundings, the GEMM agrees to float32 summation order."""
+    g = fresh_generator()
+    n, k, m = 1024, 2048, 257
+    layer = random_layer(n, k, 16, smooth=False, bias=False, g=g)
+    layer.proj_up.zero_()
+    packed = CudaW4A4Backend().prepare(layer)
+    x = random_activations(m, k, torch.float16, g)
+    qact, ascales, lora = kops.load().quantize_act_lora_down(x, None, packed.pd_t[torch.float16])
+    y = kops.load().gemm_lora_up(
+        qact, ascales, lora, packed.qweight, packed.wscales, packed.proj_up, None, m, n, torch.float16
+    )
+    ref = w4a4_linear_reference(x, layer)
+    # both sides end in one fp16 rounding of nearly equal float32 values
+    assert rel_err(y, ref) < 1e-3
+
+
+def test_cuda_graph_capture_and_fake():
+    g = fresh_generator()
+    layer = random_layer(2048, 1024, 32, smooth=True, bias=True, g=g)
+    backend = CudaW4A4Backend()
+    packed = backend.prepare(layer)
+    static_x = random_activations(300, 1024, torch.bfloat16, g)
+    backend.forward(static_x, packed)  # warm-up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = backend.forward(static_x, packed)
+    new_x = random_activations(300, 1024, torch.bfloat16, g)
+    static_x.copy_(new_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_y, backend.forward(new_x, packed))
+
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        real = (static_x, packed.smooth, packed.pd_t[torch.bfloat16], packed.qweight, packed.wscales)
+        args = [mode.from_tensor(t) for t in (*real, packed.proj_up, packed.bias)]
+        y = kops.load().w4a4_linear(*args, 2048)
+        assert y.shape == (300, 2048) and y.dtype == torch.bfloat16
+
+
+def test_chooser_picks_cuda_and_rejects_bad_input():
+    backend = choose_w4a4_backend(DEV)
+    assert backend.name == "cuda-sm90"
+    layer = random_layer(1024, 1024, 16, smooth=False, bias=False, g=fresh_generator())
+    packed = backend.prepare(layer)
+    with pytest.raises(QuantError, match="float32"):
+        backend.forward(torch.randn(4, 1024, device=DEV), packed)
+    with pytest.raises(QuantError, match="last dimension 1024"):
+        backend.forward(torch.randn(4, 512, device=DEV, dtype=torch.bfloat16), packed)
