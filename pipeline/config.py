@@ -1,0 +1,119 @@
+"""Job configuration: dataclass defaults < YAML file < `key=value` overrides (omegaconf).
+
+The engine settings (`engine:`) are the engine's own EngineConfig; `variants:` maps a variant name to
+overrides of those settings (an A/B job has two, e.g. fp16 and w4a4). A job with no variants runs one,
+named `default`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from engine.config import EngineConfig
+from engine.errors import InputError
+
+DEFAULT_VARIANT = "default"
+_VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None  # None: RAY_ADDRESS when set, else a local Ray started for the job
+    num_actors: int | None = None  # None: one per GPU in the cluster, else `cpu_actors`
+    cpu_actors: int = 2  # actors when the cluster has no GPU and num_actors is unset
+    gpus_per_actor: float = 1.0
+    cpus_per_actor: float = 1.0
+    inflight_per_actor: int = 2  # shards queued on one actor at once (backpressure bound)
+    max_shard_attempts: int = 3  # an actor dying counts one attempt against the shard it was running
+    num_cpus: int | None = None  # for the local Ray started for the job (None: all cores)
+
+
+@dataclass
+class JobConfig:
+    manifest: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    variants: dict[str, Any] = field(default_factory=dict)
+    # Shards hold rows of one graph bucket and about this many packed tokens (cond + uncond).
+    shard_tokens: int = 65536
+    max_rows_per_shard: int = 512
+    local: bool = False  # run shards in this process instead of on Ray actors
+    ray: RayConfig = field(default_factory=RayConfig)
+    engine_factory: str = "engine.api:Engine"  # "module:callable" taking an EngineConfig
+    progress: bool = True
+    report: str = "auto"  # auto (when there are two or more variants) | always | never
+
+    def variant_names(self) -> list[str]:
+        return list(self.variants) or [DEFAULT_VARIANT]
+
+    def engine_config(self, variant: str) -> EngineConfig:
+        """The engine settings of one variant: `engine` with the variant's overrides on top."""
+        overrides = self.variants.get(variant, {}) if self.variants else {}
+        if variant not in self.variant_names():
+            raise InputError(f"variant {variant!r} is not in this job (variants: {self.variant_names()}).")
+        base = OmegaConf.structured(self.engine)
+        try:
+            merged = OmegaConf.merge(base, OmegaConf.create(overrides or {}))
+            return OmegaConf.to_object(merged)
+        except OmegaConfBaseException as e:
+            raise InputError(
+                f"variants.{variant}: {_short(e)}. Use keys of `engine:` (see jobs/ab.yaml)."
+            ) from None
+
+
+def _short(e: Exception) -> str:
+    return str(e).splitlines()[0]
+
+
+def load_job_config(config_file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+                    ) -> JobConfig:
+    """Defaults, then the YAML file, then `key=value` overrides; validated into a JobConfig."""
+    layers: list[DictConfig] = [OmegaConf.structured(JobConfig)]
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise InputError(f"config file {str(path)!r} not found: pass an existing YAML file to --config.")
+        try:
+            layers.append(OmegaConf.load(path))
+        except Exception as e:  # yaml parse errors come in several types
+            raise InputError(f"config file {str(path)!r} is not valid YAML: {_short(e)}") from None
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise InputError(f"override {bad[0]!r} is not key=value (e.g. engine.precision=fp16).")
+    layers.append(OmegaConf.from_dotlist(list(overrides)))
+    try:
+        cfg: JobConfig = OmegaConf.to_object(OmegaConf.merge(*layers))
+    except OmegaConfBaseException as e:
+        raise InputError(f"job config: {_short(e)}") from None
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: JobConfig) -> None:
+    for name in cfg.variant_names():
+        if not _VARIANT_NAME.match(name):
+            raise InputError(
+                f"variant name {name!r} is unusable as a folder name: use letters, digits, '_', '-', '.'."
+            )
+        cfg.engine_config(name)
+    if cfg.shard_tokens < 1 or cfg.max_rows_per_shard < 1:
+        raise InputError(f"shard_tokens={cfg.shard_tokens}, max_rows_per_shard={cfg.max_rows_per_shard}: "
+                         "both must be positive.")
+    if cfg.ray.inflight_per_actor < 1 or cfg.ray.max_shard_attempts < 1:
+        raise InputError("ray.inflight_per_actor and ray.max_shard_attempts must be at least 1.")
+    if cfg.ray.num_actors is not None and cfg.ray.num_actors < 1:
+        raise InputError(f"ray.num_actors={cfg.ray.num_actors}: need at least one actor (or null for auto).")
+    if cfg.report not in ("auto", "always", "never"):
+        raise InputError(f"report={cfg.report!r}: choose auto, always or never.")
+    if ":" not in cfg.engine_factory:
+        raise InputError(f"engine_factory={cfg.engine_factory!r}: write it as 'module:callable'.")
+
+
+def to_yaml(cfg: JobConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+

@@ -1,0 +1,156 @@
+"""Plan a job: each row's packed length and graph bucket, and shards of one bucket that fill a token budget.
+
+A row's packed length is what it costs the engine's forward pass: the conditional sequence (prompt text
+tokens + reference frames + target frames) plus the unconditional one (target frames), i.e.
+text + ref + 2 x target. Rows are grouped by the smallest engine bucket that holds them; a shard holds
+rows of one variant and one bucket, longest first, up to `shard_tokens` packed tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pipeline.manifest import ManifestRow, Rejection
+
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RowSize:
+    text_tokens: int
+    ref_frames: int
+    target_frames: int
+
+    @property
+    def packed_tokens(self) -> int:
+        return self.text_tokens + self.ref_frames + 2 * self.target_frames
+
+
+Sizer = Callable[[ManifestRow], RowSize]
+
+
+@dataclass
+class PlannedRow:
+    id: str
+    row_key: str
+    packed_tokens: int
+    target_frames: int
+
+
+@dataclass
+class Shard:
+    index: int
+    variant: str
+    bucket: int
+    tokens: int
+    rows: list[PlannedRow]
+
+
+@dataclass
+class Plan:
+    variants: list[str]
+    buckets: list[int]
+    shard_tokens: int
+    shards: list[Shard] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+
+    @property
+    def fingerprint(self) -> str:
+        """Hash of what the plan will produce: shards, their rows and row keys."""
+        items = [[s.index, s.variant, [(r.id, r.row_key) for r in s.rows]] for s in self.shards]
+        items.append([[r.row_index, r.id, r.reason] for r in self.rejected])
+        return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:32]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": PLAN_VERSION,
+            "fingerprint": self.fingerprint,
+            "variants": self.variants,
+            "buckets": self.buckets,
+            "shard_tokens": self.shard_tokens,
+            "num_rows": sum(len(s.rows) for s in self.shards),
+            "num_rejected": len(self.rejected),
+            "shards": [asdict(s) for s in self.shards],
+            "rejected": [asdict(r) for r in self.rejected],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Plan:
+        if d.get("version") != PLAN_VERSION:
+            raise ValueError(f"plan version {d.get('version')!r}, this ovbatch reads version {PLAN_VERSION}")
+        shards = [Shard(s["index"], s["variant"], s["bucket"], s["tokens"],
+                        [PlannedRow(**r) for r in s["rows"]]) for s in d["shards"]]
+        return cls(d["variants"], d["buckets"], d["shard_tokens"], shards,
+                   [Rejection(**r) for r in d["rejected"]])
+
+
+def bucket_for(tokens: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket that holds `tokens` packed tokens, None when none does."""
+    i = bisect.bisect_left(buckets, tokens)
+    return buckets[i] if i < len(buckets) else None
+
+
+def make_plan(
+    rows: Sequence[ManifestRow],
+    rejected: Sequence[Rejection],
+    sizes: dict[str, RowSize],
+    row_keys: dict[str, dict[str, str]],
+    buckets: Sequence[int],
+    max_batch_tokens: int,
+    shard_tokens: int,
+    max_rows_per_shard: int,
+) -> Plan:
+    """Cut shards. `sizes[id]` is a row's size; `row_keys[variant][id]` its key in each variant.
+
+    A row too long for every bucket (or for one batch) is rejected with the numbers that decide it.
+    """
+    buckets = sorted(buckets)
+    variants = list(row_keys)
+    plan = Plan(variants=variants, buckets=buckets, shard_tokens=shard_tokens, rejected=list(rejected))
+    limit = min(buckets[-1], max_batch_tokens)
+    by_bucket: dict[int, list[ManifestRow]] = {}
+    for row in rows:
+        size = sizes[row.id]
+        bucket = bucket_for(size.packed_tokens, buckets)
+        if bucket is None or size.packed_tokens > max_batch_tokens:
+            plan.rejected.append(Rejection(row.row_index, row.id, (
+                f"row needs {size.packed_tokens} packed tokens ({size.text_tokens} text + {size.ref_frames} "
+                f"reference frames + 2 x {size.target_frames} target frames), over the engine limit of "
+                f"{limit}: "
+                "split the text, use a shorter reference clip, or raise engine.buckets / max_batch_tokens"
+            )))
+            continue
+        by_bucket.setdefault(bucket, []).append(row)
+
+    for bucket in sorted(by_bucket, reverse=True):  # longest work first: the tail of the job is short shards
+        members = sorted(by_bucket[bucket], key=lambda r: (-sizes[r.id].packed_tokens, r.id))
+        for variant in variants:
+            for chunk in _cut(members, sizes, shard_tokens, max_rows_per_shard):
+                planned = [PlannedRow(r.id, row_keys[variant][r.id], sizes[r.id].packed_tokens,
+                                      sizes[r.id].target_frames) for r in chunk]
+                plan.shards.append(Shard(len(plan.shards), variant, bucket,
+                                         sum(p.packed_tokens for p in planned), planned))
+    plan.rejected.sort(key=lambda r: r.row_index)
+    return plan
+
+
+def _cut(members: list[ManifestRow], sizes: dict[str, RowSize], shard_tokens: int, max_rows: int
+         ) -> list[list[ManifestRow]]:
+    chunks: list[list[ManifestRow]] = []
+    current: list[ManifestRow] = []
+    tokens = 0
+    for row in members:
+        n = sizes[row.id].packed_tokens
+        if current and (tokens + n > shard_tokens or len(current) >= max_rows):
+            chunks.append(current)
+            current, tokens = [], 0
+        current.append(row)
+        tokens += n
+    if current:
+        chunks.append(current)
+    return chunks

@@ -1,0 +1,204 @@
+"""The job directory: resolved config, plan, per-shard results, wavs, summary. Every write is atomic
+(a temp file in the same folder, then os.replace), so a reader never sees half a file.
+
+    JOB/config.yaml                 resolved job config
+    JOB/plan.json                   shards and their rows (pipeline.plan)
+    JOB/rows.parquet                the manifest's accepted rows, normalised (what rerun needs)
+    JOB/results/shard-NNNNN.parquet one per finished shard
+    JOB/results/rejected.parquet    rows refused before running
+    JOB/wavs/<variant>/<id>.wav
+    JOB/runs.jsonl                  one line per run of the job (submit, resume, rerun)
+    JOB/summary.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import soundfile as sf
+
+from engine.errors import OVBatchError
+from pipeline.manifest import ManifestRow, Rejection
+from pipeline.plan import Plan
+
+RESULT_SCHEMA = pa.schema([
+    ("id", pa.string()), ("row_key", pa.string()), ("variant", pa.string()), ("status", pa.string()),
+    ("error", pa.string()), ("wav_path", pa.string()), ("audio_seconds", pa.float64()),
+    ("synth_seconds", pa.float64()), ("rtf", pa.float64()), ("target_frames", pa.int64()),
+    ("ref_seconds", pa.float64()), ("bucket", pa.int64()), ("shard", pa.int64()), ("attempt", pa.int64()),
+    ("precision", pa.string()), ("model", pa.string()), ("host", pa.string()), ("gpu", pa.string()),
+    ("started_at", pa.string()), ("finished_at", pa.string()), ("row_index", pa.int64()),
+    ("packed_tokens", pa.int64()), ("token_work", pa.int64()), ("batch_size", pa.int64()),
+])  # fmt: skip
+STATUSES = ("ok", "failed", "rejected")
+TMP_MARK = ".ovtmp-"
+
+
+class JobDirError(OVBatchError):
+    """A job directory is missing, incomplete, or holds a different job."""
+
+
+def _atomic_target(path: Path) -> tuple[int, str]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = _atomic_target(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    write_bytes_atomic(path, (json.dumps(obj, indent=1, default=str) + "\n").encode())
+
+
+def write_parquet_atomic(path: Path, table: pa.Table) -> None:
+    fd, tmp = _atomic_target(path)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_wav_atomic(path: Path, audio: np.ndarray, sample_rate: int) -> None:
+    fd, tmp = _atomic_target(path)
+    os.close(fd)
+    try:
+        sf.write(tmp, audio, sample_rate, subtype="PCM_16", format="WAV")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def results_table(rows: Iterable[dict[str, Any]]) -> pa.Table:
+    rows = list(rows)
+    cols = {f.name: [r.get(f.name) for r in rows] for f in RESULT_SCHEMA}
+    return pa.table(cols, schema=RESULT_SCHEMA)
+
+
+def rejected_result(rej: Rejection, variant: str) -> dict[str, Any]:
+    return {"id": rej.id, "variant": variant, "status": "rejected", "error": rej.reason,
+            "row_index": rej.row_index, "attempt": 0}
+
+
+class JobDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path).expanduser().absolute()
+        self.config_path = self.path / "config.yaml"
+        self.plan_path = self.path / "plan.json"
+        self.rows_path = self.path / "rows.parquet"
+        self.results_dir = self.path / "results"
+        self.summary_path = self.path / "summary.json"
+        self.runs_path = self.path / "runs.jsonl"
+        self.report_dir = self.path / "report"
+        self.clip_dir = self.path / "clips"
+
+    def exists(self) -> bool:
+        return self.plan_path.is_file()
+
+    def require(self) -> None:
+        if not self.exists():
+            raise JobDirError(f"{self.path} is not a job directory (no plan.json): "
+                              "run `ovbatch submit MANIFEST --out JOB` first.")
+
+    def wav_path(self, variant: str, row_id: str) -> Path:
+        return self.path / "wavs" / variant / f"{row_id}.wav"
+
+    def relative(self, path: Path) -> str:
+        return str(path.relative_to(self.path))
+
+    def shard_result_path(self, index: int) -> Path:
+        return self.results_dir / f"shard-{index:05d}.parquet"
+
+    # ------------------------------------------------------------ plan and rows
+
+    def write_plan(self, plan: Plan) -> None:
+        write_json_atomic(self.plan_path, plan.to_json())
+
+    def read_plan(self) -> Plan:
+        self.require()
+        try:
+            return Plan.from_json(json.loads(self.plan_path.read_text()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise JobDirError(f"{self.plan_path} is unreadable ({e}): submit to a new --out.") from None
+
+    def write_rows(self, rows: list[ManifestRow]) -> None:
+        fields = list(ManifestRow.__dataclass_fields__)
+        table = pa.table({f: [getattr(r, f) for r in rows] for f in fields}) if rows else pa.table(
+            {f: pa.array([], pa.string()) for f in fields})
+        write_parquet_atomic(self.rows_path, table)
+
+    def read_rows(self) -> dict[str, ManifestRow]:
+        if not self.rows_path.is_file():
+            raise JobDirError(f"{self.rows_path} is missing: the job dir is incomplete; submit again.")
+        return {r["id"]: ManifestRow(**r) for r in pq.read_table(self.rows_path).to_pylist()}
+
+    # ------------------------------------------------------------ results
+
+    def write_shard_results(self, index: int, rows: list[dict[str, Any]]) -> None:
+        write_parquet_atomic(self.shard_result_path(index), results_table(rows))
+
+    def write_rejected(self, plan: Plan) -> None:
+        rows = [rejected_result(r, v) for r in plan.rejected for v in plan.variants]
+        write_parquet_atomic(self.results_dir / "rejected.parquet", results_table(rows))
+
+    def finished_shards(self) -> set[int]:
+        if not self.results_dir.is_dir():
+            return set()
+        return {int(p.stem.split("-")[1]) for p in self.results_dir.glob("shard-*.parquet")}
+
+    def read_shard_results(self, index: int) -> list[dict[str, Any]]:
+        return pq.read_table(self.shard_result_path(index)).to_pylist()
+
+    def read_results(self) -> pa.Table:
+        files = sorted(self.results_dir.glob("*.parquet")) if self.results_dir.is_dir() else []
+        tables = [pq.read_table(f).cast(RESULT_SCHEMA) for f in files]
+        return pa.concat_tables(tables) if tables else results_table([])
+
+    # ------------------------------------------------------------ housekeeping
+
+    def remove_temp_files(self) -> int:
+        """Delete temp files left by a process killed mid-write (they never carry a final name)."""
+        n = 0
+        for p in self.path.rglob(f"*{TMP_MARK}*"):
+            p.unlink(missing_ok=True)
+            n += 1
+        return n
+
+    def append_run(self, record: dict[str, Any]) -> None:
+        # One line per run. A driver killed mid-write leaves a torn last line: end it so this one stands
+        # alone (read_runs skips the torn one).
+        torn = self.runs_path.is_file() and not self.runs_path.read_bytes().endswith(b"\n")
+        with open(self.runs_path, "a") as f:
+            f.write(("\n" if torn else "") + json.dumps(record) + "\n")
+
+    def read_runs(self) -> list[dict[str, Any]]:
+        if not self.runs_path.is_file():
+            return []
+        runs = []
+        for line in self.runs_path.read_text().splitlines():
+            try:
+                runs.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return runs

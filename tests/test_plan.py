@@ -1,0 +1,78 @@
+"""Planning: buckets, shards of one bucket and variant within a token budget, rejections, JSON round trip."""
+
+import random
+
+import pytest
+
+from pipeline.manifest import ManifestRow, Rejection
+from pipeline.plan import Plan, RowSize, bucket_for, make_plan
+
+BUCKETS = (128, 256, 512, 1024)
+
+
+def _rows(n: int, rng: random.Random) -> tuple[list[ManifestRow], dict[str, RowSize]]:
+    rows, sizes = [], {}
+    for i in range(n):
+        rid = f"r{i:03d}"
+        rows.append(ManifestRow(row_index=i, id=rid, text="t", ref_audio=None, ref_text=None))
+        sizes[rid] = RowSize(text_tokens=rng.randint(5, 60), ref_frames=rng.randint(0, 150),
+                             target_frames=rng.randint(10, 450))
+    return rows, sizes
+
+
+def test_bucket_for_picks_the_smallest_that_holds():
+    assert bucket_for(1, BUCKETS) == 128
+    assert bucket_for(128, BUCKETS) == 128
+    assert bucket_for(129, BUCKETS) == 256
+    assert bucket_for(1024, BUCKETS) == 1024
+    assert bucket_for(1025, BUCKETS) is None
+
+
+def test_row_size_counts_cond_and_uncond():
+    s = RowSize(text_tokens=10, ref_frames=30, target_frames=50)
+    assert s.packed_tokens == 10 + 30 + 50 + 50
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_shards_cover_every_row_once_per_variant_within_budget(seed: int):
+    rng = random.Random(seed)
+    rows, sizes = _rows(200, rng)
+    keys = {v: {r.id: f"{v}-{r.id}" for r in rows} for v in ("fp16", "w4a4")}
+    pre = [Rejection(500, "bad", "text is empty")]
+    plan = make_plan(rows, pre, sizes, keys, BUCKETS, max_batch_tokens=1000, shard_tokens=3000,
+                     max_rows_per_shard=16)
+    too_long = {r.id for r in rows if sizes[r.id].packed_tokens > 1000}
+    assert too_long, "the random sizes should include rows over the limit"
+    assert {r.id for r in plan.rejected} == too_long | {"bad"}
+    assert all("packed tokens" in r.reason for r in plan.rejected if r.id != "bad")
+    for variant in ("fp16", "w4a4"):
+        planned = [p.id for s in plan.shards if s.variant == variant for p in s.rows]
+        assert sorted(planned) == sorted(r.id for r in rows if r.id not in too_long)
+    for s in plan.shards:
+        assert all(bucket_for(p.packed_tokens, BUCKETS) == s.bucket for p in s.rows)
+        assert all(p.row_key == f"{s.variant}-{p.id}" for p in s.rows)
+        assert s.tokens == sum(p.packed_tokens for p in s.rows)
+        assert len(s.rows) <= 16
+        assert s.tokens <= 3000 or len(s.rows) == 1
+    assert [s.index for s in plan.shards] == list(range(len(plan.shards)))
+    # largest buckets first, so the end of a job is made of short shards
+    order = [s.bucket for s in plan.shards]
+    assert order == sorted(order, reverse=True)
+
+
+def test_plan_json_round_trip_and_fingerprint():
+    rows, sizes = _rows(40, random.Random(5))
+    keys = {"default": {r.id: r.id + "-k" for r in rows}}
+    plan = make_plan(rows, [], sizes, keys, BUCKETS, 1024, 2000, 64)
+    again = Plan.from_json(plan.to_json())
+    assert again.to_json() == plan.to_json()
+    assert again.fingerprint == plan.fingerprint
+    keys["default"][rows[0].id] = "changed"
+    assert make_plan(rows, [], sizes, keys, BUCKETS, 1024, 2000, 64).fingerprint != plan.fingerprint
+
+
+def test_a_row_bigger_than_the_budget_gets_its_own_shard():
+    rows, _ = _rows(3, random.Random(0))
+    sizes = {r.id: RowSize(10, 0, 300) for r in rows}  # 610 tokens each, budget 500
+    plan = make_plan(rows, [], sizes, {"v": {r.id: r.id for r in rows}}, BUCKETS, 1024, 500, 100)
+    assert [len(s.rows) for s in plan.shards] == [1, 1, 1]

@@ -1,0 +1,102 @@
+"""Job directory: atomic writes leave either the old or the new file, results keep their schema."""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import soundfile as sf
+
+from pipeline import store
+from pipeline.manifest import ManifestRow, Rejection
+from pipeline.plan import Plan, PlannedRow, Shard
+from pipeline.store import RESULT_SCHEMA, TMP_MARK, JobDir, results_table
+
+
+def _plan() -> Plan:
+    rows = [PlannedRow("a", "ka", 100, 30), PlannedRow("b", "kb", 90, 25)]
+    return Plan(["default"], [128], 1000, [Shard(0, "default", 128, 190, rows)], [Rejection(2, "c", "empty")])
+
+
+def test_write_bytes_atomic_replaces_whole_files(tmp_path: Path):
+    p = tmp_path / "sub" / "x.json"
+    store.write_json_atomic(p, {"a": 1})
+    store.write_json_atomic(p, {"a": 2})
+    assert p.read_text().strip().endswith("}") and '"a": 2' in p.read_text()
+    assert [q.name for q in p.parent.iterdir()] == ["x.json"]
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path: Path, monkeypatch):
+    p = tmp_path / "x.wav"
+    store.write_wav_atomic(p, np.zeros(800, np.float32), 8000)
+    before = p.read_bytes()
+
+    def broken_write(path, *a, **k):
+        Path(path).write_bytes(b"RIFF-half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(store.sf, "write", broken_write)
+    with pytest.raises(OSError, match="disk full"):
+        store.write_wav_atomic(p, np.ones(800, np.float32), 8000)
+    assert p.read_bytes() == before
+    assert [q.name for q in tmp_path.iterdir()] == ["x.wav"]
+
+
+def test_wav_round_trip(tmp_path: Path):
+    audio = (0.5 * np.sin(np.linspace(0, 60, 2400))).astype(np.float32)
+    p = tmp_path / "w" / "a.wav"
+    store.write_wav_atomic(p, audio, 24000)
+    back, sr = sf.read(p, dtype="float32")
+    assert sr == 24000 and np.abs(back - audio).max() < 1e-4
+
+
+def test_results_schema_and_shard_files(tmp_path: Path):
+    job = JobDir(tmp_path / "job")
+    plan = _plan()
+    job.write_plan(plan)
+    job.write_rejected(plan)
+    assert job.exists() and job.finished_shards() == set()
+    job.write_shard_results(0, [{"id": "a", "status": "ok", "variant": "default", "audio_seconds": 1.5,
+                                 "shard": 0, "attempt": 1}])
+    assert job.finished_shards() == {0}
+    assert job.shard_result_path(0).name == "shard-00000.parquet"
+    t = job.read_results()
+    assert t.schema == RESULT_SCHEMA
+    rows = {r["id"]: r for r in t.to_pylist()}
+    assert rows["a"]["status"] == "ok" and rows["a"]["audio_seconds"] == 1.5
+    assert rows["c"]["status"] == "rejected" and rows["c"]["error"] == "empty"
+    assert pq.read_schema(job.shard_result_path(0)) == RESULT_SCHEMA
+    assert job.read_plan().to_json() == plan.to_json()
+
+
+def test_empty_results_and_rows(tmp_path: Path):
+    job = JobDir(tmp_path)
+    assert job.read_results().num_rows == 0
+    assert results_table([]).schema == RESULT_SCHEMA
+    job.write_rows([])
+    assert job.read_rows() == {}
+    row = ManifestRow(0, "a", "t", "/x.wav", "r", seed=3, ref_seconds=2.0)
+    job.write_rows([row])
+    assert job.read_rows() == {"a": row}
+
+
+def test_remove_temp_files_and_torn_run_log(tmp_path: Path):
+    job = JobDir(tmp_path)
+    wavs = tmp_path / "wavs" / "v"
+    wavs.mkdir(parents=True)
+    (wavs / f".a.wav{TMP_MARK}123").write_bytes(b"partial")
+    (wavs / "b.wav").write_bytes(b"whole")
+    assert job.remove_temp_files() == 1
+    assert sorted(os.listdir(wavs)) == ["b.wav"]
+    job.append_run({"kind": "submit", "wall_seconds": 2.0})
+    with open(job.runs_path, "a") as f:
+        f.write('{"kind": "resu')  # a driver killed mid-line
+    assert job.read_runs() == [{"kind": "submit", "wall_seconds": 2.0}]
+    job.append_run({"kind": "resume", "wall_seconds": 1.0})
+    assert job.read_runs() == [{"kind": "submit", "wall_seconds": 2.0}, {"kind": "resume", "wall_seconds": 1.0}]
+
+
+def test_require_names_the_missing_job(tmp_path: Path):
+    with pytest.raises(store.JobDirError, match="not a job directory"):
+        JobDir(tmp_path / "nothing").require()
