@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -12,6 +14,47 @@ from transformers import HiggsAudioV2TokenizerConfig
 from engine.errors import CheckpointError
 
 MODEL_TYPE = "higgs_audio_v2_tokenizer"
+
+# Older conversions carry HuBERT's SpecAugment embedding; transformers skips it on load, and so do we.
+SKIPPED_IF_PRESENT = ("semantic_model.masked_spec_embed",)
+
+# The architecture of OmniVoice's audio_tokenizer/config.json (24 kHz, hop 960 = 25 frames/s, 8 codebooks
+# of 1024 x 64, HuBERT-base semantic model): for codecs of the real size with random weights.
+OMNIVOICE_CODEC_CONFIG = {
+    "model_type": MODEL_TYPE,
+    "sample_rate": 24000,
+    "semantic_sample_rate": 16000,
+    "downsample_factor": 320,
+    "codebook_size": 1024,
+    "codebook_dim": 64,
+    "target_bandwidths": [0.5, 1, 1.5, 2],
+    "kernel_size": 3,
+    "unit_kernel_size": 3,
+    "strides": [1, 1],
+    "channel_ratios": [1, 1],
+    "block_dilations": [1, 1],
+    "acoustic_model_config": {
+        "model_type": "dac",
+        "encoder_hidden_size": 64,
+        "decoder_hidden_size": 1024,
+        "hidden_size": 256,
+        "downsampling_ratios": [8, 5, 4, 2, 3],
+        "upsampling_ratios": [8, 5, 4, 2, 3],
+    },
+    "semantic_model_config": {
+        "model_type": "hubert",
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "conv_dim": [512] * 7,
+        "conv_kernel": [10, 3, 3, 3, 3, 2, 2],
+        "conv_stride": [5, 2, 2, 2, 2, 2, 2],
+        "num_conv_pos_embeddings": 128,
+        "num_conv_pos_embedding_groups": 16,
+        "layer_norm_eps": 1e-5,
+    },
+}
 
 
 def read_codec_config(path: Path) -> HiggsAudioV2TokenizerConfig:
@@ -37,24 +80,38 @@ def read_codec_config(path: Path) -> HiggsAudioV2TokenizerConfig:
         cfg = HiggsAudioV2TokenizerConfig.from_dict(raw)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path} is not a usable HiggsAudioV2 tokenizer config: {e}") from None
-    if cfg.sample_rate % cfg.hop_length or cfg.hop_length % 2:
-        raise CheckpointError(
-            f"{path}: sample_rate {cfg.sample_rate} with hop {cfg.hop_length} (product of "
-            "downsampling_ratios) gives no whole, even frame; fix acoustic_model_config.downsampling_ratios."
-        )
+    check_codec_config(cfg, str(path))
     return cfg
+
+
+def check_codec_config(cfg: HiggsAudioV2TokenizerConfig, where: str) -> None:
+    """The acoustic and semantic branches must produce frames at the same rate, or nothing encodes."""
+    if len(cfg.strides) != len(cfg.channel_ratios):
+        raise CheckpointError(
+            f"{where}: strides {list(cfg.strides)} and channel_ratios {list(cfg.channel_ratios)} differ in "
+            "length; the semantic encoder needs one ratio per stride."
+        )
+    hubert_hop = math.prod(cfg.semantic_model_config.conv_stride) * max(cfg.semantic_downsample_factor, 1)
+    acoustic_rate = Fraction(cfg.sample_rate, cfg.hop_length)
+    semantic_rate = Fraction(cfg.semantic_sample_rate, hubert_hop)
+    if acoustic_rate != semantic_rate or cfg.hop_length % 2:
+        raise CheckpointError(
+            f"{where}: the acoustic branch runs at {float(acoustic_rate):g} frames/s (sample_rate "
+            f"{cfg.sample_rate} / hop {cfg.hop_length}) but the semantic branch at {float(semantic_rate):g} "
+            f"frames/s (semantic_sample_rate {cfg.semantic_sample_rate} / HuBERT hop {hubert_hop}); "
+            "fix downsampling_ratios or downsample_factor so both rates agree and the hop is even."
+        )
 
 
 def training_only_shapes(cfg: HiggsAudioV2TokenizerConfig) -> dict[str, tuple[int, ...]]:
     """Tensors the official file carries that encode/decode never read: the semantic decoder and fc1
-    (reconstruction losses), the codebooks' EMA statistics and HuBERT's SpecAugment mask embedding.
-    The loader accepts and skips exactly these; the tiny checkpoint writes them to keep the layout."""
+    (reconstruction losses) and the codebooks' EMA statistics. The loader accepts and skips exactly
+    these; the tiny checkpoint writes them to keep the official layout."""
     hidden = cfg.semantic_hidden_size
     ratios, k, uk = cfg.channel_ratios, cfg.kernel_size, cfg.unit_kernel_size
     shapes: dict[str, tuple[int, ...]] = {
         "fc1.weight": (hidden, cfg.hidden_size),
         "fc1.bias": (hidden,),
-        "semantic_model.masked_spec_embed": (hidden,),
         "decoder_semantic.conv1.weight": (int(hidden * ratios[0]), hidden, k),
         "decoder_semantic.conv2.weight": (hidden, hidden, k),
     }
@@ -88,8 +145,8 @@ def read_codec_weights(
 ) -> dict[str, torch.Tensor]:
     """Load the tensors named in `expected` (name -> shape) from model.safetensors, on CPU.
 
-    Every name must be present with its shape; any other name must be one of training_only_shapes().
-    Pickled .bin/.pt files are never read.
+    Every name must be present with its shape; any other name must be one of training_only_shapes()
+    or SKIPPED_IF_PRESENT. Pickled .bin/.pt files are never read.
     """
     if not path.is_file():
         raise CheckpointError(
@@ -101,7 +158,7 @@ def read_codec_weights(
         with safe_open(path, framework="pt", device="cpu") as f:
             shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
             missing = sorted(set(expected) - set(shapes))
-            unknown = sorted(set(shapes) - set(expected) - set(optional))
+            unknown = sorted(set(shapes) - set(expected) - set(optional) - set(SKIPPED_IF_PRESENT))
             wrong = sorted(
                 f"{name} (file {list(shape)}, config {list(want)})"
                 for name, shape in shapes.items()

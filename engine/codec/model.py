@@ -19,7 +19,7 @@ from transformers import AutoModel, HiggsAudioV2TokenizerConfig
 from transformers.models.dac.modeling_dac import DacEncoder
 
 from engine.codec.acoustic import build_decoder, decode_acoustic, encode_acoustic
-from engine.codec.checkpoint import read_codec_config, read_codec_weights
+from engine.codec.checkpoint import check_codec_config, read_codec_config, read_codec_weights
 from engine.codec.lengths import conv_output_lengths, pad_stack
 from engine.codec.quantizer import ResidualVectorQuantizer
 from engine.codec.semantic import SemanticEncoder, semantic_features
@@ -37,6 +37,7 @@ def _hubert_config(cfg: HiggsAudioV2TokenizerConfig):
 class Codec(nn.Module):
     def __init__(self, cfg: HiggsAudioV2TokenizerConfig):
         super().__init__()
+        check_codec_config(cfg, "codec config")
         self.config = cfg
         self.sample_rate: int = cfg.sample_rate
         self.hop_length: int = cfg.hop_length
@@ -95,7 +96,7 @@ class Codec(nn.Module):
         semantic = [semantic_features(self.semantic_model, w, self.config) for w in wavs]
         frames = [s.shape[0] for s in semantic]
         e_semantic, _ = self.encoder_semantic(pad_stack([s.t() for s in semantic]), frames)
-        clips = [self._acoustic_input(i, w, f) for i, (w, f) in enumerate(zip(wavs, frames))]
+        clips = [self._acoustic_input(w, f) for w, f in zip(wavs, frames)]
         e_acoustic, acoustic_frames = encode_acoustic(
             self.acoustic_encoder, pad_stack([c[None] for c in clips]), [c.shape[-1] for c in clips]
         )
@@ -112,18 +113,13 @@ class Codec(nn.Module):
                 lengths = conv_output_lengths(conv, lengths)
         return lengths[0]
 
-    def _acoustic_input(self, index: int, wav: torch.Tensor, frames: int) -> torch.Tensor:
+    def _acoustic_input(self, wav: torch.Tensor, frames: int) -> torch.Tensor:
         """As transformers: the clip as is when the DAC encoder yields as many frames as HuBERT does,
-        else padded by half a hop on both sides."""
+        else padded by half a hop on both sides. With frame rates that agree (check_codec_config) one of
+        the two matches for every length; encode asserts it."""
         if self._acoustic_frames(wav.shape[-1]) == frames:
             return wav
-        half = self.hop_length // 2
-        if self._acoustic_frames(wav.shape[-1] + 2 * half) == frames:
-            return F.pad(wav, (half, half))
-        raise InputError(
-            f"wavs[{index}] has {wav.shape[-1]} samples, for which the semantic and acoustic encoders "
-            f"disagree on the frame count; trim it to a multiple of hop_length={self.hop_length} samples."
-        )
+        return F.pad(wav, (self.hop_length // 2, self.hop_length // 2))
 
     def _checked_wav(self, index: int, wav: torch.Tensor) -> torch.Tensor:
         if not isinstance(wav, torch.Tensor) or wav.dim() != 1 or not wav.is_floating_point():
@@ -145,7 +141,7 @@ class Codec(nn.Module):
 
     @torch.inference_mode()
     def decode(self, codes: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Codes [num_codebooks, F] -> float32 audio [F * hop_length] at sample_rate, on the codec's device."""
+        """Codes [num_codebooks, F] -> float32 audio [F * hop_length] at sample_rate, on the codec device."""
         if not codes:
             return []
         codes = [self._checked_codes(i, c).to(self.device) for i, c in enumerate(codes)]
