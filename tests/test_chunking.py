@@ -156,6 +156,7 @@ def test_upstream_chunked_generation_plan(upstream, with_ref):
         calls.clear()
         cls._generate_chunked(fake, task, gen)
         upstream_chunks = [(c.texts[0], c.target_lens[0], c.ref_texts[0]) for c in calls]
+        assert len(upstream_chunks) > 1
 
         total = estimate_target_frames(text, ref_text, ref_frames, speed, duration)
         eff = effective_speed(text, ref_text, ref_frames, speed, duration)
