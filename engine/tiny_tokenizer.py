@@ -15,23 +15,16 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers.trainers import BpeTrainer
 
+from engine.frontend.text import OMNIVOICE_SPECIAL_TOKENS
+
 # The pre-tokenization regex of Qwen2/Qwen3 tokenizers (a fact of their tokenizer.json).
 QWEN2_SPLIT_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
-# Qwen's own special tokens that OmniVoice's tokenizer keeps (pad/eos), then OmniVoice's seven.
+# Qwen's own special tokens that OmniVoice's tokenizer keeps (pad/eos); OmniVoice's seven follow them.
 QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-OMNIVOICE_SPECIAL_TOKENS = (
-    "<|denoise|>",
-    "<|lang_start|>",
-    "<|lang_end|>",
-    "<|instruct_start|>",
-    "<|instruct_end|>",
-    "<|text_start|>",
-    "<|text_end|>",
-)
 
 TARGET_VOCAB_SIZE = 1024  # merges + byte alphabet, before the special tokens are appended
 

@@ -8,13 +8,14 @@ from engine.errors import InputError, TokenizerError
 from engine.frontend.instruct import VALID_ITEMS, has_chinese
 from engine.frontend.text import (
     NONVERBAL_TAGS,
+    OMNIVOICE_SPECIAL_TOKENS,
     TextFrontend,
     add_punctuation,
     combine_text,
     resolve_instruct,
     resolve_language,
 )
-from engine.tiny_tokenizer import OMNIVOICE_SPECIAL_TOKENS, write_tiny_tokenizer
+from engine.tiny_tokenizer import write_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

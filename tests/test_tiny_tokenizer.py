@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from engine.frontend.text import NONVERBAL_TAGS, TextFrontend
-from engine.tiny_tokenizer import OMNIVOICE_SPECIAL_TOKENS, QWEN_SPECIAL_TOKENS, write_tiny_tokenizer
+from engine.frontend.text import NONVERBAL_TAGS, OMNIVOICE_SPECIAL_TOKENS, TextFrontend
+from engine.tiny_tokenizer import QWEN_SPECIAL_TOKENS, write_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from tokenizers import Tokenizer
 
 from engine.errors import InputError, TokenizerError
 from engine.frontend.instruct import has_chinese, resolve_instruct
-from engine.tiny_tokenizer import OMNIVOICE_SPECIAL_TOKENS
 
 __all__ = [
     "TextFrontend",
@@ -32,6 +31,17 @@ __all__ = [
     "resolve_instruct",
     "resolve_language",
 ]
+
+# Special tokens of OmniVoice's prompt format, added to the Qwen3 tokenizer when the model was trained.
+OMNIVOICE_SPECIAL_TOKENS = (
+    "<|denoise|>",
+    "<|lang_start|>",
+    "<|lang_end|>",
+    "<|instruct_start|>",
+    "<|instruct_end|>",
+    "<|text_start|>",
+    "<|text_end|>",
+)
 
 # Non-verbal tags the model was trained with (upstream's list).
 NONVERBAL_TAGS = (
@@ -79,11 +89,6 @@ def _language_table() -> tuple[frozenset[str], dict[str, str], dict[str, str]]:
     by_name = {r["language_name"].lower(): r["language_id"] for r in rows}
     names = {r["language_id"]: r["language_name"] for r in rows}
     return ids, by_name, names
-
-
-def language_ids() -> frozenset[str]:
-    """Every language id the model knows."""
-    return _language_table()[0]
 
 
 def resolve_language(name_or_code: str | None) -> str | None:
