@@ -100,7 +100,6 @@ def _tokenizer_config(tok: Tokenizer) -> dict:
     """The fields of the official tokenizer_config.json that change how text is tokenized."""
     specials = QWEN_SPECIAL_TOKENS + OMNIVOICE_SPECIAL_TOKENS
     return {
-        "add_bos_token": False,
         "add_prefix_space": False,
         "added_tokens_decoder": {
             str(tok.token_to_id(t)): {
