@@ -115,6 +115,7 @@ def _random_text(rng: random.Random) -> str:
     return "".join(rng.choice(pieces) for _ in range(rng.randint(0, 300)))
 
 
+@pytest.mark.official
 def test_upstream_chunk_text_punctuation(upstream):
     rng = random.Random(1)
     for _ in range(1000):
@@ -123,6 +124,7 @@ def test_upstream_chunk_text_punctuation(upstream):
         assert chunk_text_punctuation(text, chunk_len, min_chunk_len=min_len) == expected
 
 
+@pytest.mark.official
 @pytest.mark.parametrize("with_ref", [True, False])
 def test_upstream_chunked_generation_plan(upstream, with_ref):
     """Chunk texts and target frames equal the sub-tasks upstream's _generate_chunked generates."""

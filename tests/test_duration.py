@@ -115,6 +115,7 @@ def upstream():
     return SimpleNamespace(model=m, estimator=RuleDurationEstimator())
 
 
+@pytest.mark.official
 def test_upstream_rule_estimates(upstream):
     rng = random.Random(0)
     for _ in range(2000):
@@ -125,6 +126,7 @@ def test_upstream_rule_estimates(upstream):
         assert estimate_frames(text, ref, ref_frames) == expected
 
 
+@pytest.mark.official
 def test_upstream_speed_and_duration(upstream):
     """Our target frames and chunk speed equal what upstream's _preprocess_all puts in its task."""
     import torch

@@ -253,6 +253,7 @@ def upstream():
     return SimpleNamespace(model=m, text=t)
 
 
+@pytest.mark.official
 def test_upstream_combine_text_and_add_punctuation(upstream):
     rng = random.Random(0)
     for _ in range(500):
@@ -261,6 +262,7 @@ def test_upstream_combine_text_and_add_punctuation(upstream):
         assert add_punctuation(text) == upstream.text.add_punctuation(text)
 
 
+@pytest.mark.official
 def test_upstream_language_resolution(upstream):
     from omnivoice.utils.lang_map import LANG_IDS, LANG_NAME_TO_ID
 
@@ -280,6 +282,7 @@ def test_upstream_language_resolution(upstream):
                 resolve_language(bad)
 
 
+@pytest.mark.official
 def test_upstream_instruct_resolution(upstream):
     rng = random.Random(2)
     items = list(VALID_ITEMS) + ["Male", "FEMALE", "mail", "britsh accent", "robot"]
@@ -297,6 +300,7 @@ def test_upstream_instruct_resolution(upstream):
         assert resolve_instruct(instruct, use_zh) == expected, instruct
 
 
+@pytest.mark.official
 def test_upstream_prompt_ids(upstream, tok_dir, fe):
     import torch
     from transformers import AutoTokenizer
