@@ -136,6 +136,8 @@ class EngineConfig:
     buckets: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384)
     max_batch_tokens: int = 16384
     prompt_cache_dir: str | None = None
+    max_text_chars: int = 5000  # longer request texts are rejected (long ones are chunked, not truncated)
+    max_ref_seconds: float = 60.0  # longer reference clips are rejected before decoding
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
     def __post_init__(self) -> None:

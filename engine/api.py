@@ -1,0 +1,335 @@
+"""The high-level engine: synthesis requests in, float32 waveforms at the codec rate out, with timings.
+
+One `synthesize` call prepares every request (validation, voice prompt from the cache), generates all
+of them together through the Runner (a long text is cut into chunks; chunk k of every long request
+runs in round k, and round 0 also carries every short request), decodes all token sequences in
+batches, then post-processes each waveform as upstream does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.checkpoint import load_model, read_config, resolve_checkpoint, weight_files
+from engine.codec import Codec
+from engine.config import EngineConfig
+from engine.errors import CheckpointError, InputError
+from engine.frontend.audio import ReferenceSettings, cross_fade_chunks, postprocess_output
+from engine.frontend.chunking import Chunk, needs_chunking, plan_chunks
+from engine.frontend.duration import effective_speed, estimate_target_frames
+from engine.frontend.prompt import PromptCache, VoicePrompt, build_prompt
+from engine.frontend.text import (
+    TextFrontend,
+    add_punctuation,
+    has_chinese,
+    resolve_instruct,
+    resolve_language,
+)
+from engine.packing import GenItem
+from engine.runner import Runner
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Frames decoded per codec call (16 clips of 30 s at 25 frames/s): bounds the decoder's memory.
+DECODE_BATCH_FRAMES = 12_000
+# Upstream warns that references over 20 s slow generation down and clone worse.
+LONG_REFERENCE_S = 20.0
+
+
+@dataclass
+class SynthRequest:
+    text: str
+    ref_audio: str | Path | bytes | None = None  # clip path or file content; needs ref_text
+    ref_text: str | None = None
+    prompt: VoicePrompt | None = None  # a prepared voice instead of ref_audio + ref_text
+    language: str | None = None
+    instruct: str | None = None  # voice design: a style description (no reference needed)
+    duration: float | None = None  # seconds; overrides speed
+    speed: float | None = None
+    seed: int = 0
+
+
+@dataclass
+class SynthResult:
+    audio: np.ndarray  # float32, mono, at sample_rate
+    sample_rate: int
+    target_frames: int
+    token_work: int  # packed tokens x decoding steps spent on this request
+    # prepare and postprocess: this request's own seconds; generate and decode: the whole call's.
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PreparedRequest:
+    request: SynthRequest
+    language: str | None
+    instruct: str | None
+    prompt: VoicePrompt | None
+    target_frames: int  # of the whole text
+    chunks: list[Chunk]  # one chunk holding the whole text unless the text is long
+    prepare_seconds: float
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise InputError(f"device={name!r}: use auto, cpu, cuda or cuda:N.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device={name!r} but CUDA is not available here: use device='cpu' or 'auto'.")
+    return device
+
+
+def resolve_precision(precision: str, device: torch.device, quantized: bool) -> tuple[str, torch.dtype]:
+    """(precision name, activation dtype). auto: w4a4 for a W4A4 checkpoint, else bf16 on CUDA and fp32
+    on CPU."""
+    if precision == "auto":
+        precision = "w4a4" if quantized else ("bf16" if device.type == "cuda" else "fp32")
+    if (precision == "w4a4") != quantized:
+        kind = "a W4A4" if quantized else "an unquantized"
+        raise CheckpointError(
+            f"precision={precision!r} with {kind} checkpoint: use precision='auto', or pass "
+            + ("an unquantized checkpoint." if quantized else "a W4A4 checkpoint made by the quantizer.")
+        )
+    if precision == "w4a4":
+        return precision, torch.bfloat16 if device.type == "cuda" else torch.float32
+    return precision, DTYPES[precision]
+
+
+def checkpoint_id(ckpt_dir: Path, name: str) -> str:
+    """<name>@<sha256 of config.json and the weight files, 12 hex digits>."""
+    digest = hashlib.sha256()
+    for path in [ckpt_dir / "config.json", *weight_files(ckpt_dir)]:
+        with open(path, "rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    return f"{name}@{digest.hexdigest()[:12]}"
+
+
+def _token_batches(items: list[GenItem], max_tokens: int) -> list[list[int]]:
+    """Indices of items in consecutive groups of at most max_tokens packed tokens (an item over the
+    budget runs alone)."""
+    groups: list[list[int]] = []
+    used = 0
+    for i, item in enumerate(items):
+        size = Runner.packed_tokens(item)
+        if not groups or used + size > max_tokens:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += size
+    return groups
+
+
+def _chunk_seed(seed: int, index: int) -> int:
+    """Seed of chunk `index` of a request: chunk 0 uses the request's seed (so a text's first chunk and
+    an unchunked text draw alike), later chunks a fixed derivation of it."""
+    return seed if index == 0 else (seed * 1_000_003 + index * 0x9E3779B97F4A7C15) % (1 << 63)
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.gen = cfg.generation
+        if cfg.checkpoint is None:
+            from engine.tiny import ensure_tiny_checkpoint
+
+            ckpt_dir, name = ensure_tiny_checkpoint(), "tiny"
+        else:
+            ckpt_dir = resolve_checkpoint(cfg.checkpoint)
+            name = Path(str(cfg.checkpoint).rstrip("/")).name or str(cfg.checkpoint)
+        self.checkpoint_dir = ckpt_dir
+        self.device = resolve_device(cfg.device)
+        _, raw_config = read_config(ckpt_dir)
+        self.precision, self.dtype = resolve_precision(
+            cfg.precision, self.device, "quantization" in raw_config
+        )
+        self.model_config, self.model = load_model(ckpt_dir, self.device, self.dtype, attention=cfg.attention)
+        self.model_id = checkpoint_id(ckpt_dir, name)
+        self.text = TextFrontend(ckpt_dir / "tokenizer.json")
+        self.codec = Codec.from_dir(ckpt_dir / "audio_tokenizer", device=self.device)
+        if self.codec.num_codebooks != self.model_config.num_audio_codebook:
+            raise CheckpointError(
+                f"{ckpt_dir}: the codec has {self.codec.num_codebooks} codebooks, the model "
+                f"{self.model_config.num_audio_codebook}; audio_tokenizer/ must come with this model."
+            )
+        self.sample_rate = self.codec.sample_rate
+        self.frame_rate = self.codec.frame_rate
+        self.reference_settings = ReferenceSettings(
+            preprocess=self.gen.preprocess_prompt, max_seconds=cfg.max_ref_seconds
+        )
+        self.prompts = PromptCache(
+            cfg.prompt_cache_dir,
+            self.codec.identity,
+            self.reference_settings.fingerprint(self.codec.sample_rate, self.codec.hop_length),
+        )
+        self.runner = Runner(self.model, cfg, self.device, self.dtype)
+        log.info("engine ready: %s, %s on %s", self.model_id, self.precision, self.device)
+
+    # ------------------------------------------------------------------------------------- prepare
+
+    def prepare(self, req: SynthRequest) -> PreparedRequest:
+        """Validate a request and build its voice prompt (through the cache)."""
+        start = time.perf_counter()
+        text = req.text
+        if not isinstance(text, str) or not text.strip():
+            raise InputError(f"text {text!r} is empty or whitespace only: give the words to speak.")
+        if len(text) > self.cfg.max_text_chars:
+            raise InputError(
+                f"text of {len(text)} characters ({text[:40]!r}...) is over the {self.cfg.max_text_chars}-"
+                "character limit: split it into several requests or raise EngineConfig.max_text_chars."
+            )
+        if isinstance(req.seed, bool) or not isinstance(req.seed, int | np.integer):
+            raise InputError(f"seed={req.seed!r}: give an integer.")
+        language = resolve_language(req.language)
+        instruct = resolve_instruct(req.instruct, use_zh=has_chinese(text)) if req.instruct else None
+        prompt = self._voice_prompt(req)
+        ref_text = prompt.ref_text if prompt else None
+        ref_frames = prompt.tokens.shape[1] if prompt else None
+        target = estimate_target_frames(text, ref_text, ref_frames, req.speed, req.duration, self.frame_rate)
+        chunks = [Chunk(text, target, False)]
+        if self.gen.audio_chunk_duration > 0 and needs_chunking(
+            target, self.gen.audio_chunk_threshold, self.frame_rate
+        ):
+            speed = effective_speed(text, ref_text, ref_frames, req.speed, req.duration, self.frame_rate)
+            chunks = plan_chunks(
+                text, target, ref_text, ref_frames, speed, self.gen.audio_chunk_duration, self.frame_rate
+            )
+        return PreparedRequest(req, language, instruct, prompt, target, chunks, time.perf_counter() - start)
+
+    def _voice_prompt(self, req: SynthRequest) -> VoicePrompt | None:
+        if req.prompt is not None:
+            if req.ref_audio is not None or req.ref_text is not None:
+                raise InputError(
+                    "a request gives both a voice prompt and ref_audio/ref_text: pass one of the two."
+                )
+            return self._checked_prompt(req.prompt)
+        if req.ref_audio is None:
+            if req.ref_text is not None:
+                raise InputError(
+                    f"ref_text {req.ref_text[:40]!r} is given without ref_audio: add the reference clip, "
+                    "or drop ref_text for voice design / auto voice."
+                )
+            return None
+        name = f"<{len(req.ref_audio)} bytes>" if isinstance(req.ref_audio, bytes) else str(req.ref_audio)
+        if not isinstance(req.ref_text, str) or not req.ref_text.strip():
+            raise InputError(
+                f"reference clip {name} has no transcript (ref_text={req.ref_text!r}): give the words "
+                "spoken in the clip (automatic transcription is not part of this engine)."
+            )
+        ref_text = add_punctuation(req.ref_text) if self.gen.preprocess_prompt else req.ref_text
+
+        def make(raw: bytes) -> VoicePrompt:
+            return build_prompt(raw, name, ref_text, self.codec, self.reference_settings)
+
+        prompt = self.prompts.get_or_create(req.ref_audio, ref_text, make)
+        seconds = prompt.tokens.shape[1] / self.frame_rate
+        if seconds > LONG_REFERENCE_S:
+            log.warning("reference %s is %.1f s long: 3-10 s clones faster and better", name, seconds)
+        return prompt
+
+    def _checked_prompt(self, prompt: VoicePrompt) -> VoicePrompt:
+        tokens = prompt.tokens
+        codebooks, size = self.codec.num_codebooks, self.codec.codebook_size
+        if (
+            not isinstance(tokens, torch.Tensor)
+            or tokens.dtype != torch.long
+            or tokens.dim() != 2
+            or tokens.shape[0] != codebooks
+            or tokens.shape[1] == 0
+            or int(tokens.min()) < 0
+            or int(tokens.max()) >= size
+        ):
+            raise InputError(
+                f"voice prompt tokens {getattr(tokens, 'dtype', type(tokens))} "
+                f"{tuple(getattr(tokens, 'shape', ()))} are not int64 codes [{codebooks}, frames>0] in "
+                f"0..{size - 1}: build the prompt with this engine's codec."
+            )
+        if not prompt.ref_text or not prompt.ref_text.strip():
+            raise InputError("voice prompt has an empty ref_text: rebuild it with the clip's transcript.")
+        return prompt
+
+    # ---------------------------------------------------------------------------------- synthesize
+
+    def synthesize(self, reqs: list[SynthRequest]) -> list[SynthResult]:
+        prepared = [self.prepare(r) for r in reqs]
+        if not prepared:
+            return []
+        t0 = time.perf_counter()
+        tokens, work = self._generate(prepared)
+        t1 = time.perf_counter()
+        audio = self._decode([t for per_request in tokens for t in per_request])
+        t2 = time.perf_counter()
+        results = []
+        decoded = iter(audio)
+        for p, per_request, w in zip(prepared, tokens, work):
+            pieces = [next(decoded) for _ in per_request]
+            start = time.perf_counter()
+            wav = cross_fade_chunks(pieces, self.sample_rate)
+            wav = postprocess_output(wav, self.sample_rate, p.prompt.ref_rms if p.prompt else None, self.gen)
+            timings = {
+                "prepare": p.prepare_seconds,
+                "generate": t1 - t0,
+                "decode": t2 - t1,
+                "postprocess": time.perf_counter() - start,
+            }
+            results.append(
+                SynthResult(
+                    audio=np.ascontiguousarray(wav, dtype=np.float32),
+                    sample_rate=self.sample_rate,
+                    target_frames=sum(c.target_frames for c in p.chunks),
+                    token_work=w,
+                    timings=timings,
+                )
+            )
+        return results
+
+    def _gen_item(self, p: PreparedRequest, index: int, first_tokens: torch.Tensor | None) -> GenItem:
+        chunk = p.chunks[index]
+        if p.prompt is not None:
+            ref_text, ref_tokens = p.prompt.ref_text, p.prompt.tokens
+        elif chunk.first_chunk_is_ref:  # no clip: later chunks clone the voice of the first one
+            ref_text, ref_tokens = p.chunks[0].text, first_tokens
+        else:
+            ref_text, ref_tokens = None, None
+        ids = self.text.prompt_ids(
+            chunk.text, ref_text, p.language, p.instruct, self.gen.denoise, has_ref=ref_tokens is not None
+        )
+        return GenItem(ids, ref_tokens, chunk.target_frames, _chunk_seed(p.request.seed, index))
+
+    def _generate(self, prepared: list[PreparedRequest]) -> tuple[list[list[torch.Tensor]], list[int]]:
+        """Tokens of every chunk of every request, and each request's token work."""
+        tokens: list[list[torch.Tensor]] = [[] for _ in prepared]
+        work = [0] * len(prepared)
+        for index in range(max(len(p.chunks) for p in prepared)):
+            members = [i for i, p in enumerate(prepared) if index < len(p.chunks)]
+            items = [self._gen_item(prepared[i], index, tokens[i][0] if tokens[i] else None) for i in members]
+            out: list[torch.Tensor | None] = [None] * len(items)
+            for group in _token_batches(items, self.cfg.max_batch_tokens):
+                for j, t in zip(group, self.runner.generate([items[j] for j in group], self.gen)):
+                    out[j] = t
+            for i, item, t in zip(members, items, out):
+                tokens[i].append(t)
+                work[i] += Runner.packed_tokens(item) * self.gen.num_step
+        return tokens, work
+
+    def _decode(self, codes: list[torch.Tensor]) -> list[np.ndarray]:
+        audio: list[np.ndarray] = []
+        start = 0
+        while start < len(codes):
+            end, frames = start, 0
+            while end < len(codes) and (end == start or frames + codes[end].shape[1] <= DECODE_BATCH_FRAMES):
+                frames += codes[end].shape[1]
+                end += 1
+            audio += [a.cpu().numpy() for a in self.codec.decode(codes[start:end])]
+            start = end
+        return audio

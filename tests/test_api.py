@@ -1,0 +1,221 @@
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from engine.api import Engine, SynthRequest
+from engine.config import EngineConfig, GenerationConfig
+from engine.errors import AudioError, CheckpointError, InputError
+from engine.frontend.audio import fade_and_pad
+from engine.frontend.duration import estimate_target_frames
+from engine.frontend.prompt import VoicePrompt
+
+DATA = Path(__file__).parent / "data"
+CLIPS = json.loads((DATA / "clips.json").read_text())
+CLIP = DATA / "en_24k_mono.wav"
+TRANSCRIPT = CLIPS["en_24k_mono.wav"]["transcript"]
+# Few steps and no silence removal keep the tiny model fast and the output length predictable.
+FAST = GenerationConfig(num_step=2, postprocess_output=False)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return Engine(EngineConfig(prompt_cache_dir=str(tmp_path_factory.mktemp("prompts")), generation=FAST))
+
+
+def _pad(engine):
+    return 2 * int(engine.gen.pad_duration * engine.sample_rate)
+
+
+def _count_encodes(engine, monkeypatch):
+    calls = []
+    original = engine.codec.encode
+
+    def counting(wavs):
+        calls.append(len(wavs))
+        return original(wavs)
+
+    monkeypatch.setattr(engine.codec, "encode", counting)
+    return calls
+
+
+def test_engine_identity(engine):
+    assert engine.precision == "fp32" and engine.device == torch.device("cpu")
+    assert engine.model_id.startswith("tiny@") and len(engine.model_id) == len("tiny@") + 12
+    assert engine.sample_rate == engine.codec.sample_rate == 24000
+
+
+def test_clone_on_a_real_clip_returns_float32_audio_of_the_target_length(engine):
+    (out,) = engine.synthesize(
+        [SynthRequest(text="Hello there, nice to meet you.", ref_audio=CLIP, ref_text=TRANSCRIPT)]
+    )
+    prepared = engine.prepare(
+        SynthRequest(text="Hello there, nice to meet you.", ref_audio=CLIP, ref_text=TRANSCRIPT)
+    )
+    expected = estimate_target_frames(
+        "Hello there, nice to meet you.", prepared.prompt.ref_text, prepared.prompt.tokens.shape[1]
+    )
+    assert out.target_frames == expected
+    assert out.audio.dtype == np.float32 and out.audio.ndim == 1 and out.sample_rate == 24000
+    assert len(out.audio) == expected * engine.codec.hop_length + _pad(engine)
+    assert np.isfinite(out.audio).all() and np.abs(out.audio).max() > 0
+    assert set(out.timings) == {"prepare", "generate", "decode", "postprocess"}
+    assert all(v >= 0 for v in out.timings.values())
+    items_tokens = engine.runner.packed_tokens(engine._gen_item(prepared, 0, None))
+    assert out.token_work == items_tokens * FAST.num_step
+
+
+def test_reference_text_gets_final_punctuation(engine):
+    prompt = engine.prepare(SynthRequest(text="Hi.", ref_audio=CLIP, ref_text=TRANSCRIPT.rstrip("."))).prompt
+    assert prompt.ref_text == TRANSCRIPT
+
+
+def test_same_clip_is_encoded_once(engine, monkeypatch, tmp_path):
+    calls = _count_encodes(engine, monkeypatch)
+    audio, rate = sf.read(DATA / "en_16k_mono.wav", dtype="float32")
+    clip = tmp_path / "fresh.flac"  # content no other test has cached
+    sf.write(clip, audio * 0.9, rate)
+    text = CLIPS["en_16k_mono.wav"]["transcript"]
+    first = engine.prepare(SynthRequest(text="One.", ref_audio=clip, ref_text=text))
+    second = engine.prepare(SynthRequest(text="Two.", ref_audio=clip.read_bytes(), ref_text=text))
+    assert len(calls) == 1
+    assert torch.equal(first.prompt.tokens, second.prompt.tokens)
+    assert (
+        first.prompt.tokens.shape[0] == engine.codec.num_codebooks and first.prompt.tokens.dtype == torch.long
+    )
+    assert 0.03 < first.prompt.ref_rms < 0.1 and first.prompt.ref_text == text
+
+
+def test_voice_design_and_auto_modes(engine):
+    design = SynthRequest(text="A calm voice speaking.", instruct="female, low pitch", seed=3)
+    auto = SynthRequest(text="A calm voice speaking.", seed=3)
+    out_design, out_auto = engine.synthesize([design, auto])
+    for out in (out_design, out_auto):
+        assert len(out.audio) == out.target_frames * engine.codec.hop_length + _pad(engine)
+        # no reference: peak-normalised to 0.5 before the fades, which we divide out again
+        ramp = fade_and_pad(np.ones(len(out.audio) - _pad(engine), np.float32), 24000, 0.1, 0.1)
+        assert np.abs(out.audio[ramp > 0] / ramp[ramp > 0]).max() == pytest.approx(0.5, abs=1e-5)
+    ids_design = engine._gen_item(engine.prepare(design), 0, None).prompt_ids
+    ids_auto = engine._gen_item(engine.prepare(auto), 0, None).prompt_ids
+    assert ids_design != ids_auto
+
+
+def test_batch_results_do_not_depend_on_neighbours(engine):
+    a = SynthRequest(text="The first sentence.", ref_audio=CLIP, ref_text=TRANSCRIPT, seed=1)
+    b = SynthRequest(text="Another, rather longer sentence here.", instruct="male", seed=2)
+    together = engine.synthesize([a, b])[1]
+    (alone,) = engine.synthesize([b])
+    assert together.target_frames == alone.target_frames and together.token_work == alone.token_work
+    np.testing.assert_allclose(together.audio, alone.audio, atol=1e-4)
+
+
+def test_voice_prompt_request_equals_clip_request(engine, tmp_path):
+    by_clip = SynthRequest(text="Same voice.", ref_audio=CLIP, ref_text=TRANSCRIPT, seed=5)
+    prompt = engine.prepare(by_clip).prompt
+    prompt.save(tmp_path / "voice")
+    by_prompt = SynthRequest(text="Same voice.", prompt=VoicePrompt.load(tmp_path / "voice"), seed=5)
+    out_clip, out_prompt = engine.synthesize([by_clip, by_prompt])
+    np.testing.assert_allclose(out_clip.audio, out_prompt.audio, atol=1e-4)
+
+
+def test_duration_and_speed(engine):
+    fixed = engine.prepare(SynthRequest(text="Timed text.", duration=1.2))
+    assert fixed.target_frames == 30
+    normal = engine.prepare(
+        SynthRequest(text="A sentence of some length, spoken.", ref_audio=CLIP, ref_text=TRANSCRIPT)
+    )
+    fast = engine.prepare(
+        SynthRequest(
+            text="A sentence of some length, spoken.", ref_audio=CLIP, ref_text=TRANSCRIPT, speed=2.0
+        )
+    )
+    assert fast.target_frames < normal.target_frames
+
+
+@pytest.fixture(scope="module")
+def chunking_engine():
+    gen = replace(FAST, audio_chunk_threshold=2.0, audio_chunk_duration=1.0)
+    return Engine(EngineConfig(generation=gen))
+
+
+@pytest.mark.parametrize("with_clip", [True, False])
+def test_long_text_is_chunked_and_cross_faded(chunking_engine, with_clip):
+    engine, gen = chunking_engine, chunking_engine.gen
+    text = "First part of it. Then a second part, with a comma. And a third sentence to end."
+    ref = {"ref_audio": CLIP, "ref_text": TRANSCRIPT} if with_clip else {}
+    req = SynthRequest(text=text, seed=7, **ref)
+    prepared = engine.prepare(req)
+    assert len(prepared.chunks) >= 3
+    assert "".join(c.text for c in prepared.chunks).replace(" ", "") == text.replace(" ", "")
+    (out,) = engine.synthesize([req])
+    hop, fade = engine.codec.hop_length, int(0.3 * engine.sample_rate) // 3
+    frames = [c.target_frames for c in prepared.chunks]
+    assert out.target_frames == sum(frames)
+    assert len(out.audio) == sum(frames) * hop + (len(frames) - 1) * fade + _pad(engine)
+    # each chunk is one generation: the work adds up chunk by chunk (a first chunk's tokens only
+    # matter here by their shape)
+    first = torch.zeros(engine.codec.num_codebooks, frames[0], dtype=torch.long)
+    work = sum(
+        engine.runner.packed_tokens(engine._gen_item(prepared, i, first)) * gen.num_step
+        for i in range(len(prepared.chunks))
+    )
+    assert out.token_work == work
+    later = engine._gen_item(prepared, 1, first)
+    if with_clip:
+        assert torch.equal(later.ref_tokens, prepared.prompt.tokens)
+    else:  # later chunks clone the first chunk: its text and tokens are their reference
+        assert later.ref_tokens is first
+        assert later.prompt_ids == engine.text.prompt_ids(
+            prepared.chunks[1].text, prepared.chunks[0].text, None, None, gen.denoise, has_ref=True
+        )
+
+
+# ---------------------------------------------------------------- bad requests
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "error", "match"),
+    [
+        ({"text": ""}, InputError, "empty or whitespace"),
+        ({"text": " \n\t"}, InputError, "empty or whitespace"),
+        ({"text": "x" * 5001}, InputError, "over the 5000-character limit"),
+        ({"text": "Hi.", "ref_audio": str(CLIP)}, InputError, "has no transcript"),
+        ({"text": "Hi.", "ref_audio": str(CLIP), "ref_text": "  "}, InputError, "has no transcript"),
+        ({"text": "Hi.", "ref_text": "words"}, InputError, "without ref_audio"),
+        ({"text": "Hi.", "language": "Klingonese"}, InputError, "Klingonese"),
+        ({"text": "Hi.", "speed": -1.0}, InputError, "speed=-1.0"),
+        ({"text": "Hi.", "duration": 0.0}, InputError, "duration=0.0"),
+        ({"text": "Hi.", "seed": 1.5}, InputError, "seed=1.5"),
+        (
+            {"text": "Hi.", "ref_audio": "/no/such/clip.wav", "ref_text": "x"},
+            AudioError,
+            "clip.wav does not exist",
+        ),
+    ],
+)
+def test_bad_requests(engine, request_kwargs, error, match):
+    with pytest.raises(error, match=match):
+        engine.synthesize([SynthRequest(**request_kwargs)])
+
+
+def test_bad_voice_prompts(engine):
+    good = engine.prepare(SynthRequest(text="Hi.", ref_audio=CLIP, ref_text=TRANSCRIPT)).prompt
+    with pytest.raises(InputError, match="both a voice prompt and ref_audio"):
+        engine.prepare(SynthRequest(text="Hi.", prompt=good, ref_audio=CLIP))
+    wrong_books = VoicePrompt(good.tokens[:1], good.ref_text, good.ref_rms)
+    with pytest.raises(InputError, match="not int64 codes"):
+        engine.prepare(SynthRequest(text="Hi.", prompt=wrong_books))
+    out_of_range = VoicePrompt(good.tokens.clone().fill_(1024), good.ref_text, good.ref_rms)
+    with pytest.raises(InputError, match="not int64 codes"):
+        engine.prepare(SynthRequest(text="Hi.", prompt=out_of_range))
+    with pytest.raises(InputError, match="empty ref_text"):
+        engine.prepare(SynthRequest(text="Hi.", prompt=VoicePrompt(good.tokens, " ", good.ref_rms)))
+
+
+def test_precision_must_fit_the_checkpoint():
+    with pytest.raises(CheckpointError, match="precision='w4a4' with an unquantized checkpoint"):
+        Engine(EngineConfig(precision="w4a4"))
