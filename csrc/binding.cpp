@@ -53,7 +53,8 @@ std::tuple<Tensor, Tensor, Tensor> quantize_act_lora_down(const Tensor& x, const
   if (smooth) {
     check_cuda(*smooth, "smooth");
     check_dtype(*smooth, at::kFloat, "smooth");
-    TORCH_CHECK(smooth->numel() == K, "ovbatch_w4a4: smooth must have K = ", K, " elements, got ", smooth->numel());
+    TORCH_CHECK(smooth->dim() == 2 && smooth->size(0) == 2 && smooth->size(1) == K,
+                "ovbatch_w4a4: smooth must be [2, K = ", K, "] (smooth, 1 / smooth), got ", smooth->sizes());
   }
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t M_pad = pad_rows(M);

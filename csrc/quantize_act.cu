@@ -1,29 +1,42 @@
 // Kernel 1: per-token, per-64 int4 activation quantization into the GEMM's packed operand layout,
 // fused with the low-rank down-projection (x @ proj_down) so that x is read from memory once.
 //
-// One warp owns 16 rows and walks the K groups. Lane (gr, t) loads exactly the elements its int8 MMA
-// fragments need: rows gr and gr + 8, columns 16c + 4t .. 16c + 4t + 3 of the group for c = 0..3.
-// The per-row max is a 4-lane shuffle, so nothing is staged in shared memory. The low-rank product
-// reuses the same registers as bf16/fp16 MMA fragments by permuting k inside each 16-wide block
-// (lane t's columns 4t, 4t+1 play k = 2t, 2t+1 and 4t+2, 4t+3 play k = 2t+8, 2t+9); proj_down is
-// read with the same permutation, and a dot product does not depend on the order of k.
+// A block owns 16 rows; its 8 warps take the K groups in turn (warp w: groups w, w + 8, ...), and the
+// low-rank partial sums of the warps are added in shared memory at the end. Lane (gr, t) loads exactly
+// the elements its int8 MMA fragments need: rows gr and gr + 8, columns 16c + 4t .. 16c + 4t + 3 of the
+// group for c = 0..3, so the per-row max is a 4-lane shuffle. The low-rank product reuses the same
+// registers as bf16/fp16 MMA fragments by permuting k inside each 16-wide block (lane t's columns 4t,
+// 4t+1 play k = 2t, 2t+1 and 4t+2, 4t+3 play k = 2t+8, 2t+9); proj_down is read with the same
+// permutation, and a dot product does not depend on the order of k.
+//
+// Divisions are correctly rounded (the reference's IEEE float32 x / smooth and xs / scale) without a
+// division instruction: with y = RN(1/b) (1/smooth precomputed at load, 1/scale once per row),
+// q = RN(a * y), r = fma(-q, b, a) (exact) and RN(q + r * y) = RN(a / b) (Markstein), barring
+// overflow/underflow, which int4 quantization of finite activations does not reach.
 #include "w4a4_common.cuh"
 #include "w4a4_launch.h"
 
 namespace w4a4 {
 namespace {
 
-constexpr int kWarpsPerBlock = 4;
+constexpr int kWarpsPerBlock = 8;
+
+__device__ __forceinline__ float div_rn(float a, float b, float rb) {
+  const float q = a * rb;
+  const float r = fmaf(-q, b, a);
+  return fmaf(r, rb, q);
+}
 
 template <typename T, bool kSmooth, int R>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     quantize_act_lora_down_kernel(const T* __restrict__ x, const float* __restrict__ smooth,
-                                  const T* __restrict__ pd_t, int4* __restrict__ qact,
-                                  float* __restrict__ ascales, float* __restrict__ lora, int M, int M_pad,
-                                  int K) {
-  const int lane = threadIdx.x & 31;
+                                  const float* __restrict__ rsmooth, const T* __restrict__ pd_t,
+                                  int4* __restrict__ qact, float* __restrict__ ascales, float* __restrict__ lora,
+                                  int M, int M_pad, int K) {
+  __shared__ float partial[kWarpsPerBlock][R / 8 * 4][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gr = lane >> 2, t = lane & 3;
-  const int mtile = blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5);
+  const int mtile = blockIdx.x;
   const int row0 = mtile * 16 + gr, row1 = row0 + 8;
   const bool ok0 = row0 < M, ok1 = row1 < M;
   const int G = K / kGroup;
@@ -36,7 +49,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 #pragma unroll
     for (int e = 0; e < 4; ++e) lacc[nt][e] = 0.f;
 
-  for (int g = 0; g < G; ++g) {
+  for (int g = warp; g < G; g += kWarpsPerBlock) {
     // raw[row][c]: 4 consecutive elements (8 bytes) of block c of this group.
     uint2 raw[2][4];
 #pragma unroll
@@ -51,26 +64,30 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     float amax[2] = {0.f, 0.f};
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      float4 s = make_float4(1.f, 1.f, 1.f, 1.f);
-      if (kSmooth) s = *reinterpret_cast<const float4*>(smooth + g * kGroup + 16 * c + 4 * t);
-      const float sv[4] = {s.x, s.y, s.z, s.w};
+      float4 s = make_float4(1.f, 1.f, 1.f, 1.f), rs = s;
+      if (kSmooth) {
+        s = *reinterpret_cast<const float4*>(smooth + g * kGroup + 16 * c + 4 * t);
+        rs = *reinterpret_cast<const float4*>(rsmooth + g * kGroup + 16 * c + 4 * t);
+      }
+      const float sv[4] = {s.x, s.y, s.z, s.w}, rsv[4] = {rs.x, rs.y, rs.z, rs.w};
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const T* v = reinterpret_cast<const T*>(&raw[r][c]);
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
           const float f = to_float<T>(v[b]);
-          xs[r][c][b] = kSmooth ? f / sv[b] : f;
+          xs[r][c][b] = kSmooth ? div_rn(f, sv[b], rsv[b]) : f;
           amax[r] = fmaxf(amax[r], fabsf(xs[r][c][b]));
         }
       }
     }
-    float scale[2];
+    float scale[2], rscale[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
       amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 2));
       scale[r] = amax[r] / 7.0f;
+      rscale[r] = 1.0f / scale[r];
     }
     if (t == 0) {
       ascales[static_cast<int64_t>(g) * M_pad + row0] = scale[0];
@@ -87,8 +104,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
       for (int b = 0; b < 4; ++b) {
         int q0 = 0, q1 = 0;
         if (scale[r] > 0.f) {
-          q0 = min(7, max(-8, __float2int_rn(xs[r][h][b] / scale[r])));
-          q1 = min(7, max(-8, __float2int_rn(xs[r][h + 2][b] / scale[r])));
+          q0 = min(7, max(-8, __float2int_rn(div_rn(xs[r][h][b], scale[r], rscale[r]))));
+          q1 = min(7, max(-8, __float2int_rn(div_rn(xs[r][h + 2][b], scale[r], rscale[r]))));
         }
         w |= (static_cast<uint32_t>(q0 & 0xF) | (static_cast<uint32_t>(q1 & 0xF) << 4)) << (8 * b);
       }
@@ -112,19 +129,27 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   }
 
 #pragma unroll
-  for (int nt = 0; nt < R / 8; ++nt) {
-    *reinterpret_cast<float2*>(lora + static_cast<int64_t>(row0) * R + nt * 8 + 2 * t) =
-        make_float2(lacc[nt][0], lacc[nt][1]);
-    *reinterpret_cast<float2*>(lora + static_cast<int64_t>(row1) * R + nt * 8 + 2 * t) =
-        make_float2(lacc[nt][2], lacc[nt][3]);
+  for (int nt = 0; nt < R / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) partial[warp][nt * 4 + e][lane] = lacc[nt][e];
+  __syncthreads();
+  // Thread i adds fragment element i of every warp: element (nt, e) of lane l is row gr + 8 * (e >> 1),
+  // column nt * 8 + 2t + (e & 1).
+  for (int i = threadIdx.x; i < R / 8 * 4 * 32; i += kWarpsPerBlock * 32) {
+    const int l = i & 31, ne = i >> 5, nt = ne >> 2, e = ne & 3;
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarpsPerBlock; ++w) sum += partial[w][ne][l];
+    const int row = mtile * 16 + (l >> 2) + 8 * (e >> 1), col = nt * 8 + 2 * (l & 3) + (e & 1);
+    lora[static_cast<int64_t>(row) * R + col] = sum;
   }
 }
 
 template <typename T, bool kSmooth, int R>
 cudaError_t launch_typed(const QuantizeArgs& a, cudaStream_t stream) {
-  const dim3 grid(a.M_pad / (16 * kWarpsPerBlock));
+  const dim3 grid(a.M_pad / 16);
   quantize_act_lora_down_kernel<T, kSmooth, R><<<grid, kWarpsPerBlock * 32, 0, stream>>>(
-      static_cast<const T*>(a.x), a.smooth, static_cast<const T*>(a.pd_t), static_cast<int4*>(a.qact),
+      static_cast<const T*>(a.x), a.smooth, a.smooth == nullptr ? nullptr : a.smooth + a.K, static_cast<const T*>(a.pd_t), static_cast<int4*>(a.qact),
       a.ascales, a.lora, a.M, a.M_pad, a.K);
   return cudaGetLastError();
 }

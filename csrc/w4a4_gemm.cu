@@ -20,9 +20,22 @@
 namespace w4a4 {
 namespace {
 
-constexpr int kStages = 4;
+// Tuning knobs (OVBATCH_KERNEL_DEFINES): pipeline depth, blocks per SM the registers are capped for,
+// m16 tiles per IMMA pass.
+#ifndef W4A4_GEMM_STAGES
+#define W4A4_GEMM_STAGES 6
+#endif
+constexpr int kStages = W4A4_GEMM_STAGES;
 constexpr int kWarpsN = 4;
 constexpr int kMagic = 0x4B400000;
+#ifndef W4A4_GEMM_MIN_BLOCKS
+#define W4A4_GEMM_MIN_BLOCKS 1
+#endif
+constexpr int kMinBlocks = W4A4_GEMM_MIN_BLOCKS;
+#ifndef W4A4_GEMM_PASS
+#define W4A4_GEMM_PASS 2
+#endif
+constexpr int kPass = W4A4_GEMM_PASS;
 
 template <int BM>
 struct Stage {
@@ -33,7 +46,7 @@ struct Stage {
 };
 
 template <int WARPS_M, int R, typename OutT>
-__global__ void __launch_bounds__(WARPS_M * kWarpsN * 32)
+__global__ void __launch_bounds__(WARPS_M * kWarpsN * 32, kMinBlocks)
     w4a4_gemm_lora_up_kernel(const int4* __restrict__ qact, const float* __restrict__ ascales,
                              const int4* __restrict__ qweight, const float2* __restrict__ wscales,
                              const float* __restrict__ lora, const float* __restrict__ proj_up,
@@ -111,32 +124,48 @@ __global__ void __launch_bounds__(WARPS_M * kWarpsN * 32)
     for (int nt = 0; nt < 4; ++nt)
       wsc[nt] = *reinterpret_cast<const float4*>(&s.ws[wn * 32 + nt * 8 + 2 * t]);
 
+    // kPass m16 tiles at a time: 4 * kPass independent IMMAs for k-step 0, then the ones that continue
+    // them for k-step 1, then the float folds, so no instruction waits right behind the one it depends on.
 #pragma unroll
-    for (int mt = 0; mt < 4; ++mt) {
-      const int4 w = s.a[(wm * 4 + mt) * 32 + lane];
-      const uint32_t wv[4] = {static_cast<uint32_t>(w.x), static_cast<uint32_t>(w.y), static_cast<uint32_t>(w.z),
-                              static_cast<uint32_t>(w.w)};
-      uint32_t alo[4], ahi[4];
+    for (int mp = 0; mp < 4 / kPass; ++mp) {
+      uint32_t alo[kPass][4], ahi[kPass][4];
+      float asr[kPass][2];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        alo[i] = nibbles_step0(wv[i]);
-        ahi[i] = nibbles_step1(wv[i]);
+      for (int h = 0; h < kPass; ++h) {
+        const int mt = kPass * mp + h;
+        const int4 w = s.a[(wm * 4 + mt) * 32 + lane];
+        const uint32_t wv[4] = {static_cast<uint32_t>(w.x), static_cast<uint32_t>(w.y),
+                                static_cast<uint32_t>(w.z), static_cast<uint32_t>(w.w)};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          alo[h][i] = nibbles_step0(wv[i]);
+          ahi[h][i] = nibbles_step1(wv[i]);
+        }
+        asr[h][0] = s.as[wm * 64 + mt * 16 + gr];
+        asr[h][1] = s.as[wm * 64 + mt * 16 + gr + 8];
       }
-      const float as0 = s.as[wm * 64 + mt * 16 + gr], as1 = s.as[wm * 64 + mt * 16 + gr + 8];
+      int d[kPass][4][4];
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        int d[4];
-        mma_s8_16832(d, alo, blo[nt][0], blo[nt][1], kMagic, kMagic, kMagic, kMagic);
-        mma_s8_16832(d, ahi, bhi[nt][0], bhi[nt][1], d[0], d[1], d[2], d[3]);
-        const float t0 = fmaf(__int_as_float(d[0]), wsc[nt].x, wsc[nt].y);
-        const float t1 = fmaf(__int_as_float(d[1]), wsc[nt].z, wsc[nt].w);
-        const float t2 = fmaf(__int_as_float(d[2]), wsc[nt].x, wsc[nt].y);
-        const float t3 = fmaf(__int_as_float(d[3]), wsc[nt].z, wsc[nt].w);
-        acc[mt][nt][0] = fmaf(t0, as0, acc[mt][nt][0]);
-        acc[mt][nt][1] = fmaf(t1, as0, acc[mt][nt][1]);
-        acc[mt][nt][2] = fmaf(t2, as1, acc[mt][nt][2]);
-        acc[mt][nt][3] = fmaf(t3, as1, acc[mt][nt][3]);
-      }
+      for (int h = 0; h < kPass; ++h)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+          mma_s8_16832(d[h][nt], alo[h], blo[nt][0], blo[nt][1], kMagic, kMagic, kMagic, kMagic);
+#pragma unroll
+      for (int h = 0; h < kPass; ++h)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+          mma_s8_16832(d[h][nt], ahi[h], bhi[nt][0], bhi[nt][1], d[h][nt][0], d[h][nt][1], d[h][nt][2],
+                       d[h][nt][3]);
+#pragma unroll
+      for (int h = 0; h < kPass; ++h)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          float* a = acc[kPass * mp + h][nt];
+          a[0] = fmaf(fmaf(__int_as_float(d[h][nt][0]), wsc[nt].x, wsc[nt].y), asr[h][0], a[0]);
+          a[1] = fmaf(fmaf(__int_as_float(d[h][nt][1]), wsc[nt].z, wsc[nt].w), asr[h][0], a[1]);
+          a[2] = fmaf(fmaf(__int_as_float(d[h][nt][2]), wsc[nt].x, wsc[nt].y), asr[h][1], a[2]);
+          a[3] = fmaf(fmaf(__int_as_float(d[h][nt][3]), wsc[nt].z, wsc[nt].w), asr[h][1], a[3]);
+        }
     }
   }
   cp_async_wait<0>();

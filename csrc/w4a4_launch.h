@@ -11,7 +11,7 @@ constexpr int kBlockN = 128;
 
 struct QuantizeArgs {
   const void* x;        // [M, K] bf16 or fp16, row-major
-  const float* smooth;  // [K] or nullptr
+  const float* smooth;  // [2, K]: smooth and its correctly rounded reciprocal, or nullptr
   const void* pd_t;     // [R, K], x's dtype: proj_down.T / smooth (smoothing folded in)
   void* qact;           // int32 [M_pad/16, K/64, 32, 4] packed int4 operand
   float* ascales;       // [K/64, M_pad]

@@ -70,9 +70,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def smoothed(x, layer):
-    xs = x.float()
-    return xs / layer.smooth.float() if layer.smooth is not None else xs
+def smoothed_cpu(x, layer):
+    """The reference's x / smooth on the CPU: torch on CUDA divides by a Python scalar through its
+    reciprocal, so the reference's `amax / 7` is only IEEE division on the CPU."""
+    xs = x.cpu().float()
+    return xs / layer.smooth.cpu().float() if layer.smooth is not None else xs
 
 
 @pytest.mark.parametrize("m", ODD_M)
@@ -94,15 +96,17 @@ def test_quantize_act_bit_exact(m, k, dtype):
     qact, ascales, lora = kops.load().quantize_act_lora_down(x, packed.smooth, packed.pd_t[dtype])
     torch.cuda.synchronize()
 
-    xs = smoothed(x, layer)
+    xs = smoothed_cpu(x, layer)
     q_ref, s_ref = quantize_activations(xs)
-    q = unpack_operand(qact, "act")
+    q = unpack_operand(qact.cpu(), "act")
+    scales = ascales.t().cpu()
     assert torch.equal(q[:m], q_ref), f"{(q[:m] != q_ref).sum().item()} quantized values differ"
     assert torch.equal(q[m:], torch.zeros_like(q[m:])), "padding rows must quantize to 0"
-    assert torch.equal(ascales.t()[:m], s_ref), "activation scales differ from the reference (IEEE division)"
-    assert torch.equal(ascales.t()[m:], torch.zeros_like(ascales.t()[m:]))
+    assert torch.equal(scales[:m], s_ref), "activation scales differ from the reference (IEEE division)"
+    assert torch.equal(scales[m:], torch.zeros_like(scales[m:]))
+    lora = lora.cpu()
     assert torch.isfinite(lora).all()
-    lora_ref = xs @ layer.proj_down.float()
+    lora_ref = xs @ layer.proj_down.cpu().float()
     assert rel_err(lora[:m], lora_ref) < 5e-3
     assert torch.equal(lora[m:], torch.zeros_like(lora[m:]))
 
@@ -118,11 +122,11 @@ def test_quantize_act_ties_and_zero_groups():
     layer = random_layer(128, k, 16, smooth=False, bias=False, g=fresh_generator())
     packed = CudaW4A4Backend().prepare(layer)
     qact, ascales, _ = kops.load().quantize_act_lora_down(x, None, packed.pd_t[torch.bfloat16])
-    q_ref, s_ref = quantize_activations(x)
-    q = unpack_operand(qact, "act")[:3]
+    q_ref, s_ref = quantize_activations(x.cpu())
+    q = unpack_operand(qact.cpu(), "act")[:3]
     assert torch.equal(q, q_ref)
     assert q[0, :8].tolist() == [7, 2, -4, 0, 0, 2, -2, 6]
-    assert torch.equal(ascales.t()[:3], s_ref)
+    assert torch.equal(ascales.t()[:3].cpu(), s_ref)
     assert ascales[0, 1].item() == 0.0
 
 

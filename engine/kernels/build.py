@@ -3,7 +3,8 @@
 `python -m engine.kernels.build` builds it (same as `make build-ext`) and prints where it went. The build
 directory is keyed by the sources' hash, the torch version and the CUDA version, so an edit or an
 upgrade rebuilds and an unchanged tree loads the cached library in well under a second.
-Set OVBATCH_KERNEL_CACHE to move the cache (default ~/.cache/ovbatch/kernels).
+Set OVBATCH_KERNEL_CACHE to move the cache (default ~/.cache/ovbatch/kernels); OVBATCH_KERNEL_DEFINES
+passes tuning knobs (see `tuning_defines`).
 """
 
 from __future__ import annotations
@@ -28,13 +29,19 @@ EXTENSION_NAME = "ovbatch_w4a4"
 CUDA_FLAGS = ("-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-Xptxas=-warn-spills")
 
 
+def tuning_defines() -> list[str]:
+    """Extra -D flags for tuning experiments (OVBATCH_KERNEL_DEFINES="-DW4A4_GEMM_MIN_BLOCKS=2 ..."),
+    see the #ifndef knobs in csrc/w4a4_gemm.cu; empty in normal use."""
+    return os.environ.get("OVBATCH_KERNEL_DEFINES", "").split()
+
+
 def cache_dir() -> Path:
     root = Path(os.environ.get("OVBATCH_KERNEL_CACHE", Path.home() / ".cache" / "ovbatch" / "kernels"))
     digest = hashlib.sha256()
     for name in SOURCES + HEADERS:
         digest.update(name.encode())
         digest.update((CSRC / name).read_bytes())
-    digest.update(" ".join(CUDA_FLAGS).encode())
+    digest.update(" ".join((*CUDA_FLAGS, *tuning_defines())).encode())
     tag = f"torch{torch.__version__}-cuda{torch.version.cuda}-{digest.hexdigest()[:16]}"
     return root / tag.replace("+", "_")
 
@@ -55,7 +62,7 @@ def load_extension() -> tuple[bool, str]:
         load(
             name=EXTENSION_NAME,
             sources=[str(CSRC / s) for s in SOURCES],
-            extra_cuda_cflags=list(CUDA_FLAGS),
+            extra_cuda_cflags=[*CUDA_FLAGS, *tuning_defines()],
             extra_cflags=["-O3"],
             build_directory=str(build_dir),
             is_python_module=False,

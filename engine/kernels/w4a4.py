@@ -85,7 +85,7 @@ class CudaW4A4Packed:
     wscales: torch.Tensor  # float32 [K/64, N_pad, 2]
     proj_up: torch.Tensor  # float32 [N_pad, r]
     pd_t: dict[torch.dtype, torch.Tensor]  # [r, K] per activation dtype: (proj_down / smooth).T
-    smooth: torch.Tensor | None  # float32 [K]
+    smooth: torch.Tensor | None  # float32 [2, K]: smooth, 1 / smooth
     bias: torch.Tensor | None  # float32 [N]
     in_features: int
     out_features: int
@@ -126,9 +126,12 @@ class CudaW4A4Backend:
         n_pad = ops.padded_rows(n, ops.BLOCK_N)
         q = torch.nn.functional.pad(unpack_int4(t.qweight), (0, 0, 0, n_pad - n))
         pd = t.proj_down.float()
-        smooth = t.smooth.float().contiguous() if t.smooth is not None else None
-        if smooth is not None:
-            pd = pd / smooth[:, None]
+        smooth = None
+        if t.smooth is not None:
+            s = t.smooth.float()
+            pd = pd / s[:, None]
+            # the kernel divides by smooth through its reciprocal (correctly rounded, computed on the CPU)
+            smooth = torch.stack((s, (torch.ones(s.shape) / s.cpu()).to(s.device))).contiguous()
         pd_t = pd.t().contiguous()
         return CudaW4A4Packed(
             qweight=pack_operand(q, "weight"),
