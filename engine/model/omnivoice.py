@@ -114,7 +114,7 @@ class OmniVoiceModel(nn.Module):
         return self._backend
 
     def embed(self, input_ids: Tensor, audio_mask: Tensor) -> Tensor:
-        """[T, H]: text embedding (row 0) at text positions, sum of the C codebook embeddings at audio ones."""
+        """[T, H]: text embedding (row 0) at text positions, C codebook embeddings summed at audio ones."""
         text = self.llm.embed_tokens(input_ids[0] * ~audio_mask)  # audio ids may exceed a small text vocab
         offsets = (
             torch.arange(self.cfg.num_audio_codebook, device=input_ids.device) * self.cfg.audio_vocab_size
