@@ -1,0 +1,279 @@
+import hashlib
+import importlib.util
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+import transformers.models.higgs_audio_v2_tokenizer as hf_higgs
+from safetensors.torch import load_file, save_file
+from transformers import HiggsAudioV2TokenizerConfig
+
+from engine.codec import Codec
+from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG, training_only_shapes
+from engine.errors import CheckpointError, InputError
+from engine.resample import resample
+from engine.tiny_codec import write_tiny_codec
+
+HOP = 960
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_codec(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def codec(tiny_dir):
+    return Codec.from_dir(tiny_dir)
+
+
+def reference_model_class():
+    """transformers' HiggsAudioV2TokenizerModel. Its module imports torchaudio for one call,
+    torchaudio.functional.resample; where torchaudio is absent the module is loaded with that one
+    function supplied by engine.resample (itself tested against torchaudio in test_resample.py)."""
+    if importlib.util.find_spec("torchaudio") is not None:
+        from transformers import HiggsAudioV2TokenizerModel
+
+        return HiggsAudioV2TokenizerModel
+    name = "ovbatch_reference_higgs_audio_v2"
+    if name not in sys.modules:
+        path = hf_higgs.__path__[0] + "/modeling_higgs_audio_v2_tokenizer.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        module.__package__ = hf_higgs.__name__
+        stand_in = types.ModuleType("torchaudio")
+        stand_in.functional = types.SimpleNamespace(resample=resample)
+        sys.modules["torchaudio"] = stand_in
+        sys.modules[name] = module  # transformers' docstring tooling looks the module up while it loads
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        finally:
+            del sys.modules["torchaudio"]
+    return sys.modules[name].HiggsAudioV2TokenizerModel
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir, codec):
+    model = reference_model_class()(codec.config)
+    model.load_state_dict(load_file(tiny_dir / "model.safetensors"), strict=True)
+    return model.eval()
+
+
+def clips(seed: int, lengths: list[int]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        t = torch.arange(n) / 24000
+        sweep = torch.sin(2 * math.pi * (100 + 2000 * t) * t * (i + 1)) * 0.3
+        out.append(sweep + 0.05 * torch.randn(n, generator=g))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ layout
+
+
+def _digests(d):
+    names = ("config.json", "preprocessor_config.json", "model.safetensors")
+    return {n: hashlib.sha256((d / n).read_bytes()).hexdigest() for n in names}
+
+
+def test_tiny_codec_same_bytes_every_time(tiny_dir, tmp_path):
+    assert _digests(write_tiny_codec(tmp_path)) == _digests(tiny_dir)
+
+
+def test_tiny_codec_geometry(codec, tiny_dir):
+    assert (codec.sample_rate, codec.hop_length, codec.frame_rate) == (24000, 960, 25.0)
+    assert (codec.num_codebooks, codec.codebook_size) == (8, 1024)
+    pre = json.loads((tiny_dir / "preprocessor_config.json").read_text())
+    assert pre["hop_length"] == 960 and pre["sampling_rate"] == 24000
+
+
+def test_real_size_has_the_official_tensor_names():
+    cfg = HiggsAudioV2TokenizerConfig.from_dict(OMNIVOICE_CODEC_CONFIG)
+    with torch.device("meta"):
+        names = set(Codec(cfg).state_dict()) | set(training_only_shapes(cfg))
+    assert len(names) == 527  # tensors in OmniVoice's audio_tokenizer/model.safetensors
+    assert {
+        "acoustic_encoder.block.4.conv1.weight",
+        "acoustic_decoder.block.4.res_unit3.conv2.bias",
+        "encoder_semantic.conv_blocks.1.res_units.1.conv2.weight",
+        "decoder_semantic.conv_blocks.0.conv.bias",
+        "semantic_model.encoder.pos_conv_embed.conv.parametrizations.weight.original0",
+        "semantic_model.encoder.layers.11.feed_forward.output_dense.weight",
+        "quantizer.quantizers.7.codebook.embed",
+        "quantizer.quantizers.7.codebook.embed_avg",
+        "fc.weight",
+        "fc1.bias",
+        "fc2.weight",
+    } <= names
+
+
+def test_tiny_file_has_exactly_transformers_names(tiny_dir, reference):
+    file_shapes = {k: tuple(v.shape) for k, v in load_file(tiny_dir / "model.safetensors").items()}
+    assert file_shapes == {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+
+
+# ----------------------------------------------------------------------------- parity with transformers
+
+
+def test_codes_and_audio_match_transformers(codec, reference):
+    # multiples of the hop (as OmniVoice trims references), odd lengths (the padded acoustic path), short
+    for wav in clips(1, [HOP * 5, HOP * 23, HOP * 14 + 17, 24000 + 480, 1000]):
+        with torch.no_grad():
+            want = reference.encode(wav[None, None], return_dict=False)[0]
+        got = codec.encode([wav])[0]
+        assert torch.equal(got, want), wav.shape
+        with torch.no_grad():
+            want_audio = reference.decode(want[None], return_dict=False)[0, 0]
+        got_audio = codec.decode([want])[0]
+        assert got_audio.shape == want_audio.shape == (want.shape[1] * HOP,)
+        assert (got_audio - want_audio).abs().max().item() <= 1e-4
+
+
+# ------------------------------------------------------------------------------------------ batching
+
+
+def test_batched_encode_equals_one_by_one(codec):
+    wavs = clips(2, [HOP * 12, HOP * 3, HOP * 20, 24000 + 333, HOP * 2])
+    batched = codec.encode(wavs)
+    for wav, codes in zip(wavs, batched):
+        assert torch.equal(codes, codec.encode([wav])[0])
+
+
+def test_batched_decode_equals_one_by_one(codec):
+    g = torch.Generator().manual_seed(3)
+    codes = [torch.randint(0, 1024, (8, f), generator=g) for f in (20, 3, 31, 1, 9)]
+    batched = codec.decode(codes)
+    for c, audio in zip(codes, batched):
+        assert audio.shape == (c.shape[1] * HOP,) and audio.dtype == torch.float32
+        assert (audio - codec.decode([c])[0]).abs().max().item() <= 1e-4
+
+
+def test_frames_and_code_range(codec):
+    (codes,) = codec.encode([clips(4, [HOP * 33])[0]])
+    assert codes.shape == (8, 33) and codes.dtype == torch.int64
+    assert 0 <= int(codes.min()) and int(codes.max()) < 1024
+    assert codec.encode([]) == [] and codec.decode([]) == []
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "wav,message",
+    [
+        (torch.zeros(2, 9600), r"\(2, 9600\).*mono"),
+        (torch.zeros(9600, dtype=torch.int16), "torch.int16.*float"),
+        (torch.zeros(500), "500 samples, fewer than one frame"),
+        (torch.full((9600,), float("nan")), "NaN"),
+    ],
+)
+def test_encode_rejects(codec, wav, message):
+    with pytest.raises(InputError, match=message):
+        codec.encode([torch.zeros(9600), wav])
+
+
+@pytest.mark.parametrize(
+    "codes,message",
+    [
+        (torch.zeros(9, 10, dtype=torch.long), "9 codebooks.*has 8"),
+        (torch.full((8, 10), 1024), "id 1024, outside the codebook range 0..1023"),
+        (torch.full((8, 10), -1), "id -1"),
+        (torch.zeros(8, 10), "torch.float32"),
+        (torch.zeros(80, dtype=torch.long), r"\(80,\)"),
+        (torch.zeros(8, 0, dtype=torch.long), "no frames"),
+    ],
+)
+def test_decode_rejects(codec, codes, message):
+    with pytest.raises(InputError, match=message):
+        codec.decode([torch.zeros(8, 4, dtype=torch.long), codes])
+
+
+# --------------------------------------------------------------------------------------- checkpoints
+
+
+def _copy(src, dst, tensors=None, config=None):
+    dst.mkdir()
+    (dst / "config.json").write_text(config if config is not None else (src / "config.json").read_text())
+    tensors = tensors if tensors is not None else load_file(src / "model.safetensors")
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+def test_checkpoint_errors_name_the_problem(tiny_dir, tmp_path):
+    weights = load_file(tiny_dir / "model.safetensors")
+    with pytest.raises(CheckpointError, match="config.json not found"):
+        Codec.from_dir(tmp_path)
+    bad_type = json.dumps({"model_type": "dac"})
+    with pytest.raises(CheckpointError, match="model_type 'dac'"):
+        Codec.from_dir(_copy(tiny_dir, tmp_path / "type", config=bad_type))
+    missing = {k: v for k, v in weights.items() if k != "fc2.bias"}
+    with pytest.raises(CheckpointError, match="lacks 1 weight.*fc2.bias"):
+        Codec.from_dir(_copy(tiny_dir, tmp_path / "missing", missing))
+    extra = weights | {"acoustic_encoder.block.9.conv1.weight": torch.zeros(1)}
+    with pytest.raises(CheckpointError, match="does not know: acoustic_encoder.block.9.conv1.weight"):
+        Codec.from_dir(_copy(tiny_dir, tmp_path / "extra", extra))
+    reshaped = weights | {"fc.weight": torch.zeros(3, 3)}
+    with pytest.raises(CheckpointError, match=r"fc.weight \(file \[3, 3\], config \[48, 48\]\)"):
+        Codec.from_dir(_copy(tiny_dir, tmp_path / "shape", reshaped))
+    corrupt = _copy(tiny_dir, tmp_path / "corrupt")
+    (corrupt / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(CheckpointError, match="cannot be read as safetensors"):
+        Codec.from_dir(corrupt)
+    (corrupt / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model.safetensors not found"):
+        Codec.from_dir(corrupt)
+
+
+def test_masked_spec_embed_is_skipped(tiny_dir, tmp_path, codec):
+    weights = load_file(tiny_dir / "model.safetensors") | {"semantic_model.masked_spec_embed": torch.ones(32)}
+    loaded = Codec.from_dir(_copy(tiny_dir, tmp_path / "older", weights))
+    wav = clips(5, [HOP * 8])
+    assert torch.equal(loaded.encode(wav)[0], codec.encode(wav)[0])
+
+
+def test_identity_tracks_weights_and_dtype(tiny_dir, tmp_path, codec):
+    assert Codec.from_dir(tiny_dir).identity == codec.identity
+    assert Codec.from_dir(tiny_dir, dtype=torch.float64).identity != codec.identity
+    weights = load_file(tiny_dir / "model.safetensors")
+    weights["fc.bias"] = weights["fc.bias"] + 1e-3
+    assert Codec.from_dir(_copy(tiny_dir, tmp_path / "changed", weights)).identity != codec.identity
+    rebuilt = Codec(codec.config)
+    rebuilt.load_state_dict(codec.state_dict())
+    assert rebuilt.identity == codec.identity
+
+
+def test_inconsistent_frame_rates_are_refused(tiny_dir, tmp_path):
+    config = json.loads((tiny_dir / "config.json").read_text())
+    config["acoustic_model_config"]["downsampling_ratios"] = [8, 5, 4, 2]
+    with pytest.raises(CheckpointError, match="75 frames/s.*50 frames/s"):
+        Codec.from_dir(_copy(tiny_dir, tmp_path / "rates", config=json.dumps(config)))
+
+
+# ---------------------------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.gpu
+def test_cuda_matches_transformers_and_batches(tiny_dir):
+    pytest.importorskip("torchaudio")
+    gpu = Codec.from_dir(tiny_dir, device="cuda")
+    reference = reference_model_class()(gpu.config)
+    reference.load_state_dict(load_file(tiny_dir / "model.safetensors"), strict=True)
+    reference = reference.cuda().eval()
+    wavs = [w.cuda() for w in clips(6, [HOP * 50, HOP * 13 + 5, HOP * 120])]
+    batched = gpu.encode(wavs)
+    for wav, codes in zip(wavs, batched):
+        with torch.no_grad():
+            want = reference.encode(wav[None, None], return_dict=False)[0]
+            want_audio = reference.decode(want[None], return_dict=False)[0, 0]
+        assert torch.equal(codes, want)
+        assert (gpu.decode([want])[0] - want_audio).abs().max().item() <= 1e-4
+    audio = gpu.decode(batched)
+    for codes, a in zip(batched, audio):
+        assert (a - gpu.decode([codes])[0]).abs().max().item() <= 1e-4
