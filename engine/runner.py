@@ -98,15 +98,20 @@ class Runner:
         return packed_tokens(item)
 
     def _prepare(self, items: list[GenItem]) -> tuple[PackedBatch, Callable[[PackedBatch], Tensor]]:
-        """The device batch the loop updates in place, and the forward pass to run on it."""
-        layout = choose_layout(items, self.cfg.buckets) if self.use_graphs else None
-        if layout is None:
-            if self.use_graphs:
-                log.info(
-                    "batch of %d tokens exceeds every bucket: running eagerly", sum(map(packed_tokens, items))
-                )
-            return pack_items(items, self.num_codebooks, self.mask_id).to(self.device), self.model
+        """The device batch the loop updates in place, and the forward pass to run on it.
+
+        On CUDA the batch is padded to its bucket layout whether or not graphs are on, so eager and
+        graph runs compute on the same shapes and give the same tokens.
+        """
+        layout = choose_layout(items, self.cfg.buckets) if self.device.type == "cuda" else None
         batch = pack_items(items, self.num_codebooks, self.mask_id, layout).to(self.device)
+        if not self.use_graphs:
+            return batch, self.model
+        if layout is None:
+            log.info(
+                "batch of %d tokens exceeds every bucket: running eagerly", sum(map(packed_tokens, items))
+            )
+            return batch, self.model
         graphed = self.graphs.get(layout)
         if graphed is None:
             log.info("capturing a CUDA graph for %s", layout)

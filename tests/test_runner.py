@@ -7,7 +7,8 @@ from dense_reference import dense_generate
 from engine.checkpoint import load_model
 from engine.config import EngineConfig, GenerationConfig
 from engine.decoding import unmask_schedule
-from engine.runner import GenItem, Runner, choose_layout
+from engine.packing import pack_items
+from engine.runner import GenItem, GraphedForward, Runner, choose_layout
 from engine.tiny import ensure_tiny_checkpoint, tiny_state_dict
 
 C = 8
@@ -86,15 +87,31 @@ def test_layout_picks_the_smallest_bucket_and_leaves_room_for_padding():
 
 
 @pytest.mark.gpu
+def test_graph_replay_equals_eager_forward_on_new_inputs(tiny):
+    _, model = load_model(tiny, device="cuda", dtype=torch.bfloat16)
+    first, second = make_items([(9, 14, 12), (5, 0, 7)], seed=1), make_items([(12, 6, 16), (4, 0, 9)], seed=2)
+    layout = choose_layout(first, (256,))
+    assert layout == choose_layout(second, (256,))
+    with torch.inference_mode():
+        graphed = GraphedForward(model, pack_items(first, C, 1024, layout).to("cuda"), pool=None)
+        for items in (second, first):
+            batch = pack_items(items, C, 1024, layout).to("cuda")
+            batch.input_ids[:, batch.target_index[:64]] = torch.randint(0, 1024, (C, 64), device="cuda")
+            replayed = graphed(graphed.load(batch)).clone()
+            assert torch.equal(replayed, model(batch))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_graph_replay_equals_eager(tiny, dtype):
+def test_cuda_graph_generation_equals_eager(tiny, dtype):
     _, model = load_model(tiny, device="cuda", dtype=dtype)
     gen = GenerationConfig(num_step=8, position_temperature=5.0, class_temperature=0.5)
     batches = [make_items([(9, 14, 12), (5, 0, 7), (12, 6, 16)], seed=1), make_items([(7, 30, 40)], seed=2)]
-    graphed = Runner(model, EngineConfig(cuda_graphs=True, buckets=(256, 1024)), "cuda", dtype)
-    eager = Runner(model, EngineConfig(cuda_graphs=False), "cuda", dtype)
+    buckets = (256, 1024)
+    graphed = Runner(model, EngineConfig(cuda_graphs=True, buckets=buckets), "cuda", dtype)
+    eager = Runner(model, EngineConfig(cuda_graphs=False, buckets=buckets), "cuda", dtype)
     assert graphed.use_graphs and not eager.use_graphs
-    for items in batches + batches:  # the second round replays graphs captured in the first
+    for items in batches + batches:  # the second round replays the graphs captured in the first
         for a, b in zip(graphed.generate(items, gen), eager.generate(items, gen)):
             assert torch.equal(a, b)
     assert len(graphed.graphs) == 2
