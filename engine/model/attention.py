@@ -38,24 +38,23 @@ class FlashAttnBackend:
 
     name = "flash"
 
+    def __init__(self) -> None:
+        self._fn = None
+
     def can_use(self, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
         if importlib.util.find_spec("flash_attn") is None:
             return False, "the flash_attn package is not installed (pip install flash-attn)"
+        try:
+            from flash_attn import flash_attn_varlen_func
+        except Exception as e:  # an installed build that does not match this torch or CUDA
+            return False, f"flash_attn is installed but does not import ({e})"
+        self._fn = flash_attn_varlen_func
         return _needs_cuda_half(device, dtype)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
-        from flash_attn import flash_attn_varlen_func
-
-        return flash_attn_varlen_func(
-            q,
-            k,
-            v,
-            cu_seqlens,
-            cu_seqlens,
-            max_seqlen,
-            max_seqlen,
-            softmax_scale=q.shape[-1] ** -0.5,
-            causal=False,
+        scale = q.shape[-1] ** -0.5
+        return self._fn(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=False
         )
 
 
