@@ -72,7 +72,7 @@ def write_tiny_checkpoint(out_dir: Path) -> None:
     if _codec_available():
         from engine.tiny_codec import write_tiny_codec
 
-        write_tiny_codec(out_dir / "audio_tokenizer")
+        write_tiny_codec(out_dir)  # writes out_dir/audio_tokenizer/
 
 
 def _codec_available() -> bool:
