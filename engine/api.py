@@ -20,11 +20,11 @@ import torch
 from engine.checkpoint import load_model, read_config, resolve_checkpoint, weight_files
 from engine.codec import Codec
 from engine.config import EngineConfig
-from engine.errors import CheckpointError, InputError
+from engine.errors import AudioError, CheckpointError, InputError
 from engine.frontend.audio import ReferenceSettings, cross_fade_chunks, postprocess_output
 from engine.frontend.chunking import Chunk, needs_chunking, plan_chunks
 from engine.frontend.duration import effective_speed, estimate_target_frames
-from engine.frontend.prompt import PromptCache, VoicePrompt, build_prompt
+from engine.frontend.prompt import PromptCache, VoicePrompt, build_prompts
 from engine.frontend.text import (
     TextFrontend,
     add_punctuation,
@@ -63,7 +63,7 @@ class SynthResult:
     sample_rate: int
     target_frames: int
     token_work: int  # packed tokens x decoding steps spent on this request
-    # prepare and postprocess: this request's own seconds; generate and decode: the whole call's.
+    # prepare, generate and decode: seconds of the whole synthesize call; postprocess: this request's.
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -75,7 +75,6 @@ class PreparedRequest:
     prompt: VoicePrompt | None
     target_frames: int  # of the whole text
     chunks: list[Chunk]  # one chunk holding the whole text unless the text is long
-    prepare_seconds: float
 
 
 def resolve_device(name: str) -> torch.device:
@@ -179,7 +178,16 @@ class Engine:
 
     def prepare(self, req: SynthRequest) -> PreparedRequest:
         """Validate a request and build its voice prompt (through the cache)."""
-        start = time.perf_counter()
+        return self.prepare_many([req])[0]
+
+    def prepare_many(self, reqs: list[SynthRequest]) -> list[PreparedRequest]:
+        """prepare() for many requests; the reference clips missing from the cache are encoded together."""
+        styles = [self._checked_style(r) for r in reqs]
+        prompts = self._voice_prompts(reqs)
+        return [self._planned(r, lang, instruct, p) for r, (lang, instruct), p in zip(reqs, styles, prompts)]
+
+    def _checked_style(self, req: SynthRequest) -> tuple[str | None, str | None]:
+        """Check text and seed; resolve language and instruct."""
         text = req.text
         if not isinstance(text, str) or not text.strip():
             raise InputError(f"text {text!r} is empty or whitespace only: give the words to speak.")
@@ -192,7 +200,13 @@ class Engine:
             raise InputError(f"seed={req.seed!r}: give an integer.")
         language = resolve_language(req.language)
         instruct = resolve_instruct(req.instruct, use_zh=has_chinese(text)) if req.instruct else None
-        prompt = self._voice_prompt(req)
+        return language, instruct
+
+    def _planned(
+        self, req: SynthRequest, language: str | None, instruct: str | None, prompt: VoicePrompt | None
+    ) -> PreparedRequest:
+        """Target frames (duration/speed applied) and, for a long text, its chunks."""
+        text = req.text
         ref_text = prompt.ref_text if prompt else None
         ref_frames = prompt.tokens.shape[1] if prompt else None
         target = estimate_target_frames(text, ref_text, ref_frames, req.speed, req.duration, self.frame_rate)
@@ -204,15 +218,17 @@ class Engine:
             chunks = plan_chunks(
                 text, target, ref_text, ref_frames, speed, self.gen.audio_chunk_duration, self.frame_rate
             )
-        return PreparedRequest(req, language, instruct, prompt, target, chunks, time.perf_counter() - start)
+        return PreparedRequest(req, language, instruct, prompt, target, chunks)
 
-    def _voice_prompt(self, req: SynthRequest) -> VoicePrompt | None:
+    def _clip_of(self, req: SynthRequest) -> tuple[str, str] | None:
+        """(clip name, reference text as prompts store it) when the request clones a clip; checks that
+        the voice fields go together."""
         if req.prompt is not None:
             if req.ref_audio is not None or req.ref_text is not None:
                 raise InputError(
                     "a request gives both a voice prompt and ref_audio/ref_text: pass one of the two."
                 )
-            return self._checked_prompt(req.prompt)
+            return None
         if req.ref_audio is None:
             if req.ref_text is not None:
                 raise InputError(
@@ -223,19 +239,36 @@ class Engine:
         name = f"<{len(req.ref_audio)} bytes>" if isinstance(req.ref_audio, bytes) else str(req.ref_audio)
         if not isinstance(req.ref_text, str) or not req.ref_text.strip():
             raise InputError(
-                f"reference clip {name} has no transcript (ref_text={req.ref_text!r}): give the words "
-                "spoken in the clip (automatic transcription is not part of this engine)."
+                f"reference clip {name} has no transcript (ref_text={req.ref_text!r}): give the words spoken "
+                "in the clip (automatic transcription is not part of this engine)."
             )
-        ref_text = add_punctuation(req.ref_text) if self.gen.preprocess_prompt else req.ref_text
+        return name, add_punctuation(req.ref_text) if self.gen.preprocess_prompt else req.ref_text
 
-        def make(raw: bytes) -> VoicePrompt:
-            return build_prompt(raw, name, ref_text, self.codec, self.reference_settings)
+    def _voice_prompts(self, reqs: list[SynthRequest]) -> list[VoicePrompt | None]:
+        prompts: list[VoicePrompt | None] = [None] * len(reqs)
+        wanted: list[tuple[int, str, str]] = []  # (request index, clip name, reference text)
+        for i, req in enumerate(reqs):
+            clip = self._clip_of(req)
+            if clip is not None:
+                wanted.append((i, *clip))
+            elif req.prompt is not None:
+                prompts[i] = self._checked_prompt(req.prompt)
+        if not wanted:
+            return prompts
 
-        prompt = self.prompts.get_or_create(req.ref_audio, ref_text, make)
-        seconds = prompt.tokens.shape[1] / self.frame_rate
-        if seconds > LONG_REFERENCE_S:
-            log.warning("reference %s is %.1f s long: 3-10 s clones faster and better", name, seconds)
-        return prompt
+        def make_many(misses: list[tuple[int, bytes]]) -> list[VoicePrompt | AudioError]:
+            clips = [(raw, wanted[j][1], wanted[j][2]) for j, raw in misses]
+            return build_prompts(clips, self.codec, self.reference_settings)
+
+        made = self.prompts.get_or_create_many(
+            [reqs[i].ref_audio for i, _, _ in wanted], [text for _, _, text in wanted], make_many
+        )
+        for (i, name, _), prompt in zip(wanted, made):
+            seconds = prompt.tokens.shape[1] / self.frame_rate
+            if seconds > LONG_REFERENCE_S:
+                log.warning("reference %s is %.1f s long: 3-10 s clones faster and better", name, seconds)
+            prompts[i] = prompt
+        return prompts
 
     def _checked_prompt(self, prompt: VoicePrompt) -> VoicePrompt:
         tokens = prompt.tokens
@@ -261,9 +294,10 @@ class Engine:
     # ---------------------------------------------------------------------------------- synthesize
 
     def synthesize(self, reqs: list[SynthRequest]) -> list[SynthResult]:
-        prepared = [self.prepare(r) for r in reqs]
-        if not prepared:
+        if not reqs:
             return []
+        start = time.perf_counter()
+        prepared = self.prepare_many(reqs)
         t0 = time.perf_counter()
         tokens, work = self._generate(prepared)
         t1 = time.perf_counter()
@@ -273,14 +307,14 @@ class Engine:
         decoded = iter(audio)
         for p, per_request, w in zip(prepared, tokens, work):
             pieces = [next(decoded) for _ in per_request]
-            start = time.perf_counter()
+            post_start = time.perf_counter()
             wav = cross_fade_chunks(pieces, self.sample_rate)
             wav = postprocess_output(wav, self.sample_rate, p.prompt.ref_rms if p.prompt else None, self.gen)
             timings = {
-                "prepare": p.prepare_seconds,
+                "prepare": t0 - start,
                 "generate": t1 - t0,
                 "decode": t2 - t1,
-                "postprocess": time.perf_counter() - start,
+                "postprocess": time.perf_counter() - post_start,
             }
             results.append(
                 SynthResult(

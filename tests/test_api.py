@@ -90,6 +90,23 @@ def test_same_clip_is_encoded_once(engine, monkeypatch, tmp_path):
     assert 0.03 < first.prompt.ref_rms < 0.1 and first.prompt.ref_text == text
 
 
+def test_new_clips_of_one_call_are_encoded_together(engine, monkeypatch, tmp_path):
+    calls = _count_encodes(engine, monkeypatch)
+    audio, rate = sf.read(DATA / "en_8k_mono.wav", dtype="float32")
+    text = CLIPS["en_8k_mono.wav"]["transcript"]
+    paths = [tmp_path / "a.wav", tmp_path / "b.ogg"]
+    for path, gain in zip(paths, (0.8, 0.7)):
+        sf.write(path, audio * gain, rate)
+    reqs = [SynthRequest(text="Hi.", ref_audio=p, ref_text=text) for p in (*paths, paths[0])]
+    prepared = engine.prepare_many(reqs)
+    assert calls == [2]
+    assert prepared[0].prompt is prepared[2].prompt
+    bad = SynthRequest(text="Hi.", ref_audio=tmp_path / "missing.wav", ref_text=text)
+    with pytest.raises(AudioError, match="missing.wav does not exist"):
+        engine.prepare_many([bad, *reqs])
+    assert calls == [2]
+
+
 def test_voice_design_and_auto_modes(engine):
     design = SynthRequest(text="A calm voice speaking.", instruct="female, low pitch", seed=3)
     auto = SynthRequest(text="A calm voice speaking.", seed=3)

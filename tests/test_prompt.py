@@ -10,8 +10,9 @@ import soundfile as sf
 import torch
 
 from engine.errors import AudioError, InputError
+from engine.frontend import prompt as prompt_module
 from engine.frontend.audio import ReferenceSettings, prepare_reference
-from engine.frontend.prompt import PromptCache, VoicePrompt, build_prompt
+from engine.frontend.prompt import PromptCache, VoicePrompt, build_prompt, build_prompts
 
 DATA = Path(__file__).parent / "data"
 CLIP = DATA / "en_24k_mono.wav"
@@ -157,6 +158,55 @@ def _silent_wav():
     buf = io.BytesIO()
     sf.write(buf, np.zeros(24000, np.float32), 24000, format="WAV")
     return buf.getvalue()
+
+
+def test_many_clips_make_one_batch_of_distinct_misses(tmp_path):
+    codec = CountingCodec()
+    cache = _cache(tmp_path, codec)
+    other, third = DATA / "en_16k_mono.wav", DATA / "en_44k_stereo.flac"
+    cache.get_or_create(third, TEXT, _maker(codec))  # a hit later
+    codec.calls, codec.seen = 0, []
+    batches = []
+
+    def make_many(misses):
+        batches.append([i for i, _ in misses])
+        return build_prompts([(raw, f"clip{i}", TEXT) for i, raw in misses], codec, ReferenceSettings())
+
+    clips = [CLIP, other, CLIP.read_bytes(), third, other]
+    prompts = cache.get_or_create_many(clips, [TEXT] * 5, make_many)
+    assert batches == [[0, 1]]  # one call, one clip per distinct missing key
+    assert codec.calls == 1 and len(codec.seen) == 2  # encoded together
+    assert prompts[0] is prompts[2] and prompts[1] is prompts[4]
+    raws = [c if isinstance(c, bytes) else c.read_bytes() for c in clips]
+    singles = [build_prompt(raw, "c", TEXT, CountingCodec(), ReferenceSettings()) for raw in raws]
+    for got, single in zip(prompts, singles):
+        assert torch.equal(got.tokens, single.tokens) and got.ref_rms == single.ref_rms
+
+
+def test_a_bad_clip_in_a_batch_does_not_lose_the_others(tmp_path):
+    codec = CountingCodec()
+    cache = _cache(tmp_path, codec)
+    clips, texts = [_silent_wav(), CLIP, tmp_path / "missing.wav"], [TEXT] * 3
+
+    def make_many(misses):
+        return build_prompts([(raw, f"clip{i}", TEXT) for i, raw in misses], codec, ReferenceSettings())
+
+    with pytest.raises(AudioError, match="missing.wav does not exist"):
+        cache.get_or_create_many(clips, texts, make_many)
+    assert codec.calls == 1 and len(codec.seen) == 1  # the good clip was encoded and cached
+    with pytest.raises(AudioError, match="clip0 is silent"):
+        cache.get_or_create_many(clips[:2], texts[:2], make_many)
+    assert codec.calls == 1
+    cache.get_or_create_many(clips[1:2], texts[1:2], make_many)
+    assert codec.calls == 1
+
+
+def test_encode_batches_are_bounded(monkeypatch):
+    monkeypatch.setattr(prompt_module, "ENCODE_BATCH_SECONDS", 5.0)  # each clip prepares to about 3.5 s
+    codec = CountingCodec()
+    names = sorted(p.name for p in DATA.glob("en_*"))[:4]
+    prompts = build_prompts([((DATA / n).read_bytes(), n, TEXT) for n in names], codec, ReferenceSettings())
+    assert codec.calls == 4 and all(isinstance(p, VoicePrompt) for p in prompts)
 
 
 # ---------------------------------------------------------------- concurrent writers

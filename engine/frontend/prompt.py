@@ -22,8 +22,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from engine.errors import InputError
-from engine.frontend.audio import ClipSource, ReferenceSettings, prepare_reference, read_clip_bytes
+from engine.errors import AudioError, InputError
+from engine.frontend.audio import (
+    ClipSource,
+    PreparedReference,
+    ReferenceSettings,
+    prepare_reference,
+    read_clip_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +90,48 @@ class VoicePrompt:
         return cls(tokens=tokens, ref_text=meta["ref_text"], ref_rms=float(meta["ref_rms"]))
 
 
+# Seconds of reference audio encoded per codec call: bounds the encoder's memory on large batches.
+ENCODE_BATCH_SECONDS = 300.0
+
+
+def build_prompts(
+    clips: list[tuple[bytes, str, str]], codec, settings: ReferenceSettings
+) -> list[VoicePrompt | AudioError]:
+    """(clip bytes, clip name, reference text) -> prompts: each clip prepared (engine.frontend.audio),
+    the usable ones encoded together in batches. A clip that cannot be used yields its AudioError in
+    place, so the others still get their prompts."""
+    refs: list[PreparedReference | AudioError] = []
+    for raw, name, _ in clips:
+        try:
+            refs.append(
+                prepare_reference(
+                    name, codec.sample_rate, codec.hop_length, settings, has_transcript=True, raw=raw
+                )
+            )
+        except AudioError as e:
+            refs.append(e)
+    usable = [i for i, r in enumerate(refs) if isinstance(r, PreparedReference)]
+    out: list[VoicePrompt | AudioError] = list(refs)
+    limit = ENCODE_BATCH_SECONDS * codec.sample_rate
+    while usable:
+        group, samples = [], 0
+        while usable and (not group or samples + len(refs[usable[0]].audio) <= limit):
+            samples += len(refs[usable[0]].audio)
+            group.append(usable.pop(0))
+        codes = codec.encode([torch.from_numpy(refs[i].audio) for i in group])
+        for i, tokens in zip(group, codes):
+            out[i] = VoicePrompt(
+                tokens=tokens.to("cpu", torch.long), ref_text=clips[i][2], ref_rms=refs[i].rms
+            )
+    return out
+
+
 def build_prompt(raw: bytes, name: str, ref_text: str, codec, settings: ReferenceSettings) -> VoicePrompt:
-    """Prepare a clip's samples (engine.frontend.audio) and encode them with the codec."""
-    ref = prepare_reference(name, codec.sample_rate, codec.hop_length, settings, has_transcript=True, raw=raw)
-    (tokens,) = codec.encode([torch.from_numpy(ref.audio)])
-    return VoicePrompt(tokens=tokens.to("cpu", torch.long), ref_text=ref_text, ref_rms=ref.rms)
+    """One clip's prompt (build_prompts for a single clip); AudioError when the clip cannot be used."""
+    (prompt,) = build_prompts([(raw, name, ref_text)], codec, settings)
+    if isinstance(prompt, AudioError):
+        raise prompt
+    return prompt
 
 
 class PromptCache:
@@ -120,18 +163,53 @@ class PromptCache:
         self, clip: ClipSource, ref_text: str, make: Callable[[bytes], VoicePrompt]
     ) -> VoicePrompt:
         """The cached prompt, or make(clip_bytes) stored under the key (make runs only on a miss)."""
-        raw = read_clip_bytes(clip)
-        key = self.key(raw, ref_text)
+        return self.get_or_create_many([clip], [ref_text], lambda misses: [make(raw) for _, raw in misses])[0]
+
+    def get_or_create_many(
+        self,
+        clips: list[ClipSource],
+        ref_texts: list[str],
+        make_many: Callable[[list[tuple[int, bytes]]], list[VoicePrompt | AudioError]],
+    ) -> list[VoicePrompt]:
+        """Prompts for many clips: hits are read back, the misses made by ONE make_many call.
+
+        make_many receives (index into clips, clip bytes) for one clip per distinct missing key and
+        returns a prompt or an AudioError for each. Every prompt made is cached before the first
+        error (unreadable clip or AudioError) is raised, so a retry without the bad clip hits the cache.
+        """
+        found: list[VoicePrompt | None] = [None] * len(clips)
+        errors: list[AudioError] = []
+        misses: dict[str, list[int]] = {}
+        raws: dict[int, bytes] = {}
+        for i, (clip, ref_text) in enumerate(zip(clips, ref_texts, strict=True)):
+            try:
+                raw = read_clip_bytes(clip)
+            except AudioError as e:
+                errors.append(e)
+                continue
+            key = self.key(raw, ref_text)
+            found[i] = self._memory.get(key) if self.directory is None else self._load(key)
+            if found[i] is None:
+                misses.setdefault(key, []).append(i)
+                raws[i] = raw
+        if misses:
+            made = make_many([(group[0], raws[group[0]]) for group in misses.values()])
+            for (key, group), prompt in zip(misses.items(), made, strict=True):
+                if isinstance(prompt, AudioError):
+                    errors.append(prompt)
+                    continue
+                self._store(key, prompt)
+                for i in group:
+                    found[i] = prompt
+        if errors:
+            raise errors[0]
+        return found
+
+    def _store(self, key: str, prompt: VoicePrompt) -> None:
         if self.directory is None:
-            if key not in self._memory:
-                self._memory[key] = make(raw)
-            return self._memory[key]
-        cached = self._load(key)
-        if cached is not None:
-            return cached
-        prompt = make(raw)
-        self._publish(key, prompt)
-        return prompt
+            self._memory[key] = prompt
+        else:
+            self._publish(key, prompt)
 
     def _load(self, key: str) -> VoicePrompt | None:
         entry = self.entry_dir(key)
