@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from engine.config import LLMConfig, ModelConfig
 from engine.model import OmniVoiceModel
 
-TINY_VERSION = 1
+TINY_VERSION = 2
 SEED = 20260
 HEAD_LOGIT_STD = 2.5  # spread of the audio-head logits: peaked enough that decoding is not a coin toss
 
@@ -82,7 +82,7 @@ def _codec_available() -> bool:
 def _complete(ckpt_dir: Path) -> bool:
     needed = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     if _codec_available():
-        needed.append("audio_tokenizer")
+        needed += ["audio_tokenizer/config.json", "audio_tokenizer/model.safetensors"]
     return all((ckpt_dir / name).exists() for name in needed)
 
 
