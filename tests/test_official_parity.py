@@ -12,8 +12,9 @@ pytest.importorskip("omnivoice")
 
 from bench.parity import cases, run_parity  # noqa: E402
 
+pytestmark = pytest.mark.official
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SIZES = ["tiny"] + (["full"] if torch.cuda.is_available() else [])
+SIZES = ["tiny"] + ([pytest.param("full", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
 
 
 @pytest.fixture(scope="module", params=SIZES)
