@@ -37,6 +37,7 @@ RESULT_SCHEMA = pa.schema([
     ("precision", pa.string()), ("model", pa.string()), ("host", pa.string()), ("gpu", pa.string()),
     ("started_at", pa.string()), ("finished_at", pa.string()), ("row_index", pa.int64()),
     ("packed_tokens", pa.int64()), ("token_work", pa.int64()), ("batch_size", pa.int64()),
+    ("worker", pa.string()),
 ])  # fmt: skip
 STATUSES = ("ok", "failed", "rejected")
 TMP_MARK = ".ovtmp-"

@@ -32,7 +32,8 @@ def workdir(tmp_path: Path) -> Path:
 
 def test_good_rows_resolve_relative_clips_against_the_manifest_folder(workdir: Path):
     m = _write(workdir / "m.parquet", id=["a", "b"], text=["Hello.", "World, again."],
-               ref_audio=[f"clips/{CLIP}", str(workdir / "clips" / "other.wav")], ref_text=[TRANSCRIPT, "Hi."],
+               ref_audio=[f"clips/{CLIP}", str(workdir / "clips" / "other.wav")],
+               ref_text=[TRANSCRIPT, "Hi."],
                language=["en", "English"], speed=[None, 1.2], seed=[7, None])
     out = load(m)
     assert out.rejected == []
@@ -46,7 +47,8 @@ def test_good_rows_resolve_relative_clips_against_the_manifest_folder(workdir: P
 
 
 def test_manifest_as_a_file_uri(workdir: Path):
-    m = _write(workdir / "m.parquet", id=["a"], text=["Hello."], ref_audio=[f"clips/{CLIP}"], ref_text=[TRANSCRIPT])
+    m = _write(workdir / "m.parquet", id=["a"], text=["Hello."], ref_audio=[f"clips/{CLIP}"],
+               ref_text=[TRANSCRIPT])
     out = load(f"file://{m}")
     assert [r.id for r in out.rows] == ["a"]
     assert out.rows[0].ref_audio == str(workdir / "clips" / CLIP)

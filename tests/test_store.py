@@ -94,7 +94,7 @@ def test_remove_temp_files_and_torn_run_log(tmp_path: Path):
         f.write('{"kind": "resu')  # a driver killed mid-line
     assert job.read_runs() == [{"kind": "submit", "wall_seconds": 2.0}]
     job.append_run({"kind": "resume", "wall_seconds": 1.0})
-    assert job.read_runs() == [{"kind": "submit", "wall_seconds": 2.0}, {"kind": "resume", "wall_seconds": 1.0}]
+    assert [r["kind"] for r in job.read_runs()] == ["submit", "resume"]
 
 
 def test_require_names_the_missing_job(tmp_path: Path):

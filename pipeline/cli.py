@@ -1,0 +1,236 @@
+"""`ovbatch`: submit, status, rerun, report, demo, manifest check, synth, quantize.
+
+Errors the project raises on purpose (OVBatchError) print one line and exit with code 2; a job that
+finishes with failed rows exits with code 1 and says how to rerun them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from engine.errors import OVBatchError
+
+EXIT_FAILED_ROWS = 1
+EXIT_ERROR = 2
+
+
+def _job_overrides(args: argparse.Namespace) -> list[str]:
+    """Flags that are shorthands for config keys, then the free key=value overrides (which win)."""
+    out = []
+    if getattr(args, "checkpoint", None):
+        out.append(f"engine.checkpoint={args.checkpoint}")
+    if getattr(args, "local", False):
+        out.append("local=true")
+    if getattr(args, "address", None):
+        out.append(f"ray.address={args.address}")
+    return out + list(args.overrides)
+
+
+def _print_outcome(outcome: Any) -> int:
+    s = outcome.summary
+    rows = s["rows"]
+    print(f"job {s['job']}: {rows['ok']} ok, {rows['failed']} failed, {rows['rejected']} rejected, "
+          f"{rows['pending']} pending; {len(outcome.shards_run)} shard(s) run; "
+          f"wall {s['wall_seconds']:.1f} s; x-realtime {s['x_realtime']}")
+    print(f"  wavs:    {outcome.job.path / 'wavs'}")
+    print(f"  results: {outcome.job.results_dir}")
+    print(f"  summary: {outcome.job.summary_path}")
+    if (outcome.job.report_dir / "index.html").exists():
+        print(f"  report:  {outcome.job.report_dir / 'index.html'}")
+    if rows["failed"]:
+        print(f"{rows['failed']} row(s) failed (see the error column): "
+              f"`ovbatch rerun {s['job']}` runs them again.")
+        return EXIT_FAILED_ROWS
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from pipeline.config import load_job_config
+    from pipeline.job import submit
+    from pipeline.sizing import engine_sizer
+
+    cfg = load_job_config(args.config, [f"manifest={args.manifest}", *_job_overrides(args)])
+    return _print_outcome(submit(cfg, args.out, engine_sizer))
+
+
+def cmd_rerun(args: argparse.Namespace) -> int:
+    from pipeline.job import rerun
+
+    return _print_outcome(rerun(args.job, _job_overrides(args)))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from pipeline.job import status
+
+    s = status(args.job)
+    if args.json:
+        print(json.dumps(s, indent=1))
+        return 0
+    rows = s["rows"]
+    print(f"job {s['job']} ({'complete' if s['complete'] else 'incomplete'})")
+    print(f"  rows: {rows['ok']} ok, {rows['failed']} failed, {rows['rejected']} rejected, "
+          f"{rows['pending']} pending of {rows['total']}")
+    print(f"  shards: {s['shards']['finished']} of {s['shards']['planned']} finished")
+    print(f"  wall {s['wall_seconds']:.1f} s over {len(s['runs'])} run(s); audio {s['audio_seconds']:.1f} s; "
+          f"x-realtime {s['x_realtime']} (engine {s['engine_x_realtime']})")
+    for b in s["per_bucket"]:
+        print(f"  {b['variant']} bucket {b['bucket']}: {b['rows']} rows, {b['rows_per_s']} rows/s, "
+              f"x-realtime {b['x_realtime']}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from pipeline.report import write_report
+    from pipeline.store import JobDir
+
+    job = JobDir(args.job)
+    job.require()
+    print(write_report(job))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pipeline.demo import run_demo
+
+    return _print_outcome(run_demo(args.out, local=args.local, overrides=list(args.overrides)))
+
+
+def cmd_manifest_check(args: argparse.Namespace) -> int:
+    from pipeline.config import load_job_config
+    from pipeline.job import check_manifest
+    from pipeline.sizing import engine_sizer
+
+    cfg = load_job_config(args.config, [f"manifest={args.file}", *_job_overrides(args)])
+    report = check_manifest(cfg, engine_sizer(cfg))
+    print(f"manifest {report['source']}: {report['rows']} rows, {report['accepted']} accepted, "
+          f"{len(report['rejected'])} rejected; buckets {report['buckets']}")
+    for r in report["rejected"][: args.limit]:
+        print(f"  row {r.row_index} id={r.id!r}: {r.reason}")
+    if len(report["rejected"]) > args.limit:
+        print(f"  ... and {len(report['rejected']) - args.limit} more")
+    return 1 if report["rejected"] else 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    import soundfile as sf
+
+    from engine.api import Engine, SynthRequest
+    from pipeline.config import load_job_config
+
+    cfg = load_job_config(None, _job_overrides(args))
+    engine = Engine(cfg.engine)
+    req = SynthRequest(text=args.text, ref_audio=args.ref_audio, ref_text=args.ref_text,
+                       language=args.language, instruct=args.instruct, duration=args.duration,
+                       speed=args.speed, seed=args.seed)
+    (result,) = engine.synthesize([req])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    sf.write(args.out, result.audio, result.sample_rate)
+    seconds = len(result.audio) / result.sample_rate
+    print(f"{args.out}: {seconds:.2f} s at {result.sample_rate} Hz ({engine.precision} on {engine.device})")
+    return 0
+
+
+def cmd_quantize(argv: list[str]) -> int:
+    from engine.quant import quantize
+
+    return int(quantize.main(argv) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ovbatch", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def job_flags(sp: argparse.ArgumentParser, config: bool = True) -> None:
+        sp.add_argument("--local", action="store_true", help="run shards in this process (no Ray)")
+        sp.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
+        sp.add_argument("--checkpoint", help="checkpoint directory (default: the embedded tiny checkpoint)")
+        if config:
+            sp.add_argument("--config", help="job config YAML (see jobs/*.yaml)")
+        sp.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="config overrides, e.g. engine.precision=fp16")
+
+    sp = sub.add_parser("submit", help="plan a manifest into a job dir and run it (or resume it)")
+    sp.add_argument("manifest", help="Parquet manifest: local path or pyarrow.fs URI (s3://, gs://, file://)")
+    sp.add_argument("--out", required=True, help="job directory")
+    job_flags(sp)
+    sp.set_defaults(func=cmd_submit)
+
+    sp = sub.add_parser("rerun", help="run the shards that are missing or hold failed rows")
+    sp.add_argument("job")
+    job_flags(sp, config=False)
+    sp.set_defaults(func=cmd_rerun)
+
+    sp = sub.add_parser("status", help="rows by status, shards, throughput")
+    sp.add_argument("job")
+    sp.add_argument("--json", action="store_true", help="print the summary as JSON")
+    sp.set_defaults(func=cmd_status)
+
+    sp = sub.add_parser("report", help="write JOB/report/index.html (A/B metrics when there are variants)")
+    sp.add_argument("job")
+    sp.set_defaults(func=cmd_report)
+
+    sp = sub.add_parser("demo", help="run a small job on the tiny checkpoint through local Ray")
+    sp.add_argument("--out", default="demo-job", help="job directory (default: ./demo-job)")
+    sp.add_argument("--local", action="store_true", help="run in this process instead of on Ray actors")
+    sp.add_argument("overrides", nargs="*", metavar="key=value")
+    sp.set_defaults(func=cmd_demo)
+
+    sp = sub.add_parser("manifest", help="manifest tools")
+    msub = sp.add_subparsers(dest="manifest_command", required=True)
+    mc = msub.add_parser("check", help="validate a manifest without running anything")
+    mc.add_argument("file")
+    mc.add_argument("--checkpoint", help="checkpoint whose tokenizer sizes the rows (default: tiny)")
+    mc.add_argument("--config", help="job config YAML (engine buckets and limits)")
+    mc.add_argument("--limit", type=int, default=50, help="rejected rows to print")
+    mc.add_argument("overrides", nargs="*", metavar="key=value")
+    mc.set_defaults(func=cmd_manifest_check)
+
+    sp = sub.add_parser("synth", help="synthesize one utterance")
+    sp.add_argument("--text", required=True)
+    sp.add_argument("--ref-audio")
+    sp.add_argument("--ref-text")
+    sp.add_argument("--out", required=True, help="output wav")
+    sp.add_argument("--checkpoint")
+    sp.add_argument("--language")
+    sp.add_argument("--instruct")
+    sp.add_argument("--duration", type=float)
+    sp.add_argument("--speed", type=float)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="engine overrides, e.g. engine.precision=fp32")
+    sp.set_defaults(func=cmd_synth)
+
+    sub.add_parser("quantize", help="quantize a checkpoint to W4A4 (options: ovbatch quantize --help)",
+                   add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "quantize":
+            return cmd_quantize(argv[1:])
+        parser = build_parser()
+        # key=value overrides may follow options (argparse cannot interleave them with subcommands)
+        args, extra = parser.parse_known_args(argv)
+        stray = [x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")]
+        if stray:
+            parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        if extra:
+            args.overrides = [*args.overrides, *extra]
+        return args.func(args)
+    except OVBatchError as e:
+        print(f"ovbatch: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("ovbatch: interrupted; finished shards are saved; submit the same job again to resume.",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

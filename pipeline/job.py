@@ -1,0 +1,208 @@
+"""A job from start to finish: submit (plan, then run), resume, rerun, status.
+
+submit MANIFEST --out JOB   plans the job into JOB and runs every shard without a result file; the same
+                            command again resumes (the plan must match: same rows, same engine settings).
+rerun JOB                   runs exactly the shards whose result file is missing or holds failed rows;
+                            ok and rejected rows are kept as they are (their wavs are not rewritten).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from engine.errors import InputError
+from pipeline import manifest as manifest_mod
+from pipeline.config import JobConfig, load_job_config, to_yaml
+from pipeline.plan import Plan, RowSize, Sizer, make_plan
+from pipeline.runner import ShardRunner, ShardTask, run_local
+from pipeline.store import JobDir, JobDirError, write_bytes_atomic, write_json_atomic
+from pipeline.summary import summarize
+
+Executor = Callable[[list[ShardTask]], Iterator[tuple[ShardTask, list[dict[str, Any]]]]]
+
+
+@dataclass
+class JobOutcome:
+    job: JobDir
+    summary: dict[str, Any]
+    shards_run: list[int]
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def with_job_defaults(cfg: JobConfig, job: JobDir) -> JobConfig:
+    """Fill settings whose default depends on the job dir (the voice-prompt cache)."""
+    if cfg.engine.prompt_cache_dir is None:
+        cfg = replace(cfg, engine=replace(cfg.engine, prompt_cache_dir=str(job.path / "cache" / "prompts")))
+    return cfg
+
+
+def plan_job(cfg: JobConfig, sizer: Sizer, clip_dir: Path | None
+             ) -> tuple[Plan, list[manifest_mod.ManifestRow]]:
+    """Load and validate the manifest, size its rows, cut shards. Remote clips are copied to clip_dir."""
+    manifest = manifest_mod.load(cfg.manifest, clip_dir=clip_dir)
+    sizes: dict[str, RowSize] = {}
+    rejected = list(manifest.rejected)
+    rows = []
+    for row in manifest.rows:
+        try:
+            sizes[row.id] = sizer(row)
+        except InputError as e:  # the engine's frontend refused the row (AudioError included)
+            rejected.append(manifest_mod.Rejection(row.row_index, row.id, str(e)))
+            continue
+        rows.append(row)
+    keys = {}
+    for variant in cfg.variant_names():
+        engine_cfg = cfg.engine_config(variant)
+        keys[variant] = {r.id: manifest_mod.row_key(r, engine_cfg) for r in rows}
+    base = cfg.engine
+    plan = make_plan(rows, rejected, sizes, keys, base.buckets, base.max_batch_tokens, cfg.shard_tokens,
+                     cfg.max_rows_per_shard)
+    return plan, rows
+
+
+def check_manifest(cfg: JobConfig, sizer: Sizer) -> dict[str, Any]:
+    """What submit would plan, without writing or running anything."""
+    plan, _ = plan_job(cfg, sizer, clip_dir=None)
+    buckets: dict[int, int] = {}
+    for shard in plan.shards:
+        if shard.variant == plan.variants[0]:
+            buckets[shard.bucket] = buckets.get(shard.bucket, 0) + len(shard.rows)
+    accepted = sum(buckets.values())
+    return {"source": cfg.manifest, "rows": accepted + len(plan.rejected), "accepted": accepted,
+            "rejected": plan.rejected, "buckets": dict(sorted(buckets.items())), "shards": len(plan.shards)}
+
+
+def submit(cfg: JobConfig, out: str | Path, make_sizer: Callable[[JobConfig], Sizer],
+           executor: Executor | None = None) -> JobOutcome:
+    """Plan MANIFEST into OUT and run it; on an existing OUT with the same plan, run what is unfinished.
+    make_sizer(cfg) gives the row sizer (pipeline.sizing.engine_sizer: the engine's own preparation)."""
+    job = JobDir(out)
+    cfg = with_job_defaults(cfg, job)
+    if cfg.manifest is None:
+        raise JobDirError("no manifest given: pass MANIFEST to submit (or manifest=... in the config).")
+    sizer = make_sizer(cfg)
+    plan, rows = plan_job(cfg, sizer, job.clip_dir)
+    kind = "submit"
+    if job.exists():
+        stored = job.read_plan()
+        if stored.fingerprint != plan.fingerprint:
+            raise JobDirError(
+                f"{job.path} holds a different job (its plan has other rows, row keys or shards than this "
+                "manifest and config give): submit to a new --out, or `ovbatch rerun` the existing job."
+            )
+        kind = "resume"
+    else:
+        job.path.mkdir(parents=True, exist_ok=True)
+        job.write_rows(rows)
+        job.write_rejected(plan)
+        job.write_plan(plan)
+    write_bytes_atomic(job.config_path, to_yaml(cfg).encode())
+    todo = [s.index for s in plan.shards if s.index not in job.finished_shards()]
+    return execute(job, cfg, plan, todo, kind, executor, reusable_engines(cfg, sizer))
+
+
+def rerun(job_path: str | Path, overrides: list[str] | tuple[str, ...] = (),
+          executor: Executor | None = None) -> JobOutcome:
+    """Run the shards that are missing a result file or hold failed rows; only their failed rows run."""
+    job = JobDir(job_path)
+    job.require()
+    cfg = load_job_config(job.config_path, overrides)
+    plan = job.read_plan()
+    finished = job.finished_shards()
+    todo = []
+    for shard in plan.shards:
+        if shard.index not in finished:
+            todo.append(shard.index)
+        elif any(r["status"] == "failed" for r in job.read_shard_results(shard.index)):
+            todo.append(shard.index)
+    return execute(job, cfg, plan, todo, "rerun", executor)
+
+
+def _task(plan: Plan, index: int, rows: dict[str, manifest_mod.ManifestRow],
+          kept: dict[int, list[dict[str, Any]]]) -> ShardTask:
+    shard = plan.shards[index]
+    done = {r["id"] for r in kept.get(index, [])}
+    payload = [{**rows[p.id].to_dict(), "row_key": p.row_key, "packed_tokens": p.packed_tokens,
+                "target_frames": p.target_frames} for p in shard.rows if p.id not in done]
+    attempt = 1 + max((r["attempt"] or 0 for r in kept.get(index, [])), default=0)
+    return ShardTask(shard.index, shard.variant, shard.bucket, attempt, payload)
+
+
+def reusable_engines(cfg: JobConfig, sizer: Sizer) -> dict[str, Any]:
+    """Local mode on the CPU can run shards on the engine that planned them (loaded on the CPU)."""
+    engine = getattr(sizer, "engine", None)
+    variant = cfg.variant_names()[0]
+    on_cpu = getattr(getattr(engine, "device", None), "type", None) == "cpu"
+    wants_cpu = cfg.engine_config(variant).device == "cpu" or (
+        cfg.engine_config(variant).device == "auto" and not _cuda_available())
+    return {variant: engine} if cfg.local and engine is not None and on_cpu and wants_cpu else {}
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def execute(job: JobDir, cfg: JobConfig, plan: Plan, shard_indices: list[int], kind: str,
+            executor: Executor | None = None, engines: dict[str, Any] | None = None) -> JobOutcome:
+    job.remove_temp_files()
+    rows = job.read_rows()
+    finished = job.finished_shards()
+    # Rows a shard already settled (ok or rejected) are kept and never run again.
+    kept = {i: [r for r in job.read_shard_results(i) if r["status"] != "failed"]
+            for i in shard_indices if i in finished}
+    tasks = [_task(plan, i, rows, kept) for i in shard_indices]
+    started, t0 = _now(), time.perf_counter()
+    run_record = {"kind": kind, "started_at": started, "mode": "local" if cfg.local else "ray",
+                  "shards": len(tasks), "rows": sum(len(t.rows) for t in tasks)}
+    pool = None
+    if tasks:
+        if executor is None:
+            executor, pool = make_executor(job, cfg, engines)
+        bar = tqdm(total=run_record["rows"], unit="row", desc=f"{kind} {job.path.name}",
+                   disable=not cfg.progress, dynamic_ncols=True)
+        try:
+            for task, results in executor(tasks):
+                job.write_shard_results(task.index, kept.get(task.index, []) + results)
+                bar.update(len(task.rows))
+        finally:
+            bar.close()
+            if pool is not None:
+                pool.shutdown()
+    run_record.update(finished_at=_now(), wall_seconds=round(time.perf_counter() - t0, 3))
+    job.append_run(run_record)
+    summary = summarize(job)
+    write_json_atomic(job.summary_path, summary)
+    if cfg.report == "always" or (cfg.report == "auto" and len(plan.variants) > 1 and summary["complete"]):
+        from pipeline.report import write_report
+
+        write_report(job)
+    return JobOutcome(job, summary, [t.index for t in tasks])
+
+
+def make_executor(job: JobDir, cfg: JobConfig, engines: dict[str, Any] | None = None
+                  ) -> tuple[Executor, Any]:
+    if cfg.local:
+        runner = ShardRunner(job.path, cfg, engines)
+        return (lambda tasks: run_local(runner, tasks)), None
+    from pipeline.ray_runner import ActorPool, connect
+
+    pool = ActorPool(str(job.path), cfg, started_ray=connect(cfg))
+    return pool.run, pool
+
+
+def status(job_path: str | Path) -> dict[str, Any]:
+    job = JobDir(job_path)
+    job.require()
+    return summarize(job)

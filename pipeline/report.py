@@ -1,0 +1,127 @@
+"""report/index.html: the job's figures, plots (inline SVG) and audio players; A/B metrics when the job
+ran two or more variants (the first variant against each other one)."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from pipeline import svgplot
+from pipeline.compare import compare_variants
+from pipeline.store import JobDir, write_bytes_atomic, write_json_atomic
+from pipeline.summary import summarize
+
+PLAYERS = 12
+LISTED_PROBLEMS = 200
+_CSS = """body{font-family:system-ui,sans-serif;margin:24px;max-width:1100px}
+table{border-collapse:collapse;margin:8px 0 20px}td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}
+th{background:#f3f3f3}td.n{text-align:right;font-variant-numeric:tabular-nums}audio{height:28px;width:220px}
+.plots{display:flex;flex-wrap:wrap;gap:16px}"""
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f'<td class="n">{"inf" if math.isinf(v) else f"{v:.4g}"}</td>'
+    if isinstance(v, int):
+        return f'<td class="n">{v}</td>'
+    return f"<td>{escape('' if v is None else str(v))}</td>"
+
+
+def table(rows: list[dict[str, Any]], columns: list[str], markup: tuple[str, ...] = ()) -> str:
+    """An HTML table; values are escaped except in the `markup` columns (players built here)."""
+    head = "".join(f"<th>{escape(c)}</th>" for c in (*columns, *markup))
+    body = "".join("<tr>" + "".join(_cell(r.get(c)) for c in columns)
+                   + "".join(f"<td>{r.get(c, '')}</td>" for c in markup) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _audio(report_dir: Path, job: JobDir, rel: str | None) -> str:
+    if not rel:
+        return ""
+    src = os.path.relpath(job.path / rel, report_dir)
+    return f'<audio controls preload="none" src="{escape(src)}"></audio>'
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return {"rows": len(values)}
+    return {"rows": len(values), "median": statistics.median(finite), "mean": statistics.fmean(finite),
+            "min": min(finite), "max": max(finite)}
+
+
+def _ab_section(job: JobDir, a: str, b: str) -> tuple[str, dict[str, Any]]:
+    rows = compare_variants(job, a, b)
+    metrics = ("duration_ratio", "mel_lsd_db", "snr_db", "correlation")
+    stats = {m: _stats([r[m] for r in rows]) for m in metrics}
+    stat_rows = [{"metric": m, **s} for m, s in stats.items()]
+    worst = sorted(rows, key=lambda r: -r["mel_lsd_db"])[:PLAYERS]
+    for r in worst:
+        r["A"] = _audio(job.report_dir, job, r["wav_a"])
+        r["B"] = _audio(job.report_dir, job, r["wav_b"])
+    players = table(worst, ["id", "bucket", "seconds_a", "seconds_b", "mel_lsd_db", "snr_db", "correlation"],
+                    markup=("A", "B"))
+    plots = "".join([
+        svgplot.histogram({"mel LSD (dB)": [r["mel_lsd_db"] for r in rows]}, f"log-mel LSD, {b} vs {a} (dB)"),
+        svgplot.scatter({"rows": [(r["seconds_a"], r["seconds_b"]) for r in rows]},
+                        f"{a} seconds", f"{b} seconds"),
+    ])
+    html = (f"<h2>A/B: {escape(b)} against {escape(a)} ({len(rows)} rows ok in both)</h2>"
+            f"{table(stat_rows, ['metric', 'rows', 'median', 'mean', 'min', 'max'])}"
+            f'<div class="plots">{plots}</div>'
+            f"<h3>Largest spectral differences (listen)</h3>{players}")
+    return html, {"variant_a": a, "variant_b": b, "rows": len(rows), "metrics": stats}
+
+
+def write_report(job: JobDir) -> Path:
+    """Write JOB/report/index.html (and report/ab.json when there are two or more variants)."""
+    summary = summarize(job)
+    results = job.read_results().to_pylist()
+    ok = [r for r in results if r["status"] == "ok"]
+    problems = [r for r in results if r["status"] != "ok"][:LISTED_PROBLEMS]
+    variants = summary["variants"]
+    job.report_dir.mkdir(parents=True, exist_ok=True)
+
+    status_rows = [{"variant": v, **c} for v, c in summary["rows_by_variant"].items()]
+    plots = "".join([
+        svgplot.scatter({v: [(r["packed_tokens"], r["rtf"]) for r in ok if r["variant"] == v]
+                         for v in variants}, "packed tokens (cond + uncond)", "RTF (synth s / audio s)"),
+        svgplot.histogram({v: [r["audio_seconds"] for r in ok if r["variant"] == v] for v in variants},
+                          "audio seconds"),
+    ])
+    parts = [
+        f"<h1>OVBatch job {escape(job.path.name)}</h1>",
+        f"<p>{escape(str(job.path))} &middot; complete: {summary['complete']} &middot; wall "
+        f"{summary['wall_seconds']:.1f} s &middot; audio {summary['audio_seconds']:.1f} s &middot; "
+        f"x-realtime {summary['x_realtime']} (job wall) / {summary['engine_x_realtime']} (engine time)</p>",
+        "<h2>Rows</h2>", table(status_rows, ["variant", "ok", "failed", "rejected"]),
+        "<h2>Per bucket</h2>",
+        table(summary["per_bucket"], ["variant", "bucket", "rows", "audio_seconds", "synth_seconds",
+                                      "x_realtime", "rows_per_s"]),
+        f'<div class="plots">{plots}</div>',
+    ]
+    ab = []
+    for other in variants[1:]:
+        html, figures = _ab_section(job, variants[0], other)
+        parts.append(html)
+        ab.append(figures)
+    if len(variants) == 1 and ok:
+        sample = sorted(ok, key=lambda r: r["id"])[:PLAYERS]
+        for r in sample:
+            r["listen"] = _audio(job.report_dir, job, r["wav_path"])
+        columns = ["id", "bucket", "audio_seconds", "rtf"]
+        parts += ["<h2>Samples</h2>", table(sample, columns, markup=("listen",))]
+    if problems:
+        parts += [f"<h2>Failed and rejected rows (first {LISTED_PROBLEMS})</h2>",
+                  table(problems, ["id", "variant", "status", "error"])]
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>OVBatch {escape(job.path.name)}</title>"
+            f"<style>{_CSS}</style></head><body>{''.join(parts)}</body></html>")
+    out = job.report_dir / "index.html"
+    write_bytes_atomic(out, page.encode())
+    if ab:
+        write_json_atomic(job.report_dir / "ab.json", ab)
+    return out

@@ -1,0 +1,179 @@
+"""Run shards: pack a shard's rows into batches, synthesize, write wavs atomically, return per-row results.
+
+The same ShardRunner serves local mode (in this process) and each Ray actor (pipeline.ray_runner).
+A batch that raises is split in halves and each half retried, down to single rows, so one bad row
+fails alone and a CUDA out-of-memory error retries smaller batches. A row's synth_seconds is its share
+of its batch's wall time in proportion to its token work (packed tokens x decoding steps).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from engine.errors import InputError, OVBatchError
+from pipeline.config import JobConfig
+from pipeline.store import JobDir, write_wav_atomic
+
+MAX_ERROR_CHARS = 2000
+
+
+@dataclass
+class ShardTask:
+    index: int
+    variant: str
+    bucket: int
+    attempt: int
+    rows: list[dict[str, Any]]  # ManifestRow fields + row_key, packed_tokens, target_frames
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """'module:callable' -> the callable (the engine class, or a wrapper of it)."""
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise OVBatchError(f"engine_factory {spec!r} cannot be loaded ({e}): write it as 'module:callable' "
+                           "importable on every worker.") from None
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _release_cuda_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+def _error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS]
+
+
+def synth_request(row: dict[str, Any]) -> Any:
+    """The engine request of a manifest row (ManifestRow fields as a dict)."""
+    from engine.api import SynthRequest
+
+    return SynthRequest(text=row["text"], ref_audio=row["ref_audio"], ref_text=row["ref_text"],
+                        language=row["language"], instruct=row["instruct"], duration=row["duration"],
+                        speed=row["speed"], seed=row["seed"])
+
+
+def pack_batches(rows: list[dict[str, Any]], max_batch_tokens: int) -> list[list[dict[str, Any]]]:
+    """Greedy, longest first: consecutive rows while their packed tokens fit one batch."""
+    batches: list[list[dict[str, Any]]] = []
+    current: list[dict[str, Any]] = []
+    tokens = 0
+    for row in sorted(rows, key=lambda r: -r["packed_tokens"]):
+        if current and tokens + row["packed_tokens"] > max_batch_tokens:
+            batches.append(current)
+            current, tokens = [], 0
+        current.append(row)
+        tokens += row["packed_tokens"]
+    if current:
+        batches.append(current)
+    return batches
+
+
+class ShardRunner:
+    """Holds one engine per variant (loaded on first use) and runs shards with it."""
+
+    def __init__(self, job_path: str | Path, cfg: JobConfig, engines: dict[str, Any] | None = None):
+        self.job = JobDir(job_path)
+        self.cfg = cfg
+        self.factory = load_factory(cfg.engine_factory)
+        self.engines: dict[str, Any] = dict(engines or {})  # variant -> engine already loaded
+        self.host = socket.gethostname()
+        self.worker = f"{self.host}:{os.getpid()}"
+
+    def engine(self, variant: str) -> Any:
+        if variant not in self.engines:
+            self.engines[variant] = self.factory(self.cfg.engine_config(variant))
+        return self.engines[variant]
+
+    def run_shard(self, task: ShardTask) -> list[dict[str, Any]]:
+        engine = self.engine(task.variant)
+        max_tokens = self.cfg.engine_config(task.variant).max_batch_tokens
+        results: list[dict[str, Any]] = []
+        for batch in pack_batches(task.rows, max_tokens):
+            results.extend(self._run_batch(engine, task, batch))
+        return results
+
+    def _base(self, engine: Any, task: ShardTask, row: dict[str, Any], batch_size: int) -> dict[str, Any]:
+        return {
+            "id": row["id"], "row_key": row["row_key"], "variant": task.variant,
+            "row_index": row["row_index"], "ref_seconds": row["ref_seconds"], "bucket": task.bucket,
+            "shard": task.index,
+            "attempt": task.attempt, "precision": str(engine.precision), "model": str(engine.model_id),
+            "host": self.host, "gpu": _gpu_name(engine), "packed_tokens": row["packed_tokens"],
+            "batch_size": batch_size, "worker": self.worker,
+        }
+
+    def _run_batch(self, engine: Any, task: ShardTask, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        started = _now()
+        t0 = time.perf_counter()
+        try:
+            outputs = engine.synthesize([synth_request(r) for r in rows])
+        except Exception as e:  # noqa: BLE001 - any engine failure is isolated to the rows that cause it
+            if is_out_of_memory(e):
+                _release_cuda_cache()
+            if len(rows) > 1:
+                half = len(rows) // 2
+                return self._run_batch(engine, task, rows[:half]) + self._run_batch(engine, task, rows[half:])
+            row = rows[0]
+            # An input the engine refuses will be refused again: that row is rejected, not failed.
+            status = "rejected" if isinstance(e, InputError) else "failed"
+            return [{**self._base(engine, task, row, 1), "status": status, "error": _error_text(e),
+                     "started_at": started, "finished_at": _now()}]
+        wall = time.perf_counter() - t0
+        finished = _now()
+        work = [max(int(o.token_work), 0) for o in outputs]
+        total = sum(work)
+        results = []
+        for row, out, w in zip(rows, outputs, work, strict=True):
+            path = self.job.wav_path(task.variant, row["id"])
+            write_wav_atomic(path, out.audio, out.sample_rate)
+            audio_seconds = len(out.audio) / float(out.sample_rate)
+            share = wall * (w / total if total else 1.0 / len(rows))
+            results.append({
+                **self._base(engine, task, row, len(rows)), "status": "ok", "error": None,
+                "wav_path": self.job.relative(path), "audio_seconds": audio_seconds, "synth_seconds": share,
+                "rtf": share / audio_seconds if audio_seconds > 0 else None,
+                "target_frames": int(out.target_frames), "token_work": w,
+                "started_at": started, "finished_at": finished,
+            })
+        return results
+
+
+def _gpu_name(engine: Any) -> str:
+    device = getattr(engine, "device", None)
+    if device is None or getattr(device, "type", str(device)) != "cuda":
+        return ""
+    import torch
+
+    return torch.cuda.get_device_name(device)
+
+
+def run_local(runner: ShardRunner, tasks: list[ShardTask]
+              ) -> Iterator[tuple[ShardTask, list[dict[str, Any]]]]:
+    """Local mode: the same shard runner, in this process, one shard after another."""
+    for task in tasks:
+        yield task, runner.run_shard(task)

@@ -1,0 +1,59 @@
+"""Row sizes for the planner, from the engine's own request preparation.
+
+The driver loads the engine on the CPU and calls `Engine.prepare` on each row: that validates the row as
+the actors will (an InputError rejects the row at planning time), builds its voice prompt through the
+shared prompt cache (so actors find every prompt ready), and gives the target frames and text chunks.
+A row's size sums its chunks' sequences: prompt text ids + reference frames + 2 x target frames.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from pipeline import manifest as manifest_mod
+from pipeline.config import JobConfig
+from pipeline.plan import RowSize, Sizer
+from pipeline.runner import load_factory, synth_request
+
+
+def planning_engine(cfg: JobConfig) -> Any:
+    """The first variant's engine, on the CPU (planning never runs the model)."""
+    variant = cfg.variant_names()[0]
+    return load_factory(cfg.engine_factory)(replace(cfg.engine_config(variant), device="cpu"))
+
+
+def prepared_size(engine: Any, prepared: Any) -> RowSize:
+    """Packed tokens of a prepared request, chunk by chunk, laid out as the engine packs them: a chunk
+    clones the voice prompt, or (no prompt, later chunks of a long text) the first chunk's audio."""
+    denoise = engine.cfg.generation.denoise
+    prompt, chunks = prepared.prompt, prepared.chunks
+    text = ref = target = 0
+    for chunk in chunks:
+        if prompt is not None:
+            ref_text, ref_frames = prompt.ref_text, int(prompt.tokens.shape[1])
+        elif chunk.first_chunk_is_ref:
+            ref_text, ref_frames = chunks[0].text, chunks[0].target_frames
+        else:
+            ref_text, ref_frames = None, 0
+        ids = engine.text.prompt_ids(chunk.text, ref_text, prepared.language, prepared.instruct, denoise,
+                                     has_ref=ref_text is not None)
+        text += len(ids)
+        ref += ref_frames
+        target += chunk.target_frames
+    return RowSize(text_tokens=text, ref_frames=ref, target_frames=target)
+
+
+class EngineSizer:
+    """Sizer backed by an engine; local mode on the CPU reuses `engine` to run the shards."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def __call__(self, row: manifest_mod.ManifestRow) -> RowSize:
+        return prepared_size(self.engine, self.engine.prepare(synth_request(row.to_dict())))
+
+
+def engine_sizer(cfg: JobConfig) -> Sizer:
+    return EngineSizer(planning_engine(cfg))
+

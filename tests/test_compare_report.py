@@ -1,0 +1,102 @@
+"""A/B metrics on known signals, and the HTML report of a two-variant job dir."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.compare import compare_variants, log_mel_db, mel_filterbank, pair_metrics
+from pipeline.plan import Plan, PlannedRow, Shard
+from pipeline.report import write_report
+from pipeline.store import JobDir, write_wav_atomic
+
+SR = 24000
+
+
+def _tone(seconds: float, freq: float, rng: np.random.Generator) -> np.ndarray:
+    t = np.arange(int(seconds * SR)) / SR
+    return (0.3 * np.sin(2 * np.pi * freq * t) + 0.01 * rng.standard_normal(len(t))).astype(np.float32)
+
+
+def test_identical_signals():
+    a = _tone(1.0, 440, np.random.default_rng(0))
+    m = pair_metrics(a, a.copy(), SR)
+    assert m["snr_db"] == math.inf and m["mel_lsd_db"] == 0.0
+    assert m["correlation"] == pytest.approx(1.0) and m["duration_ratio"] == 1.0
+
+
+@pytest.mark.parametrize("snr", [5.0, 20.0, 40.0])
+def test_snr_matches_the_noise_added(snr: float):
+    rng = np.random.default_rng(int(snr))
+    a = _tone(2.0, 300, rng)
+    noise = rng.standard_normal(len(a))
+    noise *= np.sqrt(np.sum(a.astype(np.float64) ** 2) / np.sum(noise**2) / 10 ** (snr / 10))
+    m = pair_metrics(a, (a + noise).astype(np.float32), SR)
+    assert m["snr_db"] == pytest.approx(snr, abs=0.1)
+    assert m["mel_lsd_db"] > 0
+    assert m["correlation"] == pytest.approx(1 / math.sqrt(1 + 10 ** (-snr / 10)), abs=0.01)
+
+
+def test_spectral_distance_grows_with_spectral_difference_and_duration_ratio():
+    rng = np.random.default_rng(3)
+    a = _tone(1.0, 440, rng)
+    near = pair_metrics(a, _tone(1.0, 450, rng), SR)["mel_lsd_db"]
+    far = pair_metrics(a, _tone(1.0, 2000, rng), SR)["mel_lsd_db"]
+    assert 0 < near < far
+    assert pair_metrics(a, _tone(1.5, 440, rng), SR)["duration_ratio"] == pytest.approx(1.5)
+
+
+def test_mel_filterbank_and_tone_peak():
+    fb = mel_filterbank(SR)
+    assert fb.shape == (80, 513) and (fb >= 0).all() and (fb.max(axis=1) > 0).all()
+    mel = log_mel_db(_tone(0.5, 1000, np.random.default_rng(1)), SR)
+    peak_band = int(np.argmax(mel.mean(axis=0)))
+    centres = fb.argmax(axis=1) * SR / 1024
+    assert abs(centres[peak_band] - 1000) < 150
+
+
+def _ab_job(root: Path) -> JobDir:
+    job = JobDir(root)
+    rng = np.random.default_rng(7)
+    ids = [f"u{i}" for i in range(5)]
+    shards, results = [], []
+    for variant, noise in (("fp16", 0.0), ("w4a4", 0.02)):
+        rows = [PlannedRow(i, f"{variant}-{i}", 200, 50) for i in ids]
+        shards.append(Shard(len(shards), variant, 256, 1000, rows))
+        for k, i in enumerate(ids):
+            audio = _tone(1.0 + 0.1 * k, 200 + 40 * k, np.random.default_rng(k))
+            audio = audio + noise * rng.standard_normal(len(audio)).astype(np.float32)
+            path = job.wav_path(variant, i)
+            write_wav_atomic(path, audio, SR)
+            results.append({"id": i, "variant": variant, "status": "ok", "wav_path": job.relative(path),
+                            "audio_seconds": len(audio) / SR, "synth_seconds": 0.1,
+                            "rtf": 0.1 * SR / len(audio),
+                            "bucket": 256, "shard": shards[-1].index, "packed_tokens": 200, "attempt": 1})
+    job.write_plan(Plan(["fp16", "w4a4"], [256], 1000, shards, []))
+    job.write_rejected(job.read_plan())
+    for s in shards:
+        job.write_shard_results(s.index, [r for r in results if r["shard"] == s.index])
+    job.append_run({"kind": "submit", "wall_seconds": 2.0})
+    return job
+
+
+def test_compare_variants_pairs_rows_by_id(tmp_path: Path):
+    job = _ab_job(tmp_path)
+    rows = compare_variants(job, "fp16", "w4a4")
+    assert sorted(r["id"] for r in rows) == [f"u{i}" for i in range(5)]
+    assert all(10 < r["snr_db"] < 40 and r["duration_ratio"] == 1.0 for r in rows)
+    assert pq.read_table(job.report_dir / "compare.parquet").num_rows == 5
+
+
+def test_report_has_tables_plots_and_players(tmp_path: Path):
+    job = _ab_job(tmp_path)
+    page = write_report(job).read_text()
+    assert page.count("<svg") >= 4
+    assert page.count("<audio") == 10  # 5 rows x (A, B)
+    assert 'src="../wavs/w4a4/u0.wav"' in page
+    assert "A/B: w4a4 against fp16" in page
+    ab = json.loads((job.report_dir / "ab.json").read_text())
+    assert ab[0]["rows"] == 5 and ab[0]["metrics"]["snr_db"]["median"] > 10

@@ -1,0 +1,165 @@
+"""End to end on the tiny checkpoint through a local Ray with two CPU actors: 40+ rows in 3+ buckets,
+bad rows rejected while the others run; then an actor killed mid-job.
+
+One Ray session for the module (2 CPUs, no dashboard). The engine runs 4 decoding steps instead of 32
+to keep the CPU suite short; everything else is the product's default path.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+import soundfile as sf
+
+from engine.tiny import ensure_tiny_checkpoint
+from pipeline.cli import main as cli_main
+from pipeline.config import load_job_config
+from pipeline.job import submit
+from pipeline.sizing import engine_sizer
+from pipeline.store import TMP_MARK, JobDir
+
+DATA = Path(__file__).parent / "data"
+CLIPS = json.loads((DATA / "clips.json").read_text())
+TEXTS = {  # three lengths: three graph buckets
+    "short": ["Hi there.", "Thank you.", "Good night.", "Yes, please."],
+    "medium": ["The train leaves at nine, so do not be late today.",
+               "We wrote down every number we saw that afternoon."],
+    "long": ["Batch synthesis turns a long list of sentences into speech, one clean file for every row, "
+             "while the graphs stay warm and the queue keeps moving."],
+}
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Path:
+    return ensure_tiny_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def prompt_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp() / "ovbatch-prompts"  # shared by the pipeline test modules
+
+
+def write_manifest(path: Path, kinds: list[str], bad_rows: bool = False) -> Path:
+    names = sorted(CLIPS)
+    rows = {"id": [], "text": [], "ref_audio": [], "ref_text": []}
+    for i, kind in enumerate(kinds):
+        clip = names[i % len(names)]
+        rows["id"].append(f"{kind}-{i:02d}")
+        rows["text"].append(TEXTS[kind][i % len(TEXTS[kind])])
+        rows["ref_audio"].append(str(DATA / clip))
+        rows["ref_text"].append(CLIPS[clip]["transcript"])
+    if bad_rows:
+        first = str(DATA / names[0])
+        for rid, text, clip in (("../escape", "Hello.", first), ("blank", "  ", first),
+                                ("noclip", "Hello.", str(DATA / "missing.wav"))):
+            rows["id"].append(rid)
+            rows["text"].append(text)
+            rows["ref_audio"].append(clip)
+            rows["ref_text"].append(CLIPS[names[0]]["transcript"])
+    pq.write_table(pa.table(rows), path)
+    return path
+
+
+def job_config(manifest: Path, tiny: Path, prompts: Path, *extra: str):
+    return load_job_config(None, [
+        f"manifest={manifest}", f"engine.checkpoint={tiny}", f"engine.prompt_cache_dir={prompts}",
+        "engine.device=cpu", "engine.generation.num_step=4", "engine.buckets=[128,256,512,1024]",
+        "engine.max_batch_tokens=1024", "shard_tokens=1200", "ray.num_actors=2", "progress=false", *extra,
+    ])
+
+
+def check_outputs(job: JobDir, expected_ok: set[str]) -> list[dict]:
+    """Every row exactly once; a whole, readable wav for each ok row and nothing else in wavs/."""
+    results = job.read_results().to_pylist()
+    ids = [r["id"] for r in results]
+    assert len(ids) == len(set(ids)), "a row appears twice in the results"
+    ok = {r["id"]: r for r in results if r["status"] == "ok"}
+    assert set(ok) == expected_ok
+    wavs = {p.name for p in (job.path / "wavs" / "default").iterdir()}
+    assert wavs == {f"{i}.wav" for i in expected_ok}
+    assert not list(job.path.rglob(f"*{TMP_MARK}*"))
+    for r in ok.values():
+        info = sf.info(job.path / r["wav_path"])
+        assert info.samplerate == 24000
+        assert info.frames / info.samplerate == pytest.approx(r["audio_seconds"])
+        assert r["synth_seconds"] > 0 and r["rtf"] == pytest.approx(r["synth_seconds"] / r["audio_seconds"])
+        assert r["target_frames"] > 0 and r["model"].startswith("tiny") and r["precision"] == "fp32"
+    return results
+
+
+def test_end_to_end_on_local_ray(ray_session, tiny, prompt_cache, tmp_path: Path, capsys):
+    kinds = ["short"] * 20 + ["medium"] * 14 + ["long"] * 8
+    manifest = write_manifest(tmp_path / "m.parquet", kinds, bad_rows=True)
+    outcome = submit(job_config(manifest, tiny, prompt_cache), tmp_path / "job", engine_sizer)
+    job = outcome.job
+    valid = {f"{k}-{i:02d}" for i, k in enumerate(kinds)}
+    results = check_outputs(job, valid)
+
+    rejected = {r["id"]: r["error"] for r in results if r["status"] == "rejected"}
+    assert set(rejected) == {"../escape", "blank", "noclip"}
+    assert "path separator" in rejected["../escape"] and "text is empty" in rejected["blank"]
+    assert "does not exist" in rejected["noclip"] or "not found" in rejected["noclip"]
+
+    ok = [r for r in results if r["status"] == "ok"]
+    assert len({r["bucket"] for r in ok}) >= 3
+    assert len({r["worker"] for r in ok}) == 2, "both actors should have run shards"
+    assert all(r["attempt"] == 1 for r in ok)
+    for kind, bucket in (("short", min), ("long", max)):
+        # longer texts land in larger buckets
+        assert bucket(r["bucket"] for r in ok) in {r["bucket"] for r in ok if r["id"].startswith(kind)}
+
+    s = json.loads(job.summary_path.read_text())
+    assert s["complete"] and s["rows"]["ok"] == len(valid) and s["rows"]["rejected"] == 3
+    assert s["rows"]["failed"] == 0 and s["rows"]["pending"] == 0
+    assert len(s["per_bucket"]) >= 3 and s["x_realtime"] > 0
+    assert sum(b["rows"] for b in s["per_bucket"]) == len(valid)
+    plan = json.loads(job.plan_path.read_text())
+    assert all(len({r["id"][:4] for r in sh["rows"]}) >= 1 and sh["bucket"] in (128, 256, 512, 1024)
+               for sh in plan["shards"])
+    assert (job.path / "config.yaml").read_text().count("num_step: 4") == 1
+
+    assert cli_main(["status", str(job.path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(valid)} ok, 0 failed, 3 rejected" in out and "complete" in out
+
+
+def test_killing_an_actor_mid_job_loses_nothing(ray_session, tiny, prompt_cache, tmp_path: Path):
+    kinds = ["short"] * 10 + ["medium"] * 6
+    manifest = write_manifest(tmp_path / "m.parquet", kinds)
+    cfg = job_config(manifest, tiny, prompt_cache, "shard_tokens=500")
+    job = JobDir(tmp_path / "job")
+    outcome: dict = {}
+    runner = threading.Thread(target=lambda: outcome.setdefault("o", submit(cfg, job.path, engine_sizer)))
+    runner.start()
+    deadline = time.monotonic() + 240
+    while not job.finished_shards() and time.monotonic() < deadline and runner.is_alive():
+        time.sleep(0.2)
+    assert job.finished_shards(), "no shard finished in time"
+    planned = len(job.read_plan().shards)
+    assert len(job.finished_shards()) < planned, "the job finished before an actor could be killed"
+    actors = sorted((a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["name"].startswith("ovbatch-"))
+    assert len(actors) == 2
+    ray.kill(ray.get_actor(actors[0][0], namespace=actors[0][1]), no_restart=True)
+    runner.join(timeout=300)
+    assert not runner.is_alive() and "o" in outcome
+
+    results = check_outputs(job, {f"{k}-{i:02d}" for i, k in enumerate(kinds)})
+    assert all(r["status"] == "ok" for r in results)
+    assert max(r["attempt"] for r in results) == 2, "the killed actor's shard should have run a second time"
+    assert outcome["o"].summary["complete"]
+    assert len({r["worker"] for r in results}) >= 2

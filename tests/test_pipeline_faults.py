@@ -1,0 +1,184 @@
+"""Faults: a bad row in a batch fails alone, OOM splits batches, rerun runs only failed rows, a killed
+driver resumes with only the unfinished shards, a killed actor costs nothing but time.
+
+The shard-runner unit tests use FakeEngine (a deterministic stand-in defined here); the driver-kill and
+actor-kill tests run the real engine on the tiny checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import soundfile as sf
+import torch
+
+from engine.api import SynthResult
+from engine.errors import InputError
+from pipeline.config import load_job_config
+from pipeline.job import rerun, submit
+from pipeline.plan import RowSize
+from pipeline.runner import ShardRunner, ShardTask
+from pipeline.store import JobDir
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"
+CLIPS = json.loads((DATA / "clips.json").read_text())
+
+
+class FakeEngine:
+    """Stand-in engine: a tone whose length follows the text. Fails as the class attributes say."""
+
+    sample_rate = 8000
+    model_id = "fake@000000000000"
+    precision = "fp32"
+    device = torch.device("cpu")
+    fail_ids: set[str] = set()  # texts "row <id>" of these ids raise RuntimeError in any batch
+    oom_above: int | None = None  # a call with more requests raises CUDA out of memory
+    calls: list[list[str]] = []  # texts of every synthesize call, all instances
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def synthesize(self, reqs):
+        FakeEngine.calls.append([r.text for r in reqs])
+        for r in reqs:
+            if any(r.text == f"row {i}" for i in self.fail_ids):
+                raise RuntimeError(f"injected failure on {r.text!r}")
+            if "BADINPUT" in r.text:
+                raise InputError(f"text {r.text!r} is refused by the fake engine")
+        if self.oom_above is not None and len(reqs) > self.oom_above:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        out = []
+        for r in reqs:
+            frames = 5 + len(r.text)
+            t = np.arange(frames * 320) / self.sample_rate
+            audio = (0.3 * np.sin(2 * np.pi * (200 + r.seed % 300) * t)).astype(np.float32)
+            out.append(SynthResult(audio, self.sample_rate, frames, token_work=frames * 32, timings={}))
+        return out
+
+
+@pytest.fixture(autouse=True)
+def reset_fake():
+    FakeEngine.fail_ids, FakeEngine.oom_above, FakeEngine.calls = set(), None, []
+    yield
+
+
+def _fake_cfg(manifest: Path | None = None, *extra: str):
+    return load_job_config(None, [f"manifest={manifest}" if manifest else "manifest=null", "local=true",
+                                  f"engine_factory={__name__}:FakeEngine", "progress=false",
+                                  "engine.buckets=[64,128,256]", "engine.max_batch_tokens=256",
+                                  "shard_tokens=300", *extra])
+
+
+def _row(i: int, text: str | None = None, tokens: int = 40) -> dict:
+    return {"row_index": i, "id": f"r{i:02d}", "text": text or f"row r{i:02d}", "ref_audio": None,
+            "ref_text": None, "language": None, "instruct": None, "duration": None, "speed": None,
+            "seed": i, "ref_seconds": 0.0, "row_key": f"k{i}", "packed_tokens": tokens, "target_frames": 10}
+
+
+def test_a_failing_row_fails_alone_and_its_batch_mates_finish(tmp_path: Path):
+    FakeEngine.fail_ids = {"r03"}
+    runner = ShardRunner(tmp_path, _fake_cfg())
+    rows = [_row(i) for i in range(6)]  # 6 x 40 tokens: one batch of 6 under 256
+    results = runner.run_shard(ShardTask(0, "default", 64, 1, rows))
+    by_id = {r["id"]: r for r in results}
+    assert sorted(by_id) == [r["id"] for r in rows]
+    assert by_id["r03"]["status"] == "failed" and "injected failure" in by_id["r03"]["error"]
+    assert by_id["r03"].get("wav_path") is None and not (tmp_path / "wavs" / "default" / "r03.wav").exists()
+    for rid, r in by_id.items():
+        if rid != "r03":
+            assert r["status"] == "ok" and (tmp_path / r["wav_path"]).is_file()
+    assert len(FakeEngine.calls[0]) == 6  # the whole batch first, then halves down to the bad row
+
+
+def test_out_of_memory_splits_the_batch_until_it_fits(tmp_path: Path):
+    FakeEngine.oom_above = 2
+    runner = ShardRunner(tmp_path, _fake_cfg())
+    results = runner.run_shard(ShardTask(4, "default", 64, 1, [_row(i) for i in range(6)]))
+    assert [r["status"] for r in results] == ["ok"] * 6
+    assert max(r["batch_size"] for r in results) <= 2
+    assert max(len(c) for c in FakeEngine.calls) == 6  # it was tried whole first
+
+
+def test_an_input_the_engine_refuses_is_rejected_not_failed(tmp_path: Path):
+    runner = ShardRunner(tmp_path, _fake_cfg())
+    results = runner.run_shard(ShardTask(0, "default", 64, 1, [_row(0), _row(1, "BADINPUT here")]))
+    assert [r["status"] for r in results] == ["ok", "rejected"]
+    assert "refused by the fake engine" in results[1]["error"]
+
+
+def test_per_row_time_is_a_share_of_the_batch_by_token_work(tmp_path: Path):
+    runner = ShardRunner(tmp_path, _fake_cfg())
+    rows = [_row(0, "short"), _row(1, "a much longer text for this row"), _row(2, "mid length")]
+    results = runner.run_shard(ShardTask(0, "default", 64, 1, rows))
+    assert len({r["started_at"] for r in results}) == 1  # one batch
+    work = np.array([r["token_work"] for r in results], float)
+    synth = np.array([r["synth_seconds"] for r in results])
+    assert np.allclose(synth / synth.sum(), work / work.sum())
+    for r in results:
+        audio, sr = sf.read(tmp_path / r["wav_path"])
+        assert r["audio_seconds"] == pytest.approx(len(audio) / sr)
+        assert r["rtf"] == pytest.approx(r["synth_seconds"] / r["audio_seconds"])
+
+
+def _manifest(path: Path, n: int, texts: list[str] | None = None) -> Path:
+    names = sorted(CLIPS)
+    pq.write_table(pa.table({
+        "id": [f"r{i:02d}" for i in range(n)],
+        "text": texts or [f"row r{i:02d}" for i in range(n)],
+        "ref_audio": [str(DATA / names[i % len(names)]) for i in range(n)],
+        "ref_text": [CLIPS[names[i % len(names)]]["transcript"] for i in range(n)],
+    }), path)
+    return path
+
+
+def _fake_sizer(row) -> RowSize:
+    return RowSize(text_tokens=10, ref_frames=20, target_frames=15 + 5 * (row.row_index % 3) ** 3)
+
+
+def test_rerun_runs_only_the_failed_rows_and_never_rewrites_an_ok_row(tmp_path: Path):
+    cfg = _fake_cfg(_manifest(tmp_path / "m.parquet", 18))
+    FakeEngine.fail_ids = {"r04", "r11"}
+    first = submit(cfg, tmp_path / "job", lambda cfg: _fake_sizer)
+    assert first.summary["rows"]["failed"] == 2 and first.summary["rows"]["ok"] == 16
+    job = JobDir(tmp_path / "job")
+    plan = job.read_plan()
+    assert len({s.bucket for s in plan.shards}) == 3
+    failed_shards = {r["shard"] for r in job.read_results().to_pylist() if r["status"] == "failed"}
+    stamps = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (job.path / "wavs").rglob("*.wav")}
+    shard_files = {i: job.shard_result_path(i).read_bytes() for i in job.finished_shards() - failed_shards}
+
+    FakeEngine.fail_ids, FakeEngine.calls = set(), []
+    again = rerun(job.path)
+    assert sorted(again.shards_run) == sorted(failed_shards)
+    assert sorted(t for call in FakeEngine.calls for t in call) == ["row r04", "row r11"]
+    results = job.read_results().to_pylist()
+    assert sorted(r["id"] for r in results) == [f"r{i:02d}" for i in range(18)]  # each row exactly once
+    assert all(r["status"] == "ok" for r in results)
+    assert {r["id"]: r["attempt"] for r in results if r["id"] in ("r04", "r11")} == {"r04": 2, "r11": 2}
+    for p, stamp in stamps.items():
+        assert (p.stat().st_ino, p.stat().st_mtime_ns) == stamp, f"{p} was rewritten"
+    for i, data in shard_files.items():
+        assert job.shard_result_path(i).read_bytes() == data
+    assert again.summary["complete"] and len(again.summary["runs"]) == 2
+    assert rerun(job.path).shards_run == []  # nothing left to do
+
+
+def test_a_resubmitted_job_must_be_the_same_job(tmp_path: Path):
+    m = _manifest(tmp_path / "m.parquet", 4)
+    submit(_fake_cfg(m), tmp_path / "job", lambda cfg: _fake_sizer)
+    resumed = submit(_fake_cfg(m), tmp_path / "job", lambda cfg: _fake_sizer)
+    assert resumed.shards_run == []
+    with pytest.raises(Exception, match="holds a different job"):
+        submit(_fake_cfg(m, "engine.generation.num_step=8"), tmp_path / "job", lambda cfg: _fake_sizer)
