@@ -236,3 +236,17 @@ def test_bad_voice_prompts(engine):
 def test_precision_must_fit_the_checkpoint():
     with pytest.raises(CheckpointError, match="precision='w4a4' with an unquantized checkpoint"):
         Engine(EngineConfig(precision="w4a4"))
+
+
+@pytest.mark.gpu
+def test_cuda_engine_runs_bf16_with_cuda_graphs():
+    engine = Engine(EngineConfig(device="cuda", generation=FAST))
+    assert engine.precision == "bf16" and engine.device.type == "cuda"
+    reqs = [
+        SynthRequest(text="Hello from the GPU.", ref_audio=CLIP, ref_text=TRANSCRIPT, seed=1),
+        SynthRequest(text="A designed voice.", instruct="female", seed=2),
+    ]
+    for out in engine.synthesize(reqs):
+        assert out.audio.dtype == np.float32 and np.isfinite(out.audio).all()
+        assert len(out.audio) == out.target_frames * engine.codec.hop_length + _pad(engine)
+        assert out.token_work > 0 and out.timings["generate"] > 0
