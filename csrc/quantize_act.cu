@@ -1,7 +1,7 @@
 // Kernel 1: per-token, per-64 int4 activation quantization into the GEMM's packed operand layout,
 // fused with the low-rank down-projection (x @ proj_down) so that x is read from memory once.
 //
-// A block owns 16 rows; its 8 warps take the K groups in turn (warp w: groups w, w + 8, ...), and the
+// A block owns 16 rows; its 16 warps take the K groups in turn (warp w: groups w, w + 16, ...), and the
 // low-rank partial sums of the warps are added in shared memory at the end. Lane (gr, t) loads exactly
 // the elements its int8 MMA fragments need: rows gr and gr + 8, columns 16c + 4t .. 16c + 4t + 3 of the
 // group for c = 0..3, so the per-row max is a 4-lane shuffle. The low-rank product reuses the same
@@ -19,7 +19,7 @@
 namespace w4a4 {
 namespace {
 
-constexpr int kWarpsPerBlock = 8;
+constexpr int kWarpsPerBlock = 16;
 
 __device__ __forceinline__ float div_rn(float a, float b, float rb) {
   const float q = a * rb;

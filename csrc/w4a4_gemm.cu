@@ -23,13 +23,14 @@ namespace {
 // Tuning knobs (OVBATCH_KERNEL_DEFINES): pipeline depth, blocks per SM the registers are capped for,
 // m16 tiles per IMMA pass.
 #ifndef W4A4_GEMM_STAGES
-#define W4A4_GEMM_STAGES 6
+#define W4A4_GEMM_STAGES 4
 #endif
 constexpr int kStages = W4A4_GEMM_STAGES;
+static_assert((kStages & (kStages - 1)) == 0, "stage count must be a power of two");
 constexpr int kWarpsN = 4;
 constexpr int kMagic = 0x4B400000;
 #ifndef W4A4_GEMM_MIN_BLOCKS
-#define W4A4_GEMM_MIN_BLOCKS 1
+#define W4A4_GEMM_MIN_BLOCKS 2
 #endif
 constexpr int kMinBlocks = W4A4_GEMM_MIN_BLOCKS;
 #ifndef W4A4_GEMM_PASS
@@ -63,25 +64,30 @@ __global__ void __launch_bounds__(WARPS_M * kWarpsN * 32, kMinBlocks)
   const int wm = warp / kWarpsN, wn = warp % kWarpsN;
   const int gr = lane >> 2, t = lane & 3;
 
-  auto load_stage = [&](int g, Stage<BM>& s) {
-    constexpr int kA = BM / 16 * 32, kB = kBlockN / 16 * 32, kAs = BM / 4, kWs = kBlockN / 2;
-    constexpr int kTotal = kA + kB + kAs + kWs;
+  // Static copy assignment: thread tid copies A record tid, B records tid (+ kThreads), and the first
+  // BM/4 + 64 threads one 16-byte piece of the scales; per group only the base offsets move.
+  constexpr int kBPerThread = kBlockN / 16 * 32 / kThreads;
+  constexpr int kAsChunks = BM / 4, kWsChunks = kBlockN / 2;
+  static_assert(BM / 16 * 32 == kThreads, "one A record per thread");
+  static_assert(kAsChunks + kWsChunks <= kThreads, "scale pieces fit one per thread");
+  const int4* a_src = qact + static_cast<int64_t>(m0 / 16 + (tid >> 5)) * G * 32 + lane;
+  const int4* b_src[kBPerThread];
 #pragma unroll
-    for (int c = tid; c < kTotal; c += kThreads) {
-      if (c < kA) {
-        const int tile = c >> 5, l = c & 31;
-        cp_async_16(&s.a[c], qact + ((static_cast<int64_t>(m0 / 16 + tile) * G + g) * 32 + l));
-      } else if (c < kA + kB) {
-        const int cc = c - kA, tile = cc >> 5, l = cc & 31;
-        cp_async_16(&s.b[cc], qweight + ((static_cast<int64_t>(n0 / 16 + tile) * G + g) * 32 + l));
-      } else if (c < kA + kB + kAs) {
-        const int cc = c - kA - kB;
-        cp_async_16(&s.as[4 * cc], ascales + static_cast<int64_t>(g) * M_pad + m0 + 4 * cc);
-      } else {
-        const int cc = c - kA - kB - kAs;
-        cp_async_16(&s.ws[2 * cc], wscales + static_cast<int64_t>(g) * N_pad + n0 + 2 * cc);
-      }
-    }
+  for (int j = 0; j < kBPerThread; ++j) {
+    const int c = tid + j * kThreads;
+    b_src[j] = qweight + static_cast<int64_t>(n0 / 16 + (c >> 5)) * G * 32 + (c & 31);
+  }
+  const bool copies_as = tid < kAsChunks, copies_ws = !copies_as && tid < kAsChunks + kWsChunks;
+  const float* s_src = copies_as ? ascales + m0 + 4 * tid
+                                 : reinterpret_cast<const float*>(wscales + n0 + 2 * (tid - kAsChunks));
+  const int64_t s_stride = copies_as ? M_pad : 2 * static_cast<int64_t>(N_pad);
+
+  auto load_stage = [&](int g, Stage<BM>& s) {
+    cp_async_16(&s.a[tid], a_src + g * 32);
+#pragma unroll
+    for (int j = 0; j < kBPerThread; ++j) cp_async_16(&s.b[tid + j * kThreads], b_src[j] + g * 32);
+    if (copies_as) cp_async_16(&s.as[4 * tid], s_src + g * s_stride);
+    if (copies_ws) cp_async_16(&s.ws[2 * (tid - kAsChunks)], s_src + g * s_stride);
   };
 
   float acc[4][4][4];
@@ -101,10 +107,10 @@ __global__ void __launch_bounds__(WARPS_M * kWarpsN * 32, kMinBlocks)
   for (int g = 0; g < G; ++g) {
     cp_async_wait<kStages - 2>();
     __syncthreads();
-    if (g + kStages - 1 < G) load_stage(g + kStages - 1, stages[(g + kStages - 1) % kStages]);
+    if (g + kStages - 1 < G) load_stage(g + kStages - 1, stages[(g + kStages - 1) & (kStages - 1)]);
     cp_async_commit();
 
-    const Stage<BM>& s = stages[g % kStages];
+    const Stage<BM>& s = stages[g & (kStages - 1)];
     uint32_t blo[4][2], bhi[4][2];
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
