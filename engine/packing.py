@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.errors import InputError
 from engine.model import PackedBatch
 
 
@@ -34,6 +35,29 @@ def cond_len(item: GenItem) -> int:
 def packed_tokens(item: GenItem) -> int:
     """Tokens a request occupies in a packed batch: its cond plus its uncond sequence."""
     return cond_len(item) + item.target_len
+
+
+def check_items(items: list[GenItem], num_codebooks: int, mask_id: int, text_vocab: int) -> None:
+    """InputError naming the first item that cannot be generated."""
+    for i, item in enumerate(items):
+        if item.target_len < 1:
+            raise InputError(
+                f"item {i}: target_len={item.target_len}; a request needs at least 1 target frame."
+            )
+        if not item.prompt_ids or min(item.prompt_ids) < 0 or max(item.prompt_ids) >= text_vocab:
+            raise InputError(
+                f"item {i}: prompt_ids must be a non-empty list of ids in [0, {text_vocab}); "
+                "build them with TextFrontend.prompt_ids."
+            )
+        ref = item.ref_tokens
+        if ref is not None and (
+            ref.dim() != 2 or ref.shape[0] != num_codebooks or ref.min() < 0 or ref.max() >= mask_id
+        ):
+            raise InputError(
+                f"item {i}: ref_tokens of shape {tuple(ref.shape)} with values in "
+                f"[{int(ref.min()) if ref.numel() else 0}, {int(ref.max()) if ref.numel() else 0}]; expected "
+                f"[{num_codebooks}, frames] codec codes in [0, {mask_id}) (Codec.encode output)."
+            )
 
 
 def _cond_sequence(item: GenItem, num_codebooks: int, mask_id: int) -> tuple[Tensor, Tensor]:

@@ -17,7 +17,7 @@ from torch import Tensor
 from engine.config import EngineConfig, GenerationConfig
 from engine.decoding import BatchDecoder
 from engine.model import OmniVoiceModel, PackedBatch
-from engine.packing import GenItem, PackLayout, cond_len, pack_items, packed_tokens
+from engine.packing import GenItem, PackLayout, check_items, cond_len, pack_items, packed_tokens
 
 __all__ = ["GenItem", "Runner", "choose_layout"]
 
@@ -125,6 +125,7 @@ class Runner:
         """Audio tokens [C, target_len] per item, in order."""
         if not items:
             return []
+        check_items(items, self.num_codebooks, self.mask_id, self.model.cfg.llm.vocab_size)
         batch, forward = self._prepare(items)
         n = sum(item.target_len for item in items)
         write_index = batch.target_index[: 2 * n]  # cond targets, then uncond targets

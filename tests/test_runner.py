@@ -1,5 +1,7 @@
 """The generation loop: packed and batched equals dense one-at-a-time; batch neighbours change nothing."""
 
+import dataclasses
+
 import pytest
 import torch
 from dense_reference import dense_generate
@@ -7,6 +9,7 @@ from dense_reference import dense_generate
 from engine.checkpoint import load_model
 from engine.config import EngineConfig, GenerationConfig
 from engine.decoding import unmask_schedule
+from engine.errors import InputError
 from engine.packing import pack_items
 from engine.runner import GenItem, GraphedForward, Runner, choose_layout
 from engine.tiny import ensure_tiny_checkpoint, tiny_state_dict
@@ -74,6 +77,26 @@ def test_request_alone_equals_request_in_a_batch_of_eight(tiny):
         assert torch.equal(runner.generate([items[i]], gen)[0], together[i]), i
     reseeded = GenItem(items[0].prompt_ids, items[0].ref_tokens, items[0].target_len, seed=5)
     assert not torch.equal(runner.generate([reseeded], gen)[0], together[0])
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(target_len=0), "target_len=0"),
+        (dict(prompt_ids=[]), "prompt_ids"),
+        (dict(prompt_ids=[5, 10**6]), "prompt_ids"),
+        (dict(ref_tokens=torch.zeros(4, 10, dtype=torch.long)), r"shape \(4, 10\)"),
+        (dict(ref_tokens=torch.full((8, 3), 1024)), r"\[1024, 1024\]"),
+    ],
+)
+def test_bad_items_are_refused_by_name(tiny, change, message):
+    _, model = load_model(tiny)
+    good = make_items([(5, 4, 6), (4, 0, 3)])
+    bad = dataclasses.replace(good[0], **change)
+    with pytest.raises(InputError, match=rf"item 1: .*{message}"):
+        Runner(model, EngineConfig(), "cpu", torch.float32).generate(
+            [good[1], bad], GenerationConfig(num_step=2)
+        )
 
 
 def test_layout_picks_the_smallest_bucket_and_leaves_room_for_padding():
