@@ -2,7 +2,9 @@
 # Regenerates the speech clips under tests/data and clips.json (needs espeak-ng and sox with
 # flac/ogg/mp3 support: `apt-get install -y espeak-ng sox libsox-fmt-all`).
 # Each clip: espeak-ng speech (22.05 kHz mono), padded with silence, converted by sox to the
-# rate, channel count and format its name says. Stereo clips carry a quieter copy on the right.
+# rate, channel count and format its name says (no dither, so reruns give the same samples;
+# the ogg file differs only in its random stream serial number).
+# Stereo clips carry a quieter copy on the right.
 set -euo pipefail
 cd "$(dirname "$0")"
 tmp=$(mktemp -d)
@@ -25,8 +27,8 @@ for entry in "${clips[@]}"; do
   espeak-ng -v en-us -s 155 -w "$tmp/speech.wav" "$text"
   remix=()
   if [ "$channels" = 2 ]; then remix=(remix 1 1v0.6); fi
-  sox "$tmp/speech.wav" -r "$rate" -b 16 "$tmp/out.${file##*.}" pad 0.4 0.6 "${remix[@]}" 2>/dev/null \
-    || sox "$tmp/speech.wav" -r "$rate" "$tmp/out.${file##*.}" pad 0.4 0.6 "${remix[@]}"
+  sox -D "$tmp/speech.wav" -r "$rate" -b 16 "$tmp/out.${file##*.}" pad 0.4 0.6 "${remix[@]}" 2>/dev/null \
+    || sox -D "$tmp/speech.wav" -r "$rate" "$tmp/out.${file##*.}" pad 0.4 0.6 "${remix[@]}"
   mv "$tmp/out.${file##*.}" "$file"
   json+="$sep\n  \"$file\": {\"transcript\": \"$text\", \"rate\": $rate, \"channels\": $channels}"
   sep=","
