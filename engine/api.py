@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Frames decoded per codec call (16 clips of 30 s at 25 frames/s): bounds the decoder's memory.
 DECODE_BATCH_FRAMES = 12_000
+# Longest output one request may ask for (through its text, speed or duration).
+MAX_OUTPUT_S = 600.0
 # Upstream warns that references over 20 s slow generation down and clone worse.
 LONG_REFERENCE_S = 20.0
 
@@ -210,6 +212,12 @@ class Engine:
         ref_text = prompt.ref_text if prompt else None
         ref_frames = prompt.tokens.shape[1] if prompt else None
         target = estimate_target_frames(text, ref_text, ref_frames, req.speed, req.duration, self.frame_rate)
+        if target > MAX_OUTPUT_S * self.frame_rate:
+            raise InputError(
+                f"request (text {text[:40]!r}, speed={req.speed}, duration={req.duration}) asks for "
+                f"{target / self.frame_rate:.0f} s of audio, over the {MAX_OUTPUT_S:.0f} s limit: "
+                "use a shorter duration, a speed nearer 1, or split the text."
+            )
         chunks = [Chunk(text, target, False)]
         if self.gen.audio_chunk_duration > 0 and needs_chunking(
             target, self.gen.audio_chunk_threshold, self.frame_rate

@@ -207,6 +207,8 @@ def test_long_text_is_chunked_and_cross_faded(chunking_engine, with_clip):
         ({"text": "Hi.", "speed": -1.0}, InputError, "speed=-1.0"),
         ({"text": "Hi.", "duration": 0.0}, InputError, "duration=0.0"),
         ({"text": "Hi.", "seed": 1.5}, InputError, "seed=1.5"),
+        ({"text": "Hi.", "duration": 3600.0}, InputError, "3600 s of audio, over the 600 s limit"),
+        ({"text": "Hello there.", "speed": 0.001}, InputError, "over the 600 s limit"),
         (
             {"text": "Hi.", "ref_audio": "/no/such/clip.wav", "ref_text": "x"},
             AudioError,
