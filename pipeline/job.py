@@ -20,7 +20,7 @@ from tqdm import tqdm
 from engine.errors import InputError
 from pipeline import manifest as manifest_mod
 from pipeline.config import JobConfig, load_job_config, to_yaml
-from pipeline.plan import Plan, RowSize, Sizer, make_plan
+from pipeline.plan import Plan, RowSize, Sizer, make_plan, plan_differences
 from pipeline.runner import ShardRunner, ShardTask, run_local
 from pipeline.store import JobDir, JobDirError, write_bytes_atomic, write_json_atomic
 from pipeline.summary import summarize
@@ -67,6 +67,7 @@ def plan_job(cfg: JobConfig, sizer: Sizer, clip_dir: Path | None
     base = cfg.engine
     plan = make_plan(rows, rejected, sizes, keys, base.buckets, base.max_batch_tokens, cfg.shard_tokens,
                      cfg.max_rows_per_shard)
+    plan.engine_settings = {v: manifest_mod.engine_settings(cfg.engine_config(v)) for v in keys}
     return plan, rows
 
 
@@ -97,8 +98,8 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: Callable[[JobConfig], Si
         stored = job.read_plan()
         if stored.fingerprint != plan.fingerprint:
             raise JobDirError(
-                f"{job.path} holds a different job (its plan has other rows, row keys or shards than this "
-                "manifest and config give): submit to a new --out, or `ovbatch rerun` the existing job."
+                f"{job.path} holds a different job: {'; '.join(plan_differences(stored, plan))}. Submit to a "
+                "new --out, or `ovbatch rerun` the existing job with its own settings."
             )
         kind = "resume"
     else:

@@ -58,6 +58,7 @@ class Plan:
     shard_tokens: int
     shards: list[Shard] = field(default_factory=list)
     rejected: list[Rejection] = field(default_factory=list)
+    engine_settings: dict[str, Any] = field(default_factory=dict)  # variant -> settings in its row keys
 
     @property
     def fingerprint(self) -> str:
@@ -75,6 +76,7 @@ class Plan:
             "shard_tokens": self.shard_tokens,
             "num_rows": sum(len(s.rows) for s in self.shards),
             "num_rejected": len(self.rejected),
+            "engine_settings": self.engine_settings,
             "shards": [asdict(s) for s in self.shards],
             "rejected": [asdict(r) for r in self.rejected],
         }
@@ -86,7 +88,36 @@ class Plan:
         shards = [Shard(s["index"], s["variant"], s["bucket"], s["tokens"],
                         [PlannedRow(**r) for r in s["rows"]]) for s in d["shards"]]
         return cls(d["variants"], d["buckets"], d["shard_tokens"], shards,
-                   [Rejection(**r) for r in d["rejected"]])
+                   [Rejection(**r) for r in d["rejected"]], d.get("engine_settings", {}))
+
+
+def plan_differences(old: Plan, new: Plan) -> list[str]:
+    """What makes two plans of one job directory differ, in words a person can act on."""
+    out = []
+    for variant in sorted(set(old.engine_settings) | set(new.engine_settings)):
+        a, b = _flatten(old.engine_settings.get(variant, {})), _flatten(new.engine_settings.get(variant, {}))
+        changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        if changed:
+            shown = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed[:5])
+            out.append(f"variant {variant} engine settings changed ({shown})")
+    keys_a = {(s.variant, r.id): r.row_key for s in old.shards for r in s.rows}
+    keys_b = {(s.variant, r.id): r.row_key for s in new.shards for r in s.rows}
+    if set(keys_a) != set(keys_b):
+        out.append(f"{len(set(keys_a) ^ set(keys_b))} row(s) added or removed")
+    changed_rows = [k for k in set(keys_a) & set(keys_b) if keys_a[k] != keys_b[k]]
+    if changed_rows:
+        out.append(f"{len(changed_rows)} row(s) have other inputs (e.g. id {sorted(changed_rows)[0][1]!r})")
+    return out or ["its shards are cut differently (shard_tokens, max_rows_per_shard or engine.buckets)"]
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            flat.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            flat[f"{prefix}{k}"] = v
+    return flat
 
 
 def bucket_for(tokens: int, buckets: Sequence[int]) -> int | None:

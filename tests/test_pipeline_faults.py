@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from pipeline.config import load_job_config
 from pipeline.job import rerun, submit
 from pipeline.plan import RowSize
 from pipeline.runner import ShardRunner, ShardTask
-from pipeline.store import JobDir
+from pipeline.store import JobDir, JobDirError
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
@@ -180,5 +179,54 @@ def test_a_resubmitted_job_must_be_the_same_job(tmp_path: Path):
     submit(_fake_cfg(m), tmp_path / "job", lambda cfg: _fake_sizer)
     resumed = submit(_fake_cfg(m), tmp_path / "job", lambda cfg: _fake_sizer)
     assert resumed.shards_run == []
-    with pytest.raises(Exception, match="holds a different job"):
+    with pytest.raises(JobDirError, match=r"holds a different job: .*generation.num_step: 32 -> 8"):
         submit(_fake_cfg(m, "engine.generation.num_step=8"), tmp_path / "job", lambda cfg: _fake_sizer)
+    with pytest.raises(JobDirError, match=r"1 row\(s\) have other inputs \(e.g. id 'r01'\)"):
+        submit(_fake_cfg(_manifest(m, 4, ["row r00", "changed", "row r02", "row r03"])), tmp_path / "job",
+               lambda cfg: _fake_sizer)
+
+
+def test_killing_the_driver_then_resubmitting_redoes_only_unfinished_shards(tmp_path: Path, tmp_path_factory):
+    """The real engine on the tiny checkpoint, local mode, in a subprocess killed with SIGKILL mid-job."""
+    from engine.tiny import ensure_tiny_checkpoint
+    from pipeline.sizing import engine_sizer
+
+    texts = ["Hi there.", "Thank you.", "Good night, see you soon.", "Yes, please."] * 3
+    manifest = _manifest(tmp_path / "m.parquet", len(texts), texts)
+    overrides = [
+        f"engine.checkpoint={ensure_tiny_checkpoint()}", "engine.device=cpu", "engine.generation.num_step=4",
+        f"engine.prompt_cache_dir={tmp_path_factory.getbasetemp() / 'ovbatch-prompts'}",
+        "engine.buckets=[128,256,512,1024]", "engine.max_batch_tokens=1024", "shard_tokens=300",
+        "progress=false",
+    ]
+    job = JobDir(tmp_path / "job")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "submit", str(manifest), "--out", str(job.path), "--local",
+         *overrides], cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while not job.finished_shards() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver's own process group (start_new_session)
+    stderr = proc.communicate()[1].decode(errors="replace")
+    finished = job.finished_shards()
+    planned = {s.index for s in job.read_plan().shards}
+    assert finished, f"no shard finished before the deadline: {stderr[-2000:]}"
+    assert finished < planned, "the job finished before the driver could be killed"
+    kept = {i: job.shard_result_path(i).read_bytes() for i in finished}
+    kept_ids = {r["id"] for i in finished for r in job.read_shard_results(i)}
+    stamps = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (job.path / "wavs").rglob("*.wav")
+              if p.stem in kept_ids}
+
+    cfg = load_job_config(None, [f"manifest={manifest}", "local=true", *overrides])
+    outcome = submit(cfg, job.path, engine_sizer)
+    assert sorted(outcome.shards_run) == sorted(planned - finished)
+    for i, data in kept.items():
+        assert job.shard_result_path(i).read_bytes() == data
+    for p, stamp in stamps.items():
+        assert (p.stat().st_ino, p.stat().st_mtime_ns) == stamp, f"{p} of a finished shard was rewritten"
+    results = job.read_results().to_pylist()
+    assert sorted(r["id"] for r in results) == [f"r{i:02d}" for i in range(len(texts))]
+    assert all(r["status"] == "ok" for r in results)
+    assert {p.stem for p in (job.path / "wavs" / "default").iterdir()} == {r["id"] for r in results}
+    assert not list(job.path.rglob("*.ovtmp-*"))
+    assert outcome.summary["complete"] and [r["kind"] for r in outcome.summary["runs"]] == ["resume"]
