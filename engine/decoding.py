@@ -114,10 +114,11 @@ class BatchDecoder:
             self.position_uniforms = torch.cat([n.position for n in self.noise], dim=1)  # [steps, N, C]
         schedules = [unmask_schedule(t * num_codebooks, gen.num_step, gen.t_shift) for t in target_lens]
         self.counts = torch.tensor(schedules, dtype=torch.long, device=device).T.contiguous()  # [steps, B]
-        # Padded view [B, Tmax, C] of the flat rows: request b's frames first, then padding.
+        # Where the flat rows sit in a padded [B * Tmax, C] view (request b's frames, then padding).
+        # Integer rows, not a bool mask, so that no step waits on the host for a data-dependent size.
         lens = torch.tensor(target_lens, device=device)
         frames = torch.arange(longest, device=device)
-        self.valid = frames[None, :] < lens[:, None]  # [B, Tmax]
+        self.padded_rows = (frames[None, :] < lens[:, None]).flatten().nonzero().squeeze(1)  # [N] of B*Tmax
         self.layer_penalty = gen.layer_penalty_factor * torch.arange(num_codebooks, device=device)
         self.padded_shape = (n_req, longest, num_codebooks)
 
@@ -140,13 +141,13 @@ class BatchDecoder:
 
     def _top_per_request(self, scores: Tensor, counts: Tensor) -> Tensor:
         """Bool [N, C]: each request's counts[b] highest-scoring positions."""
-        n_req = self.padded_shape[0]
-        padded = scores.new_full(self.padded_shape, float("-inf"))
-        padded[self.valid] = scores
+        n_req, longest, num_codebooks = self.padded_shape
+        padded = scores.new_full((n_req * longest, num_codebooks), float("-inf"))
+        padded.index_copy_(0, self.padded_rows, scores)
         order = padded.view(n_req, -1).argsort(dim=1, descending=True, stable=True)
         ranks_kept = torch.arange(order.shape[1], device=scores.device)[None, :] < counts[:, None]
         chosen = torch.zeros_like(ranks_kept).scatter_(1, order, ranks_kept)
-        return chosen.view(self.padded_shape)[self.valid]
+        return chosen.view(n_req * longest, num_codebooks).index_select(0, self.padded_rows)
 
     def request_tokens(self) -> list[Tensor]:
         """Each request's tokens [C, target_len]."""
