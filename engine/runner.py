@@ -42,7 +42,7 @@ def choose_layout(items: list[GenItem], buckets: tuple[int, ...]) -> PackLayout 
     return PackLayout(
         tokens=bucket,
         sequences=_pow2_at_least(2 * len(items) + pad_sequences, 8),
-        targets=_pow2_at_least(targets, 64),
+        targets=min(bucket, _pow2_at_least(targets, 64)),  # targets are a subset of the tokens
         max_seqlen=max_seqlen,
     )
 
