@@ -108,8 +108,11 @@ def test_linear_factory_builds_the_seven_backbone_linears():
     assert {f"llm.layers.0.self_attn.{p}_proj" for p in "qkvo"} <= names
 
 
-def test_attention_chooser_on_cpu():
-    assert choose_attention("auto", torch.device("cpu"), torch.float32).name == "sdpa"
+def test_attention_chooser_on_cpu(caplog):
+    with caplog.at_level("INFO", logger="engine.model.attention"):
+        assert choose_attention("auto", torch.device("cpu"), torch.float32).name == "sdpa"
+    assert "attention backend: sdpa" in caplog.text
+    assert "skipped varlen: needs a CUDA device" in caplog.text
     with pytest.raises(BackendUnavailable, match="varlen.*CUDA"):
         choose_attention("varlen", torch.device("cpu"), torch.float32)
     with pytest.raises(BackendUnavailable, match="unknown"):
