@@ -105,7 +105,7 @@ def cmd_manifest_check(args: argparse.Namespace) -> int:
     from pipeline.sizing import engine_sizer
 
     cfg = load_job_config(args.config, [f"manifest={args.file}", *_job_overrides(args)])
-    report = check_manifest(cfg, engine_sizer(cfg))
+    report = check_manifest(cfg, engine_sizer)
     print(f"manifest {report['source']}: {report['rows']} rows, {report['accepted']} accepted, "
           f"{len(report['rejected'])} rejected; buckets {report['buckets']}")
     for r in report["rejected"][: args.limit]:

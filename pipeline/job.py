@@ -46,10 +46,12 @@ def with_job_defaults(cfg: JobConfig, job: JobDir) -> JobConfig:
     return cfg
 
 
-def plan_job(cfg: JobConfig, sizer: Sizer, clip_dir: Path | None
-             ) -> tuple[Plan, list[manifest_mod.ManifestRow]]:
-    """Load and validate the manifest, size its rows, cut shards. Remote clips are copied to clip_dir."""
+def plan_job(cfg: JobConfig, make_sizer: Callable[[JobConfig], Sizer], clip_dir: Path | None
+             ) -> tuple[Plan, list[manifest_mod.ManifestRow], Sizer | None]:
+    """Load and validate the manifest, size its rows, cut shards. Remote clips are copied to clip_dir.
+    The sizer (which may load an engine) is made only once the manifest has proved readable."""
     manifest = manifest_mod.load(cfg.manifest, clip_dir=clip_dir)
+    sizer = make_sizer(cfg) if manifest.rows else None
     sizes: dict[str, RowSize] = {}
     rejected = list(manifest.rejected)
     rows = []
@@ -68,12 +70,12 @@ def plan_job(cfg: JobConfig, sizer: Sizer, clip_dir: Path | None
     plan = make_plan(rows, rejected, sizes, keys, base.buckets, base.max_batch_tokens, cfg.shard_tokens,
                      cfg.max_rows_per_shard)
     plan.engine_settings = {v: manifest_mod.engine_settings(cfg.engine_config(v)) for v in keys}
-    return plan, rows
+    return plan, rows, sizer
 
 
-def check_manifest(cfg: JobConfig, sizer: Sizer) -> dict[str, Any]:
+def check_manifest(cfg: JobConfig, make_sizer: Callable[[JobConfig], Sizer]) -> dict[str, Any]:
     """What submit would plan, without writing or running anything."""
-    plan, _ = plan_job(cfg, sizer, clip_dir=None)
+    plan, _, _ = plan_job(cfg, make_sizer, clip_dir=None)
     buckets: dict[int, int] = {}
     for shard in plan.shards:
         if shard.variant == plan.variants[0]:
@@ -91,8 +93,7 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: Callable[[JobConfig], Si
     cfg = with_job_defaults(cfg, job)
     if cfg.manifest is None:
         raise JobDirError("no manifest given: pass MANIFEST to submit (or manifest=... in the config).")
-    sizer = make_sizer(cfg)
-    plan, rows = plan_job(cfg, sizer, job.clip_dir)
+    plan, rows, sizer = plan_job(cfg, make_sizer, job.clip_dir)
     kind = "submit"
     if job.exists():
         stored = job.read_plan()
@@ -139,7 +140,7 @@ def _task(plan: Plan, index: int, rows: dict[str, manifest_mod.ManifestRow],
     return ShardTask(shard.index, shard.variant, shard.bucket, attempt, payload)
 
 
-def reusable_engines(cfg: JobConfig, sizer: Sizer) -> dict[str, Any]:
+def reusable_engines(cfg: JobConfig, sizer: Sizer | None) -> dict[str, Any]:
     """Local mode on the CPU can run shards on the engine that planned them (loaded on the CPU)."""
     engine = getattr(sizer, "engine", None)
     variant = cfg.variant_names()[0]

@@ -1,0 +1,108 @@
+"""The `ovbatch` command line: exit codes, one-line errors, overrides after options, synth, check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import soundfile as sf
+
+from pipeline.cli import EXIT_ERROR, main
+from pipeline.demo import DEMO_ROWS, write_demo_manifest
+from pipeline.manifest import load
+
+DATA = Path(__file__).parent / "data"
+CLIPS = json.loads((DATA / "clips.json").read_text())
+CLIP = "en_24k_mono.wav"
+
+
+@pytest.fixture
+def fast(tmp_path_factory) -> list[str]:
+    """CPU, 4 decoding steps, and the voice-prompt cache the pipeline test modules share."""
+    return ["engine.device=cpu", "engine.generation.num_step=4",
+            f"engine.prompt_cache_dir={tmp_path_factory.getbasetemp() / 'ovbatch-prompts'}"]
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_an_unusable_manifest_is_one_line_and_exit_2(tmp_path: Path, capsys):
+    pq.write_table(pa.table({"id": ["a"], "text": ["t"]}), tmp_path / "m.parquet")
+    assert main(["manifest", "check", str(tmp_path / "m.parquet")]) == EXIT_ERROR
+    line = _error_line(capsys)
+    assert line.startswith("ovbatch: error: manifest")
+    assert "lacks required column(s) ['ref_audio', 'ref_text']" in line
+
+
+def test_submit_refuses_a_missing_manifest_before_loading_an_engine(tmp_path: Path, capsys):
+    code = main(["submit", str(tmp_path / "none.parquet"), "--out", str(tmp_path / "job"), "--local",
+                 "progress=false"])
+    assert code == EXIT_ERROR
+    assert "not found" in _error_line(capsys)
+    assert not (tmp_path / "job").exists()
+
+
+def test_bad_config_keys_and_values_are_one_line(tmp_path: Path, capsys):
+    m = str(tmp_path / "m.parquet")
+    assert main(["submit", m, "--out", str(tmp_path / "j"), "engine.nope=1"]) == EXIT_ERROR
+    assert "job config: Key 'nope' not in 'EngineConfig'" in _error_line(capsys)
+    assert main(["submit", m, "--out", str(tmp_path / "j"), "engine.precision=int3"]) == EXIT_ERROR
+    assert "precision='int3'" in _error_line(capsys)
+    assert main(["manifest", "check", m, "--config", str(tmp_path / "none.yaml")]) == EXIT_ERROR
+    assert "config file" in _error_line(capsys)
+
+
+def test_stray_arguments_are_a_usage_error(tmp_path: Path):
+    with pytest.raises(SystemExit) as e:
+        main(["submit", "m.parquet", "--out", str(tmp_path), "notakeyvalue"])
+    assert e.value.code == 2
+
+
+def test_status_of_a_directory_that_is_not_a_job(tmp_path: Path, capsys):
+    assert main(["status", str(tmp_path)]) == EXIT_ERROR
+    assert "not a job directory" in _error_line(capsys)
+
+
+def test_quantize_forwards_its_arguments(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["quantize", "--help"])
+    assert e.value.code == 0
+    assert "ovbatch quantize" in capsys.readouterr().out
+
+
+def test_manifest_check_reports_rejected_rows_and_buckets(tmp_path: Path, capsys, fast):
+    pq.write_table(pa.table({
+        "id": ["good", "bad/id", "good2"],
+        "text": ["Hello there.", "Hello.", "A somewhat longer sentence to speak here."],
+        "ref_audio": [str(DATA / CLIP)] * 3,
+        "ref_text": [CLIPS[CLIP]["transcript"]] * 3,
+    }), tmp_path / "m.parquet")
+    assert main(["manifest", "check", str(tmp_path / "m.parquet"), *fast]) == 1
+    out = capsys.readouterr().out
+    assert "3 rows, 2 accepted, 1 rejected" in out
+    assert "row 1 id='bad/id': id 'bad/id' holds a path separator" in out
+    assert "buckets {" in out
+
+
+def test_synth_writes_a_wav(tmp_path: Path, capsys, fast):
+    out = tmp_path / "o" / "x.wav"
+    assert main(["synth", "--text", "Hello there.", "--ref-audio", str(DATA / CLIP), "--ref-text",
+                 CLIPS[CLIP]["transcript"], "--out", str(out), "--seed", "3", *fast]) == 0
+    info = sf.info(out)
+    assert info.samplerate == 24000 and info.frames > 0
+    assert "s at 24000 Hz (fp32 on cpu)" in capsys.readouterr().out
+
+
+def test_the_demo_manifest_is_valid_real_speech(tmp_path: Path):
+    m = load(write_demo_manifest(tmp_path / "demo.parquet"))
+    assert m.rejected == [] and len(m.rows) == DEMO_ROWS
+    assert {Path(r.ref_audio).name for r in m.rows} == set(CLIPS)
+    assert all(r.ref_text == CLIPS[Path(r.ref_audio).name]["transcript"] for r in m.rows)
