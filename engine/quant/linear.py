@@ -1,0 +1,88 @@
+"""W4A4Linear: a drop-in for the backbone's nn.Linear that holds the canonical W4A4 tensors as buffers.
+
+The forward pass goes through a backend: `engine.kernels.choose_w4a4_backend(device)` (the CUDA kernels
+where they are built and supported, the reference otherwise), or the reference directly when the kernels
+package cannot be imported. A backend turns the layer into its own layout once (`prepare`) per device.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from engine.quant.format import STORE_DTYPE, W4A4Tensors
+from engine.quant.reference import ReferenceW4A4Backend
+
+log = logging.getLogger(__name__)
+
+_BACKENDS: dict[tuple[str, str | None], object] = {}
+
+
+def backend_for(device: torch.device):
+    """The W4A4 backend for a device, chosen (and logged) once per process and device."""
+    key = (str(device), None)
+    if key not in _BACKENDS:
+        try:
+            from engine.kernels import choose_w4a4_backend
+        except ImportError as e:
+            log.warning("W4A4 on %s: reference backend (engine.kernels cannot be imported: %s)", device, e)
+            _BACKENDS[key] = ReferenceW4A4Backend()
+        else:
+            _BACKENDS[key] = choose_w4a4_backend(device)
+    return _BACKENDS[key]
+
+
+class W4A4Linear(nn.Module):
+    """y = W4A4(x) per engine/quant/reference.py; in/out features as the Linear it replaces."""
+
+    def __init__(
+        self, in_features: int, out_features: int, rank: int, smooth: bool = False, bias: bool = False
+    ):
+        super().__init__()
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("wscales", torch.zeros(out_features, in_features // 64, dtype=STORE_DTYPE))
+        self.register_buffer("proj_down", torch.zeros(in_features, rank, dtype=STORE_DTYPE))
+        self.register_buffer("proj_up", torch.zeros(out_features, rank, dtype=STORE_DTYPE))
+        self.register_buffer("smooth", torch.ones(in_features, dtype=STORE_DTYPE) if smooth else None)
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        self._packed = None
+        self._packed_for = None
+
+    @classmethod
+    def from_tensors(cls, t: W4A4Tensors) -> W4A4Linear:
+        layer = cls(
+            t.in_features, t.out_features, t.rank, smooth=t.smooth is not None, bias=t.bias is not None
+        )
+        layer.load_tensors(t)
+        return layer
+
+    def load_tensors(self, t: W4A4Tensors) -> None:
+        for key, value in t.items():
+            getattr(self, key).copy_(value)
+        self._packed = None
+
+    def tensors(self) -> W4A4Tensors:
+        return W4A4Tensors(
+            self.qweight, self.wscales, self.proj_down, self.proj_up, smooth=self.smooth, bias=self.bias
+        )
+
+    def _apply(self, fn, recurse=True):
+        self._packed = None  # moved or cast: the backend's copy is stale
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._packed = None
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        backend = backend_for(x.device)
+        if self._packed is None or self._packed_for is not backend:
+            self._packed, self._packed_for = backend.prepare(self), backend
+        return backend.forward(x, self._packed)
+
+    def extra_repr(self) -> str:
+        smooth = ", smooth" if self.smooth is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}{smooth}"

@@ -1,0 +1,386 @@
+"""`ovbatch quantize CHECKPOINT --out DIR`: an official OmniVoice checkpoint -> a W4A4 checkpoint directory.
+
+The output is the official layout the engine loads as it is: every backbone Linear's `weight` replaced by
+the canonical W4A4 tensors, everything else (embeddings, audio heads, norms, tokenizer, codec) copied
+unchanged, config.json["quantization"] describing it, plus quant_report.json: per-layer output errors of
+each method stage, and the end-to-end W4A4-vs-FP step-0 logits cosine and 32-step token agreement. The
+directory appears atomically (built under a temporary name, renamed when complete).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.checkpoint import load_model, read_config, read_tensors, resolve_checkpoint, weight_files
+from engine.config import EngineConfig, GenerationConfig
+from engine.errors import QuantError
+from engine.model import OmniVoiceModel
+from engine.packing import GenItem, pack_items
+from engine.quant.calibrate import (
+    CalibRequest,
+    calibrate_layers,
+    first_layer_inputs,
+    generated_items,
+    layer_linears,
+    manifest_items,
+    record_batches,
+    token_chunks,
+)
+from engine.quant.format import (
+    SUPPORTED_RANKS,
+    QuantMeta,
+    W4A4Tensors,
+    check_group_multiple,
+    checkpoint_source_hash,
+    write_w4a4_safetensors,
+)
+from engine.quant.gptq import GPTQConfig
+from engine.quant.linear import W4A4Linear
+from engine.quant.lowrank import LayerStats, MethodConfig, quantize_linear
+
+log = logging.getLogger(__name__)
+
+REPORT = "quant_report.json"
+EVAL_SEED_OFFSET = 7919  # evaluation prompts are drawn apart from the calibration ones
+
+
+@dataclass
+class QuantizeOptions:
+    rank: int = 16
+    samples: int = 128  # calibration requests
+    eval_requests: int = 8  # held-out requests for the end-to-end comparison
+    sample_rows: int = 512  # calibration rows kept per Linear to measure output error
+    device: str = "auto"
+    seed: int = 0
+    max_batch_tokens: int = 16384
+    stage_report: bool = False  # also measure GPTQ without low-rank per layer (slower)
+
+    def method(self) -> MethodConfig:
+        return MethodConfig(rank=self.rank, gptq=GPTQConfig(), stage_report=self.stage_report)
+
+
+def resolve_device(name: str) -> tuple[torch.device, torch.dtype]:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    return device, (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def check_source(src: Path, out: Path, rank: int) -> tuple[dict, OmniVoiceModel]:
+    """Refuse bad input before any work: already quantized, odd shapes, bad rank, existing output."""
+    cfg, raw = read_config(src)
+    if "quantization" in raw:
+        raise QuantError(
+            f"{src} is already a W4A4 checkpoint (config.json has 'quantization'); quantize the original "
+            "FP checkpoint instead."
+        )
+    if rank not in SUPPORTED_RANKS:
+        raise QuantError(f"--rank {rank}: the W4A4 format supports ranks {SUPPORTED_RANKS}.")
+    if out.exists():
+        raise QuantError(f"output {out} already exists; pass a new --out directory or remove it first.")
+    with torch.device("meta"):
+        model = OmniVoiceModel(cfg)
+    for i, layer in enumerate(model.llm.layers):
+        for name, lin in layer_linears(layer, f"llm.layers.{i}").items():
+            check_group_multiple(name, lin.in_features)
+    return raw, model
+
+
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, new)
+
+
+class _LayerQuantizer:
+    """The calibrate_layers callback: quantize a decoder layer's Linears, swap them, keep the results."""
+
+    def __init__(self, model: OmniVoiceModel, method: MethodConfig, progress=None):
+        self.model, self.method, self.progress = model, method, progress
+        self.tensors: dict[str, W4A4Tensors] = {}
+        self.report: list[dict] = []
+
+    def __call__(self, index: int, linears: dict[str, nn.Linear], stats: dict[str, LayerStats]) -> None:
+        for name, lin in linears.items():
+            start = time.perf_counter()
+            res = quantize_linear(lin.weight.float(), stats[name], self.method, bias=lin.bias, name=name)
+            _swap(self.model, name, W4A4Linear.from_tensors(res.tensors).to(lin.weight.device))
+            self.tensors[name] = res.tensors.to("cpu")
+            self.report.append(
+                {
+                    "name": name,
+                    "shape": [lin.out_features, lin.in_features],
+                    "errors": {k: round(v, 6) for k, v in res.errors.items()},
+                    "alpha": res.alpha,
+                    "refits": res.refits,
+                    "calib_rows": stats[name].rows,
+                    "seconds": round(time.perf_counter() - start, 3),
+                }
+            )
+            if self.progress is not None:
+                self.progress.set_postfix_str(f"{name.split('.', 2)[-1]} err {res.errors['final']:.4f}")
+
+
+@torch.inference_mode()
+def compare_models(
+    fp: OmniVoiceModel, q: OmniVoiceModel, items: list[GenItem], device, dtype, max_tokens: int = 16384
+) -> dict:
+    """W4A4 vs FP: cosine of step-0 logits per (position, codebook), and 32-step token agreement."""
+    from engine.runner import Runner
+
+    cosines = []
+    for chunk in token_chunks(items, max_tokens):
+        batch = pack_items(chunk, fp.cfg.num_audio_codebook, fp.cfg.audio_mask_id).to(device)
+        a, b = fp(batch), q(batch)
+        cosines.append(F.cosine_similarity(a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), dim=-1))
+    cos = torch.cat(cosines).float()
+    gen, run_cfg = GenerationConfig(), EngineConfig(cuda_graphs=False, max_batch_tokens=max_tokens)
+    same = total = 0
+    for chunk in token_chunks(items, max_tokens):
+        fp_tokens = Runner(fp, run_cfg, device, dtype).generate(chunk, gen)
+        q_tokens = Runner(q, run_cfg, device, dtype).generate(chunk, gen)
+        for x, y in zip(fp_tokens, q_tokens):
+            same += int((x == y).sum())
+            total += x.numel()
+    return {
+        "requests": len(items),
+        "logits_cosine_mean": round(float(cos.mean()), 6),
+        "logits_cosine_min": round(float(cos.min()), 6),
+        "token_agreement": round(same / max(total, 1), 6),
+        "steps": gen.num_step,
+    }
+
+
+def _write_checkpoint(
+    tmp: Path, src: Path, raw: dict, quantized: dict[str, W4A4Tensors], meta: QuantMeta
+) -> None:
+    state = read_tensors(weight_files(src))
+    for name, t in quantized.items():
+        state.pop(f"{name}.weight")
+        state.pop(f"{name}.bias", None)
+        state.update(t.state_dict(name))
+    write_w4a4_safetensors(tmp / "model.safetensors", state, meta)
+    del state
+    (tmp / "config.json").write_text(json.dumps({**raw, "quantization": meta.to_dict()}, indent=2) + "\n")
+    for entry in src.iterdir():
+        if (
+            entry.name == "config.json"
+            or entry.name.endswith(".safetensors")
+            or entry.name.endswith(".index.json")
+        ):
+            continue
+        if entry.is_dir():
+            shutil.copytree(entry, tmp / entry.name)
+        else:
+            shutil.copy2(entry, tmp / entry.name)
+
+
+def quantize_checkpoint(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    options: QuantizeOptions | None = None,
+    calib_requests: list[CalibRequest] | None = None,
+    calib_source: str | None = None,
+    show_progress: bool = True,
+) -> dict:
+    """Quantize `source` into the new directory `out`; returns the report (also out/quant_report.json)."""
+    from tqdm import tqdm
+
+    from engine.frontend.text import TextFrontend
+
+    options = options or QuantizeOptions()
+    started = time.perf_counter()
+    src, out = resolve_checkpoint(source), Path(out)
+    raw, _ = check_source(src, out, options.rank)
+    device, dtype = resolve_device(options.device)
+    source_hash = checkpoint_source_hash(src)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    frontend = TextFrontend(src / "tokenizer.json")
+    _, model = load_model(src, device=device, dtype=dtype)
+    c, audio_vocab = model.cfg.num_audio_codebook, model.cfg.audio_vocab_size
+    if calib_requests is not None:
+        from engine.codec import Codec
+
+        codec = Codec.from_dir(src / "audio_tokenizer", device=device)
+        items = manifest_items(frontend, codec, calib_requests[: options.samples], calib_source or "manifest")
+        del codec
+    else:
+        items = generated_items(frontend, options.samples, c, audio_vocab - 1, options.seed)
+    eval_items = generated_items(
+        frontend, options.eval_requests, c, audio_vocab - 1, options.seed + EVAL_SEED_OFFSET
+    )
+
+    batches = record_batches(model, items, device, dtype, options.max_batch_tokens)
+    inputs = first_layer_inputs(model, batches)
+    del batches
+    bar = tqdm(
+        total=model.cfg.llm.num_hidden_layers, desc="quantize", unit="layer", disable=not show_progress
+    )
+    quantizer = _LayerQuantizer(model, options.method(), bar)
+
+    def progress(layers):
+        for i in layers:
+            yield i
+            bar.update(1)
+
+    calibrate_layers(model, inputs, quantizer, options.sample_rows, progress)
+    bar.close()
+    del inputs, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    settings = {
+        **asdict(options),
+        "calibration": calib_source or "generated",
+        "calib_requests": len(items),
+        "method": "gptq + iterative svd low-rank + smoothing search",
+    }
+    meta = QuantMeta(
+        rank=options.rank, source_hash=source_hash, layers=tuple(quantizer.tensors), settings=settings
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        _write_checkpoint(tmp, src, raw, quantizer.tensors, meta)
+        _, fp = load_model(src, device=device, dtype=dtype)
+        _, q = load_model(tmp, device=device, dtype=dtype)
+        end_to_end = compare_models(fp, q, eval_items, device, dtype, options.max_batch_tokens)
+        del fp, q
+        report = {
+            "source": str(src),
+            "out": str(out),
+            "source_hash": source_hash,
+            "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."),
+            "settings": settings,
+            "layers": quantizer.report,
+            "summary": _summary(quantizer.report),
+            "end_to_end": end_to_end,
+            "seconds": round(time.perf_counter() - started, 2),
+        }
+        if device.type == "cuda":
+            report["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+        (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        if out.exists():
+            raise QuantError(f"output {out} appeared while quantizing; the result is left unused.")
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return report
+
+
+def _summary(layers: list[dict]) -> dict:
+    stages = layers[0]["errors"].keys() if layers else ()
+    common = [s for s in stages if all(s in layer["errors"] for layer in layers)]
+    mean = {s: round(sum(layer["errors"][s] for layer in layers) / len(layers), 6) for s in common}
+    return {"mean_error": mean, "smoothed_layers": sum(layer["alpha"] is not None for layer in layers)}
+
+
+def format_report(report: dict) -> str:
+    """The per-layer table and the end-to-end lines printed by `ovbatch quantize`."""
+    lines = [
+        f"{'layer':40s} {'N x K':>11s} {'rtn':>8s} {'final':>8s} {'gain':>6s} {'smooth':>6s} {'refits':>6s}"
+    ]
+    for layer in report["layers"]:
+        e = layer["errors"]
+        n, k = layer["shape"]
+        alpha = "-" if layer["alpha"] is None else f"{layer['alpha']:g}"
+        lines.append(
+            f"{layer['name']:40s} {f'{n}x{k}':>11s} {e['rtn']:8.4f} {e['final']:8.4f} "
+            f"{e['rtn'] / max(e['final'], 1e-12):5.1f}x {alpha:>6s} {layer['refits']:6d}"
+        )
+    mean = report["summary"]["mean_error"]
+    lines.append(
+        "mean relative output error per stage: " + ", ".join(f"{k} {v:.4f}" for k, v in mean.items())
+    )
+    e2e = report["end_to_end"]
+    lines.append(
+        f"W4A4 vs FP ({report['dtype']}, {e2e['requests']} held-out requests): step-0 logits cosine mean "
+        f"{e2e['logits_cosine_mean']:.4f} (min {e2e['logits_cosine_min']:.4f}), {e2e['steps']}-step token "
+        f"agreement {e2e['token_agreement']:.1%}"
+    )
+    lines.append(f"wrote {report['out']} in {report['seconds']:.1f} s")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ovbatch quantize", description=__doc__.splitlines()[0])
+    p.add_argument("checkpoint", help="official OmniVoice checkpoint directory (or Hugging Face repo id)")
+    p.add_argument("--out", required=True, help="new directory for the W4A4 checkpoint")
+    p.add_argument("--rank", type=int, default=16, choices=SUPPORTED_RANKS, help="low-rank branch rank")
+    p.add_argument("--calib", help="Parquet manifest whose rows calibrate (default: generated prompts)")
+    p.add_argument("--samples", type=int, default=128, help="calibration requests (default 128)")
+    p.add_argument("--eval-requests", type=int, default=8, help="held-out requests for the W4A4-vs-FP check")
+    p.add_argument(
+        "--sample-rows", type=int, default=512, help="rows per Linear used to measure output error"
+    )
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stage-report", action="store_true", help="also measure GPTQ alone per layer (slower)")
+    return p
+
+
+def _manifest_requests(location: str, load_manifest: Callable | None) -> list[CalibRequest]:
+    if load_manifest is None:  # the command-line layer reads manifests with the pipeline's reader
+        from pipeline.manifest import load as load_manifest
+    manifest = load_manifest(location)
+    requests = [
+        CalibRequest(
+            text=r.text,
+            ref_audio=r.ref_audio,
+            ref_text=r.ref_text,
+            language=r.language,
+            instruct=r.instruct,
+            seed=r.seed,
+        )
+        for r in manifest.rows
+        if r.ref_audio and r.ref_text
+    ]
+    if not requests:
+        reasons = "; ".join(f"row {r.row_index}: {r.reason}" for r in manifest.rejected[:3]) or "no rows"
+        raise QuantError(
+            f"calibration manifest {location} has no usable rows ({reasons}). Fix the rows or leave --calib "
+            "out to calibrate on generated prompts."
+        )
+    return requests
+
+
+def main(argv: list[str] | None = None, load_manifest: Callable | None = None) -> int:
+    """Entry of `ovbatch quantize`; load_manifest(location) -> manifest with .rows/.rejected (default:
+    pipeline.manifest.load)."""
+    args = build_parser().parse_args(argv)
+    if args.samples < 1 or args.eval_requests < 1:
+        raise QuantError("--samples and --eval-requests must be at least 1.")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    options = QuantizeOptions(
+        rank=args.rank,
+        samples=args.samples,
+        eval_requests=args.eval_requests,
+        sample_rows=args.sample_rows,
+        device=args.device,
+        seed=args.seed,
+        stage_report=args.stage_report,
+    )
+    requests = _manifest_requests(args.calib, load_manifest) if args.calib else None
+    report = quantize_checkpoint(args.checkpoint, args.out, options, requests, args.calib)
+    print(format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""`ovbatch quantize` on the tiny checkpoint: the written checkpoint loads, tracks FP, refuses bad input."""
+
+import contextlib
+import io
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine.checkpoint import load_model
+from engine.errors import QuantError
+from engine.quant import quantize as quantize_mod
+from engine.quant.calibrate import CalibRequest, manifest_items
+from engine.quant.format import checkpoint_source_hash
+from engine.quant.linear import W4A4Linear
+from engine.quant.load import build_w4a4_model
+from engine.tiny import ensure_tiny_checkpoint
+
+# Stated thresholds for the tiny model (random weights, so its decoding is fragile: near-flat logits
+# flip under small perturbations; chance agreement is 1/1024). Measured: cosine ~0.998, agreement ~0.45.
+MIN_LOGITS_COSINE = 0.99
+MIN_TOKEN_AGREEMENT = 0.25
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Many small ops: on a shared 2-core machine a second thread only contends (5x slower here).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return ensure_tiny_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny, tmp_path_factory, one_thread):
+    out = tmp_path_factory.mktemp("q") / "tiny-w4a4"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = quantize_mod.main(
+            [str(tiny), "--out", str(out), "--samples", "6", "--eval-requests", "3", "--device", "cpu"]
+        )
+    assert code == 0
+    return out, printed.getvalue()
+
+
+def test_report_and_end_to_end_thresholds(tiny, quantized):
+    out, printed = quantized
+    report = json.loads((out / "quant_report.json").read_text())
+    assert len(report["layers"]) == 14  # 2 layers x 7 Linears
+    for layer in report["layers"]:
+        assert layer["errors"]["final"] <= layer["errors"]["rtn"]
+    mean = report["summary"]["mean_error"]
+    assert mean["final"] < 0.7 * mean["rtn"]
+    e2e = report["end_to_end"]
+    print(
+        f"\ntiny W4A4 vs FP: cosine {e2e['logits_cosine_mean']:.4f}, agreement {e2e['token_agreement']:.3f}"
+    )
+    assert e2e["logits_cosine_mean"] >= MIN_LOGITS_COSINE
+    assert e2e["token_agreement"] >= MIN_TOKEN_AGREEMENT
+    assert "llm.layers.1.mlp.down_proj" in printed and "token agreement" in printed
+    assert report["source_hash"] == checkpoint_source_hash(tiny)
+
+
+def test_written_checkpoint_loads_as_w4a4(tiny, quantized):
+    out, _ = quantized
+    assert {p.name for p in tiny.iterdir()} <= {p.name for p in out.iterdir()}
+    assert not list(out.parent.glob(".tiny-w4a4.*"))  # no temp dir left behind
+    cfg, model = load_model(out)
+    w4a4 = [m for m in model.modules() if isinstance(m, W4A4Linear)]
+    assert len(w4a4) == 14
+    assert model.llm.embed_tokens.weight.dtype == torch.float32
+    _, fp = load_model(tiny)
+    assert torch.equal(model.audio_heads.weight, fp.audio_heads.weight)  # copied, not quantized
+    assert torch.equal(model.llm.norm.weight, fp.llm.norm.weight)
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["quantization"]["rank"] == 16 and len(raw["quantization"]["layers"]) == 14
+
+
+def test_source_hash_and_version_mismatch(quantized, tmp_path):
+    out, _ = quantized
+    cfg, _ = load_model(out)
+    with pytest.raises(QuantError, match="quantized from source"):
+        build_w4a4_model(out, cfg, expected_source_hash="0" * 32)
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    raw = json.loads((bad / "config.json").read_text())
+    raw["quantization"]["version"] = 99
+    (bad / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(QuantError, match="version 99"):
+        load_model(bad)
+
+
+def test_truncated_w4a4_file_is_refused(quantized, tmp_path):
+    out, _ = quantized
+    bad = tmp_path / "trunc"
+    shutil.copytree(out, bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(QuantError, match="truncated or corrupt"):
+        load_model(bad)
+
+
+def test_already_quantized_and_existing_output_are_refused(tiny, quantized, tmp_path):
+    out, _ = quantized
+    with pytest.raises(QuantError, match="already a W4A4 checkpoint"):
+        quantize_mod.main([str(out), "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(QuantError, match="already exists"):
+        quantize_mod.main([str(tiny), "--out", str(out)])
+
+
+def test_shapes_not_multiple_of_group_are_refused(tiny, tmp_path):
+    src = tmp_path / "odd"
+    shutil.copytree(tiny, src)
+    raw = json.loads((src / "config.json").read_text())
+    raw["llm_config"]["intermediate_size"] = 100
+    (src / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(QuantError, match=r"down_proj: in_features=100 is not a multiple"):
+        quantize_mod.main([str(src), "--out", str(tmp_path / "y")])
+    assert not (tmp_path / "y").exists()
+
+
+def test_manifest_without_usable_rows(tiny, tmp_path):
+    class Rejected:
+        row_index, reason = 0, "reference clip missing.wav not found"
+
+    class EmptyManifest:
+        rows, rejected = [], [Rejected()]
+
+    with pytest.raises(QuantError, match="no usable rows.*missing.wav"):
+        quantize_mod.main(
+            [str(tiny), "--out", str(tmp_path / "z"), "--calib", "m.parquet"],
+            load_manifest=lambda location: EmptyManifest(),
+        )
+    from engine.codec import Codec
+    from engine.frontend.text import TextFrontend
+
+    requests = [CalibRequest(text="Hello there.", ref_audio=str(tmp_path / "nope.wav"), ref_text="Hi.")]
+    codec = Codec.from_dir(tiny / "audio_tokenizer")
+    with pytest.raises(QuantError, match="no usable rows.*row 0"):
+        manifest_items(TextFrontend(tiny / "tokenizer.json"), codec, requests, "m.parquet")
+    assert not (tmp_path / "z").exists()
+
+
+def test_failure_midway_leaves_nothing(tiny, tmp_path, monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected failure after the checkpoint was written")
+
+    monkeypatch.setattr(quantize_mod, "compare_models", boom)
+    out = tmp_path / "w"
+    opts = quantize_mod.QuantizeOptions(samples=1, eval_requests=1, device="cpu")
+    with pytest.raises(RuntimeError, match="injected"):
+        quantize_mod.quantize_checkpoint(tiny, out, opts, show_progress=False)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
