@@ -32,6 +32,7 @@ DEMO_OVERRIDES = (
     "shard_tokens=1536",
     "ray.num_actors=2",
     "ray.num_cpus=2",
+    "report=always",
 )
 
 

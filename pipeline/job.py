@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,7 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: Callable[[JobConfig], Si
            executor: Executor | None = None) -> JobOutcome:
     """Plan MANIFEST into OUT and run it; on an existing OUT with the same plan, run what is unfinished.
     make_sizer(cfg) gives the row sizer (pipeline.sizing.engine_sizer: the engine's own preparation)."""
+    t0 = time.perf_counter()
     job = JobDir(out)
     cfg = with_job_defaults(cfg, job)
     if cfg.manifest is None:
@@ -110,7 +111,7 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: Callable[[JobConfig], Si
         job.write_plan(plan)
     write_bytes_atomic(job.config_path, to_yaml(cfg).encode())
     todo = [s.index for s in plan.shards if s.index not in job.finished_shards()]
-    return execute(job, cfg, plan, todo, kind, executor, reusable_engines(cfg, sizer))
+    return execute(job, cfg, plan, todo, kind, executor, reusable_engines(cfg, sizer), t0)
 
 
 def rerun(job_path: str | Path, overrides: list[str] | tuple[str, ...] = (),
@@ -157,7 +158,10 @@ def _cuda_available() -> bool:
 
 
 def execute(job: JobDir, cfg: JobConfig, plan: Plan, shard_indices: list[int], kind: str,
-            executor: Executor | None = None, engines: dict[str, Any] | None = None) -> JobOutcome:
+            executor: Executor | None = None, engines: dict[str, Any] | None = None,
+            t0: float | None = None) -> JobOutcome:
+    """Run `shard_indices` and write their results; t0 (perf_counter) is when the run began, planning
+    included (default: now)."""
     job.remove_temp_files()
     rows = job.read_rows()
     finished = job.finished_shards()
@@ -165,8 +169,11 @@ def execute(job: JobDir, cfg: JobConfig, plan: Plan, shard_indices: list[int], k
     kept = {i: [r for r in job.read_shard_results(i) if r["status"] != "failed"]
             for i in shard_indices if i in finished}
     tasks = [_task(plan, i, rows, kept) for i in shard_indices]
-    started, t0 = _now(), time.perf_counter()
-    run_record = {"kind": kind, "started_at": started, "mode": "local" if cfg.local else "ray",
+    t0 = time.perf_counter() if t0 is None else t0
+    planning = time.perf_counter() - t0
+    started = (datetime.now(UTC) - timedelta(seconds=planning)).isoformat(timespec="seconds")
+    run_record = {"kind": kind, "started_at": started, "planning_seconds": round(planning, 3),
+                  "mode": "local" if cfg.local else "ray",
                   "shards": len(tasks), "rows": sum(len(t.rows) for t in tasks)}
     pool = None
     if tasks:

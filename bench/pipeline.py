@@ -1,0 +1,192 @@
+"""The batch job on one GPU: the same manifest through a Ray GPU actor and in local mode (no Ray).
+
+Full-size OmniVoice dimensions with random weights (model and codec; the tiny checkpoint's tokenizer) by
+default, or the tiny checkpoint (--size tiny). The manifest cycles over the repo's speech clips with
+short, medium and long texts, so rows fall into several graph buckets. Reported per mode: rows, wall
+seconds (planning included and excluded), audio seconds, x-realtime, engine busy fraction (sum of batch
+wall times / execution wall time), GPU utilisation sampled with nvidia-smi, per-bucket rows/s.
+
+    python bench/pipeline.py [--out bench/results/pipeline-h200.json] [--rows 512] [--size full|tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from safetensors.torch import save_file  # noqa: E402
+
+from engine.codec import Codec  # noqa: E402
+from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG, read_codec_config  # noqa: E402
+from engine.config import ModelConfig  # noqa: E402
+from engine.tiny import ensure_tiny_checkpoint, tiny_state_dict  # noqa: E402
+from engine.tiny_codec import _preprocessor_config, _random_weights  # noqa: E402
+from pipeline.config import load_job_config  # noqa: E402
+from pipeline.demo import CLIPS_DIR, demo_clips  # noqa: E402
+from pipeline.job import submit  # noqa: E402
+from pipeline.sizing import engine_sizer  # noqa: E402
+
+TEXTS = (
+    "Hello there.",
+    "Good morning, how are you today?",
+    "The train to the coast leaves at nine, so please do not be late for it this time.",
+    "Batch synthesis turns a long list of sentences into speech, one clean file for every row of the "
+    "manifest, while the graphs stay warm on the device and the queue keeps moving along.",
+)
+
+
+def full_size_checkpoint(out: Path) -> Path:
+    """OmniVoice's real dimensions with seeded random weights (model and codec), tiny tokenizer."""
+    tiny = ensure_tiny_checkpoint()
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / name, out / name)
+    cfg = ModelConfig()
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    weights = {k: v.to(torch.bfloat16) for k, v in tiny_state_dict(cfg).items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    codec_dir = out / "audio_tokenizer"
+    codec_dir.mkdir(exist_ok=True)
+    (codec_dir / "config.json").write_text(json.dumps(OMNIVOICE_CODEC_CONFIG, indent=2) + "\n")
+    codec_cfg = read_codec_config(codec_dir / "config.json")
+    (codec_dir / "preprocessor_config.json").write_text(
+        json.dumps(_preprocessor_config(codec_cfg.hop_length, codec_cfg.sample_rate), indent=2) + "\n")
+    torch.manual_seed(0)
+    save_file(_random_weights(Codec(codec_cfg), codec_cfg), str(codec_dir / "model.safetensors"))
+    return out
+
+
+def write_manifest(path: Path, rows: int) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    clips = sorted(demo_clips().items())
+    pq.write_table(pa.table({
+        "id": [f"b{i:05d}" for i in range(rows)],
+        "text": [TEXTS[i % len(TEXTS)] for i in range(rows)],
+        "ref_audio": [str(CLIPS_DIR / clips[i % len(clips)][0]) for i in range(rows)],
+        "ref_text": [clips[i % len(clips)][1] for i in range(rows)],
+        "language": ["en"] * rows,
+    }), path)
+    return path
+
+
+class GpuSampler:
+    """nvidia-smi utilization.gpu every 0.5 s while a run lasts (empty where nvidia-smi is absent)."""
+
+    def __init__(self):
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        query = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i", "0"]
+        while not self._stop.wait(0.5):
+            try:
+                out = subprocess.run(query, capture_output=True, text=True, timeout=5).stdout.strip()
+                self.samples.append(float(out.splitlines()[0]))
+            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+                return
+
+    def __enter__(self) -> GpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_mode(mode: str, manifest: Path, job_dir: Path, overrides: list[str]) -> dict:
+    cfg = load_job_config(None, [f"manifest={manifest}", f"local={str(mode == 'local').lower()}", *overrides])
+    with GpuSampler() as gpu:
+        outcome = submit(cfg, job_dir, engine_sizer)
+    s = outcome.summary
+    run = s["runs"][-1]
+    execution = run["wall_seconds"] - run["planning_seconds"]
+    ok = [r for r in outcome.job.read_results().to_pylist() if r["status"] == "ok"]
+    return {
+        "mode": mode,
+        "rows": s["rows"],
+        "wall_seconds": run["wall_seconds"],
+        "planning_seconds": run["planning_seconds"],
+        "execution_seconds": round(execution, 3),
+        "audio_seconds": s["audio_seconds"],
+        "x_realtime": s["x_realtime"],
+        "x_realtime_execution": round(s["audio_seconds"] / execution, 3) if execution > 0 else None,
+        "engine_x_realtime": s["engine_x_realtime"],
+        "engine_busy_fraction": round(s["synth_seconds"] / execution, 4) if execution > 0 else None,
+        "gpu_util_mean_pct": round(statistics.fmean(gpu.samples), 1) if gpu.samples else None,
+        "gpu_util_samples": len(gpu.samples),
+        "gpu": sorted({r["gpu"] for r in ok}),
+        "precision": sorted({r["precision"] for r in ok}),
+        "mean_batch_size": round(statistics.fmean(r["batch_size"] for r in ok), 2) if ok else None,
+        "per_bucket": s["per_bucket"],
+    }
+
+
+def environment() -> dict:
+    import ray
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "ray": ray.__version__}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        try:
+            query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+            env["driver"] = subprocess.run(query, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            env["driver"] = "unknown"
+    return env
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="bench/results/pipeline-h200.json")
+    p.add_argument("--rows", type=int, default=512)
+    p.add_argument("--size", choices=("full", "tiny"), default="full")
+    p.add_argument("--modes", default="ray,local", help="comma-separated: ray, local")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--work", help="scratch folder (default: a temp dir, removed at the end)")
+    args = p.parse_args()
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="ovbatch-bench-"))
+    try:
+        t0 = time.perf_counter()
+        ckpt = full_size_checkpoint(work / "ckpt") if args.size == "full" else ensure_tiny_checkpoint()
+        build_s = time.perf_counter() - t0
+        manifest = write_manifest(work / "manifest.parquet", args.rows)
+        overrides = [f"engine.checkpoint={ckpt}", f"engine.device={args.device}", "progress=false",
+                     f"engine.prompt_cache_dir={work / 'prompts'}", "ray.num_actors=1"]
+        report = {"bench": "pipeline", "size": args.size, "rows": args.rows, "checkpoint_build_seconds":
+                  round(build_s, 1), "environment": environment(), "config": overrides[1:], "modes": []}
+        for mode in args.modes.split(","):
+            result = run_mode(mode, manifest, work / f"job-{mode}", overrides)
+            report["modes"].append(result)
+            shown = ("mode", "wall_seconds", "execution_seconds", "x_realtime", "engine_busy_fraction",
+                     "gpu_util_mean_pct")
+            print(json.dumps({k: result[k] for k in shown}), flush=True)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {out}")
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
