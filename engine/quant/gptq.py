@@ -14,7 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import QuantError
-from engine.quant.format import GROUP_SIZE, check_group_multiple, quantize_to_grid, weight_group_scales
+from engine.quant.format import (
+    GROUP_SIZE,
+    QMAX,
+    QMIN,
+    check_group_multiple,
+    quantize_to_grid,
+    weight_group_scales,
+)
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,8 @@ def gptq_quantize(
         perm = torch.argsort(torch.diagonal(h), descending=True)
         w, h = w[:, perm], h[perm][:, perm]
         col_scales = scales[:, perm // GROUP_SIZE]
+    else:
+        col_scales = torch.zeros_like(w)  # filled one group at a time, from the error-updated weights
     hinv = _inverse_hessian_factor(h, cfg.damp)
     q = torch.zeros_like(w)
 
@@ -87,15 +96,19 @@ def gptq_quantize(
         for i in range(stop - start):
             col = start + i
             if not cfg.act_order and col % GROUP_SIZE == 0:
-                scales[:, col // GROUP_SIZE] = weight_group_scales(block[:, i : i + GROUP_SIZE])[:, 0]
-            s = col_scales[:, col] if cfg.act_order else scales[:, col // GROUP_SIZE]
-            qcol = quantize_to_grid(block[:, i], s)
+                g = weight_group_scales(block[:, i : i + GROUP_SIZE])
+                scales[:, col // GROUP_SIZE] = g[:, 0]
+                col_scales[:, col : col + GROUP_SIZE] = g
+            s = col_scales[:, col]
+            # A zero scale means an all-zero group: any q dequantizes to 0 there (masked to 0 below).
+            qcol = torch.round(block[:, i] / torch.where(s > 0, s, 1.0)).clamp_(QMIN, QMAX)
             q[:, col] = qcol
             err = (block[:, i] - qcol * s) / hinv_block[i, i]
-            block[:, i:] -= err[:, None] * hinv_block[i, i:][None, :]
+            block[:, i:].addr_(err, hinv_block[i, i:], alpha=-1.0)
             errs[:, i] = err
         w[:, stop:] -= errs @ hinv[start:stop, stop:]
 
+    q = torch.where(col_scales > 0, q, 0.0)
     if perm is not None:
         q = q[:, torch.argsort(perm)]
     return q.to(torch.int8), scales
