@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call, many steps: GPU tests and benchmarks, each under its own time limit.
+# Usage on the GPU machine (repo root):  bash bench/gpu_session.sh STEP[:SECONDS] ...
+# Steps: tests official parity generate codec-parity codec quantize pipeline kernels
+# Logs and bench/results/*.json come back bundled as $OUT/logs.tgz and $OUT/results.tgz.
+set -u
+out=${OUT:-/tmp/ovbatch-out}
+mkdir -p "$out/logs"
+[ -f .devwheels/activate ] && source .devwheels/activate
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/logs/gpu.txt" 2>&1
+
+step() {
+  case $1 in
+    tests)        python3 -m pytest -q -m gpu tests ;;
+    official)     python3 -m pytest -q -m official tests ;;
+    parity)       python3 bench/parity.py ;;
+    generate)     python3 bench/generate.py ;;
+    codec-parity) python3 bench/codec_parity.py ;;
+    codec)        python3 bench/codec.py ;;
+    quantize)     python3 bench/quantize.py ;;
+    pipeline)     python3 bench/pipeline.py ;;
+    kernels)      python3 bench/kernels.py ;;
+    *) echo "unknown step $1"; return 2 ;;
+  esac
+}
+
+for arg in "$@"; do
+  name=${arg%%:*}; limit=${arg#*:}; [ "$limit" = "$arg" ] && limit=300
+  start=$(date +%s)
+  timeout "$limit" bash -c "$(declare -f step); step $name" > "$out/logs/$name.log" 2>&1
+  rc=$?
+  printf '%-13s rc=%-3s %4ss  %s\n' "$name" "$rc" "$(( $(date +%s) - start ))" "$(tail -n 1 "$out/logs/$name.log")" | tee -a "$out/logs/summary.txt"
+done
+tar czf "$out/results.tgz" bench/results
+tar czf "$out/logs.tgz" -C "$out" logs
