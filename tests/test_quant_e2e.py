@@ -158,3 +158,15 @@ def test_failure_midway_leaves_nothing(tiny, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="injected"):
         quantize_mod.quantize_checkpoint(tiny, out, opts, show_progress=False)
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.gpu
+def test_quantize_on_cuda_bf16(tiny, tmp_path):
+    opts = quantize_mod.QuantizeOptions(samples=16, eval_requests=8, device="cuda", dtype="bf16")
+    report = quantize_mod.quantize_checkpoint(tiny, tmp_path / "q", opts, show_progress=False)
+    e2e = report["end_to_end"]
+    print(f"\ncuda bf16 ({report['w4a4_backend']}): {e2e}")
+    assert e2e["logits_cosine_mean"] >= MIN_LOGITS_COSINE
+    assert e2e["token_agreement"] >= MIN_TOKEN_AGREEMENT
+    _, model = load_model(tmp_path / "q", device="cuda", dtype=torch.bfloat16)
+    assert sum(isinstance(m, W4A4Linear) for m in model.modules()) == 14

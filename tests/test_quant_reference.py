@@ -140,3 +140,42 @@ def test_reference_on_cuda_matches_cpu():
     cpu = w4a4_linear_reference(x, t)
     gpu = w4a4_linear_reference(x.cuda(), t.to("cuda")).cpu()
     assert torch.allclose(gpu, cpu, rtol=0, atol=1e-5 * cpu.abs().max())
+
+
+def test_w4a4_linear_is_a_drop_in(monkeypatch, caplog):
+    import sys
+
+    from engine.quant import linear as linear_mod
+    from engine.quant.linear import W4A4Linear
+
+    t = random_layer(96, 128, seed=9)
+    layer = W4A4Linear.from_tensors(t)
+    assert (layer.in_features, layer.out_features, layer.rank) == (128, 96, 16)
+    assert set(layer.state_dict()) == {"qweight", "wscales", "proj_down", "proj_up", "smooth"}
+    x = torch.randn(2, 3, 128)
+    assert torch.equal(layer(x), w4a4_linear_reference(x, t))
+    # without engine.kernels the layer still runs, on the reference, and says why
+    monkeypatch.setattr(linear_mod, "_BACKENDS", {})
+    monkeypatch.setitem(sys.modules, "engine.kernels", None)
+    fresh = W4A4Linear.from_tensors(t)
+    with caplog.at_level("WARNING"):
+        y = fresh(x)
+    assert torch.equal(y, w4a4_linear_reference(x, t))
+    assert "reference backend" in caplog.text and "engine.kernels cannot be imported" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w4a4_linear_on_cuda_matches_reference(dtype):
+    from engine.quant.linear import W4A4Linear, backend_for
+
+    for n, k in OMNIVOICE_SHAPES:
+        t = random_layer(n, k, seed=n * 3 + k)
+        layer = W4A4Linear.from_tensors(t).cuda()
+        x = torch.randn(37, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+        y = layer(x.cuda()).float().cpu()
+        ref = w4a4_linear_reference(x.float(), t)
+        rel = (y - ref).norm() / ref.norm()
+        assert rel < 2e-2, (
+            f"{backend_for(torch.device('cuda')).name} {n}x{k} {dtype}: relative error {rel:.2e}"
+        )

@@ -17,12 +17,12 @@ from engine.quant.reference import ReferenceW4A4Backend
 
 log = logging.getLogger(__name__)
 
-_BACKENDS: dict[tuple[str, str | None], object] = {}
+_BACKENDS: dict[str, object] = {}
 
 
 def backend_for(device: torch.device):
     """The W4A4 backend for a device, chosen (and logged) once per process and device."""
-    key = (str(device), None)
+    key = str(device)
     if key not in _BACKENDS:
         try:
             from engine.kernels import choose_w4a4_backend

@@ -49,7 +49,7 @@ from engine.quant.format import (
     write_w4a4_safetensors,
 )
 from engine.quant.gptq import GPTQConfig
-from engine.quant.linear import W4A4Linear
+from engine.quant.linear import W4A4Linear, backend_for
 from engine.quant.lowrank import LayerStats, MethodConfig, quantize_linear
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class QuantizeOptions:
     eval_requests: int = 8  # held-out requests for the end-to-end comparison
     sample_rows: int = 512  # calibration rows kept per Linear to measure output error
     device: str = "auto"
+    dtype: str = "auto"  # activations during calibration and the W4A4-vs-FP check: auto | fp32 | bf16 | fp16
     seed: int = 0
     max_batch_tokens: int = 16384
     stage_report: bool = False  # also measure GPTQ without low-rank per layer (slower)
@@ -73,11 +74,19 @@ class QuantizeOptions:
         return MethodConfig(rank=self.rank, gptq=GPTQConfig(), stage_report=self.stage_report)
 
 
-def resolve_device(name: str) -> tuple[torch.device, torch.dtype]:
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(name: str, dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
+    """The device, and the activation dtype: bf16 on CUDA and fp32 elsewhere unless asked."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    return device, (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if dtype == "auto":
+        return device, (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if dtype not in DTYPES:
+        raise QuantError(f"dtype {dtype!r}: choose auto, {', '.join(DTYPES)}.")
+    return device, DTYPES[dtype]
 
 
 def check_source(src: Path, out: Path, rank: int) -> tuple[dict, OmniVoiceModel]:
@@ -205,7 +214,7 @@ def quantize_checkpoint(
     started = time.perf_counter()
     src, out = resolve_checkpoint(source), Path(out)
     raw, _ = check_source(src, out, options.rank)
-    device, dtype = resolve_device(options.device)
+    device, dtype = resolve_device(options.device, options.dtype)
     source_hash = checkpoint_source_hash(src)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -267,6 +276,7 @@ def quantize_checkpoint(
             "source_hash": source_hash,
             "device": str(device),
             "dtype": str(dtype).removeprefix("torch."),
+            "w4a4_backend": backend_for(device).name,
             "settings": settings,
             "layers": quantizer.report,
             "summary": _summary(quantizer.report),
@@ -310,7 +320,8 @@ def format_report(report: dict) -> str:
     )
     e2e = report["end_to_end"]
     lines.append(
-        f"W4A4 vs FP ({report['dtype']}, {e2e['requests']} held-out requests): step-0 logits cosine mean "
+        f"W4A4 ({report['w4a4_backend']}) vs FP ({report['dtype']}, {e2e['requests']} held-out requests): "
+        f"step-0 logits cosine mean "
         f"{e2e['logits_cosine_mean']:.4f} (min {e2e['logits_cosine_min']:.4f}), {e2e['steps']}-step token "
         f"agreement {e2e['token_agreement']:.1%}"
     )
@@ -330,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--sample-rows", type=int, default=512, help="rows per Linear used to measure output error"
     )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument(
+        "--dtype", default="auto", choices=["auto", *DTYPES], help="activation dtype (auto: bf16 on CUDA)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stage-report", action="store_true", help="also measure GPTQ alone per layer (slower)")
     return p
@@ -373,6 +387,7 @@ def main(argv: list[str] | None = None, load_manifest: Callable | None = None) -
         eval_requests=args.eval_requests,
         sample_rows=args.sample_rows,
         device=args.device,
+        dtype=args.dtype,
         seed=args.seed,
         stage_report=args.stage_report,
     )
