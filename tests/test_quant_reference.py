@@ -154,6 +154,9 @@ def test_w4a4_linear_is_a_drop_in(monkeypatch, caplog):
     assert set(layer.state_dict()) == {"qweight", "wscales", "proj_down", "proj_up", "smooth"}
     x = torch.randn(2, 3, 128)
     assert torch.equal(layer(x), w4a4_linear_reference(x, t))
+    layer.to(torch.bfloat16)  # a model-wide cast leaves the canonical tensors alone
+    assert layer.wscales.dtype == torch.float16 and layer.qweight.dtype == torch.uint8
+    assert torch.equal(layer(x.bfloat16()), w4a4_linear_reference(x.bfloat16(), t))
     # without engine.kernels the layer still runs, on the reference, and says why
     monkeypatch.setattr(linear_mod, "_BACKENDS", {})
     monkeypatch.setitem(sys.modules, "engine.kernels", None)

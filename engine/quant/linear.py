@@ -70,8 +70,13 @@ class W4A4Linear(nn.Module):
         )
 
     def _apply(self, fn, recurse=True):
-        self._packed = None  # moved or cast: the backend's copy is stale
-        return super()._apply(fn, recurse)
+        """Device moves apply; dtype casts (model.half(), .to(bf16)) do not: the canonical tensors keep
+        their stored dtypes, which the numerics contract is defined on."""
+        self._packed = None  # the backend's copy is stale
+        for name, t in self._buffers.items():
+            if t is not None:
+                self._buffers[name] = t.to(fn(t.reshape(-1)[:0]).device)
+        return self
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._packed = None
