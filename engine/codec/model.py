@@ -91,8 +91,7 @@ class Codec(nn.Module):
         is how OmniVoice trims its references)."""
         if not wavs:
             return []
-        dtype = self.fc.weight.dtype
-        wavs = [self._checked_wav(i, w).to(self.device, dtype) for i, w in enumerate(wavs)]
+        wavs = self._checked_wavs(wavs)
         semantic = [semantic_features(self.semantic_model, w, self.config) for w in wavs]
         frames = [s.shape[0] for s in semantic]
         e_semantic, _ = self.encoder_semantic(pad_stack([s.t() for s in semantic]), frames)
@@ -121,21 +120,26 @@ class Codec(nn.Module):
             return wav
         return F.pad(wav, (self.hop_length // 2, self.hop_length // 2))
 
-    def _checked_wav(self, index: int, wav: torch.Tensor) -> torch.Tensor:
-        if not isinstance(wav, torch.Tensor) or wav.dim() != 1 or not wav.is_floating_point():
+    def _checked_wavs(self, wavs: list[torch.Tensor]) -> list[torch.Tensor]:
+        for index, wav in enumerate(wavs):
+            if not isinstance(wav, torch.Tensor) or wav.dim() != 1 or not wav.is_floating_point():
+                raise InputError(
+                    f"wavs[{index}] is {type(wav).__name__} {getattr(wav, 'dtype', '')} "
+                    f"{tuple(getattr(wav, 'shape', ()))}; pass a mono float tensor [T] at "
+                    f"{self.sample_rate} Hz (downmix stereo first)."
+                )
+            if wav.shape[0] < self.hop_length:
+                raise InputError(
+                    f"wavs[{index}] has {wav.shape[0]} samples, fewer than one frame ({self.hop_length} "
+                    f"samples at {self.sample_rate} Hz); pass a longer clip."
+                )
+        wavs = [w.to(self.device, self.fc.weight.dtype) for w in wavs]
+        finite = torch.stack([torch.isfinite(w).all() for w in wavs]).tolist()
+        if not all(finite):
             raise InputError(
-                f"wavs[{index}] is {type(wav).__name__} {getattr(wav, 'dtype', '')} "
-                f"{tuple(getattr(wav, 'shape', ()))}; pass a mono float tensor [T] at {self.sample_rate} Hz "
-                "(downmix stereo first)."
+                f"wavs[{finite.index(False)}] contains NaN or infinite samples; clean the audio first."
             )
-        if wav.shape[0] < self.hop_length:
-            raise InputError(
-                f"wavs[{index}] has {wav.shape[0]} samples, fewer than one frame ({self.hop_length} samples "
-                f"at {self.sample_rate} Hz); pass a longer clip."
-            )
-        if not bool(torch.isfinite(wav).all()):
-            raise InputError(f"wavs[{index}] contains NaN or infinite samples; clean the audio first.")
-        return wav
+        return wavs
 
     # ----------------------------------------------------------------------------------------- decode
 
@@ -144,40 +148,42 @@ class Codec(nn.Module):
         """Codes [num_codebooks, F] -> float32 audio [F * hop_length] at sample_rate, on the codec device."""
         if not codes:
             return []
-        codes = [self._checked_codes(i, c).to(self.device) for i, c in enumerate(codes)]
+        codes = self._checked_codes(codes)
         frames = [c.shape[1] for c in codes]
         vectors = self.quantizer.decode(pad_stack(codes))
         latents = self.fc2(vectors.transpose(1, 2)).transpose(1, 2)
         audio, samples = decode_acoustic(self.acoustic_decoder, latents, frames)
         return [audio[i, 0, :n].float() for i, n in enumerate(samples)]
 
-    def _checked_codes(self, index: int, codes: torch.Tensor) -> torch.Tensor:
-        if (
-            not isinstance(codes, torch.Tensor)
-            or codes.dim() != 2
-            or codes.dtype.is_floating_point
-            or codes.dtype.is_complex
-            or codes.dtype == torch.bool
-        ):
-            raise InputError(
-                f"codes[{index}] is {type(codes).__name__} {getattr(codes, 'dtype', '')} "
-                f"{tuple(getattr(codes, 'shape', ()))}; pass integer codes [{self.num_codebooks}, frames]."
-            )
-        if codes.shape[0] != self.num_codebooks:
-            raise InputError(
-                f"codes[{index}] has {codes.shape[0]} codebooks (shape {tuple(codes.shape)}); this codec has "
-                f"{self.num_codebooks}: pass [{self.num_codebooks}, frames]."
-            )
-        if codes.shape[1] == 0:
-            raise InputError(f"codes[{index}] has no frames (shape {tuple(codes.shape)}); pass at least one.")
-        low, high = int(codes.min()), int(codes.max())
-        if low < 0 or high >= self.codebook_size:
-            bad = low if low < 0 else high
-            raise InputError(
-                f"codes[{index}] holds id {bad}, outside the codebook range 0..{self.codebook_size - 1}; "
-                "drop mask/padding ids (e.g. 1024) before decoding."
-            )
-        return codes.long()
+    def _checked_codes(self, codes: list[torch.Tensor]) -> list[torch.Tensor]:
+        for index, c in enumerate(codes):
+            if (
+                not isinstance(c, torch.Tensor)
+                or c.dim() != 2
+                or c.dtype.is_floating_point
+                or c.dtype.is_complex
+                or c.dtype == torch.bool
+            ):
+                raise InputError(
+                    f"codes[{index}] is {type(c).__name__} {getattr(c, 'dtype', '')} "
+                    f"{tuple(getattr(c, 'shape', ()))}; pass integer codes [{self.num_codebooks}, frames]."
+                )
+            if c.shape[0] != self.num_codebooks:
+                raise InputError(
+                    f"codes[{index}] has {c.shape[0]} codebooks (shape {tuple(c.shape)}); this codec has "
+                    f"{self.num_codebooks}: pass [{self.num_codebooks}, frames]."
+                )
+            if c.shape[1] == 0:
+                raise InputError(f"codes[{index}] has no frames (shape {tuple(c.shape)}); pass at least one.")
+        codes = [c.to(self.device, torch.long) for c in codes]
+        bounds = torch.stack([torch.stack([c.min(), c.max()]) for c in codes]).tolist()
+        for index, (low, high) in enumerate(bounds):
+            if low < 0 or high >= self.codebook_size:
+                raise InputError(
+                    f"codes[{index}] holds id {low if low < 0 else high}, outside the codebook range "
+                    f"0..{self.codebook_size - 1}; drop mask/padding ids (e.g. 1024) before decoding."
+                )
+        return codes
 
 
 def _identity(cfg: HiggsAudioV2TokenizerConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> str:

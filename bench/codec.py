@@ -1,0 +1,221 @@
+"""Codec throughput: encode and decode, audio seconds per second, at batch 1 and 16, real size.
+
+The codec has OmniVoice's audio_tokenizer architecture (24 kHz, hop 960, 8 codebooks of 1024 x 64,
+HuBERT-base) with random weights (bench/codec_parity.py draws them). Rows: our Codec in float32 and
+bfloat16, and transformers' HiggsAudioV2TokenizerModel in float32 in the same run where torchaudio is
+installed (it needs it). Batches hold clips of equal length (transformers' model cannot cut a padded
+batch per item); one more row times ours on 16 clips of mixed lengths (3 to 10 s), padding included.
+Each figure is the median of timed repeats after warm-up, with the device synchronised around each.
+For bfloat16 the report also gives its agreement with float32 (equal codes; decode error relative to
+the float32 peak), since speed alone does not make it usable.
+
+    python bench/codec.py [--out bench/results/codec-h200.json] [--size full|tiny] [--seconds 10]
+                          [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from codec_parity import environment, random_reference  # noqa: E402
+
+from engine.codec import Codec  # noqa: E402
+from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG  # noqa: E402
+from engine.tiny_codec import TINY_CODEC_CONFIG  # noqa: E402
+
+SAMPLE_RATE = 24000
+HOP = 960
+BATCHES = (1, 16)
+
+
+def median_seconds(fn, device: str, repeats: int, warmup: int = 2) -> float:
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def row(impl: str, dtype: str, op: str, batch: int, audio_seconds: float, seconds: float) -> dict:
+    return {
+        "impl": impl,
+        "dtype": dtype,
+        "op": op,
+        "batch": batch,
+        "audio_seconds": round(audio_seconds, 3),
+        "median_s": seconds,
+        "audio_s_per_s": audio_seconds / seconds,
+    }
+
+
+def bench_ours(
+    codec: Codec, name: str, clips: list[torch.Tensor], codes: list[torch.Tensor], device, repeats
+):
+    dtype = str(codec.fc.weight.dtype).removeprefix("torch.")
+    audio_seconds = sum(c.numel() for c in clips) / SAMPLE_RATE
+    rows = [
+        row(
+            name,
+            dtype,
+            "encode",
+            len(clips),
+            audio_seconds,
+            median_seconds(lambda: codec.encode(clips), device, repeats),
+        ),
+        row(
+            name,
+            dtype,
+            "decode",
+            len(codes),
+            audio_seconds,
+            median_seconds(lambda: codec.decode(codes), device, repeats),
+        ),
+    ]
+    return rows
+
+
+def bench_reference(model, wavs: torch.Tensor, codes: torch.Tensor, device, repeats):
+    audio_seconds = wavs.shape[0] * wavs.shape[-1] / SAMPLE_RATE
+
+    def encode():
+        with torch.no_grad():
+            model.encode(wavs, return_dict=False)
+
+    def decode():
+        with torch.no_grad():
+            model.decode(codes, return_dict=False)
+
+    return [
+        row(
+            "transformers",
+            "float32",
+            "encode",
+            wavs.shape[0],
+            audio_seconds,
+            median_seconds(encode, device, repeats),
+        ),
+        row(
+            "transformers",
+            "float32",
+            "decode",
+            wavs.shape[0],
+            audio_seconds,
+            median_seconds(decode, device, repeats),
+        ),
+    ]
+
+
+def bf16_agreement(fp32: Codec, bf16: Codec, clips: list[torch.Tensor]) -> dict:
+    codes32, codes16 = fp32.encode(clips), bf16.encode(clips)
+    audio32, audio16 = fp32.decode(codes32), bf16.decode(codes32)
+    return {
+        "encode_equal_codes_share": statistics.mean(
+            (a == b).float().mean().item() for a, b in zip(codes32, codes16)
+        ),
+        "encode_equal_first_codebook_share": statistics.mean(
+            (a[0] == b[0]).float().mean().item() for a, b in zip(codes32, codes16)
+        ),
+        "decode_max_abs_diff_over_fp32_peak": max(
+            ((a - b).abs().max() / a.abs().max()).item() for a, b in zip(audio32, audio16)
+        ),
+    }
+
+
+def run(size: str, seconds: float, repeats: int, device: str, seed: int) -> dict:
+    frames = int(seconds * SAMPLE_RATE) // HOP
+    samples = frames * HOP
+    g = torch.Generator().manual_seed(seed)
+    try:
+        reference, folder = random_reference(size, seed, device)
+    except ImportError as e:  # no torchaudio: ours alone, from the same config with its own init
+        reference, folder = None, None
+        unavailable = repr(e)
+    if folder is not None:
+        fp32 = Codec.from_dir(folder, device=device)
+        bf16 = Codec.from_dir(folder, device=device, dtype=torch.bfloat16)
+    else:
+        from transformers import HiggsAudioV2TokenizerConfig
+
+        config = OMNIVOICE_CODEC_CONFIG if size == "full" else TINY_CODEC_CONFIG
+        fp32 = Codec(HiggsAudioV2TokenizerConfig.from_dict(config)).to(device)
+        bf16 = Codec(fp32.config).to(device, torch.bfloat16)
+        bf16.load_state_dict(fp32.state_dict())
+    rows = []
+    for batch in BATCHES:
+        wavs = (torch.randn(batch, samples, generator=g) * 0.1).to(device)
+        clips = list(wavs)
+        codes = fp32.encode(clips)
+        rows += bench_ours(fp32, "ours", clips, codes, device, repeats)
+        rows += bench_ours(bf16, "ours", clips, codes, device, repeats)
+        if reference is not None:
+            rows += bench_reference(reference, wavs[:, None], torch.stack(codes), device, repeats)
+    lengths = torch.randint(3 * SAMPLE_RATE, int(seconds * SAMPLE_RATE) + 1, (16,), generator=g).tolist()
+    mixed = [(torch.randn(n, generator=g) * 0.1).to(device) for n in lengths]
+    mixed_rows = bench_ours(fp32, "ours-mixed-lengths", mixed, fp32.encode(mixed), device, repeats)
+    result = {
+        "clip_seconds": samples / SAMPLE_RATE,
+        "repeats": repeats,
+        "device": device,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "rows": rows + mixed_rows,
+        "bf16_vs_fp32": bf16_agreement(fp32, bf16, mixed[:4]),
+    }
+    if reference is None:
+        result["transformers_unavailable"] = unavailable
+    else:
+        result["speedup_vs_transformers"] = {
+            f"{r['op']}/batch{r['batch']}/{r['dtype']}": r["audio_s_per_s"] / t["audio_s_per_s"]
+            for r in rows
+            if r["impl"] == "ours"
+            for t in rows
+            if t["impl"] == "transformers" and (t["op"], t["batch"]) == (r["op"], r["batch"])
+        }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default="bench/results/codec-h200.json")
+    parser.add_argument("--size", choices=["full", "tiny"], default="full")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    result = {
+        "environment": environment(),
+        "size": args.size,
+        **run(args.size, args.seconds, args.repeats, args.device, args.seed),
+    }
+    for r in result["rows"]:
+        label = f"{r['impl']:>20} {r['dtype']:>8} {r['op']:>6} batch {r['batch']:>2}"
+        print(f"{label}: {r['audio_s_per_s']:10.1f} audio s/s")
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
