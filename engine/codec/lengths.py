@@ -25,7 +25,10 @@ def zero_past_lengths(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     size = x.shape[-1]
     if all(n >= size for n in lengths):
         return x
-    valid = torch.arange(size, device=x.device) < torch.tensor(lengths, device=x.device)[:, None]
+    limits = torch.tensor(lengths)
+    if x.device.type == "cuda":  # a pinned, non-blocking copy keeps the host from waiting on the stream
+        limits = limits.pin_memory().to(x.device, non_blocking=True)
+    valid = torch.arange(size, device=x.device) < limits.to(x.device)[:, None]
     return x.masked_fill(~valid[:, None, :], 0)
 
 
