@@ -4,6 +4,7 @@ import contextlib
 import io
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,3 +171,27 @@ def test_quantize_on_cuda_bf16(tiny, tmp_path):
     assert e2e["token_agreement"] >= MIN_TOKEN_AGREEMENT
     _, model = load_model(tmp_path / "q", device="cuda", dtype=torch.bfloat16)
     assert sum(isinstance(m, W4A4Linear) for m in model.modules()) == 14
+
+
+def test_calibration_from_a_manifest(tiny, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = Path(__file__).parent / "data"
+    clips = json.loads((data / "clips.json").read_text())
+    names = ["en_24k_mono.wav", "en_16k_mono.wav"]
+    rows = {
+        "id": ["a", "b", "gone"],
+        "text": ["Good morning to all of you.", "The river runs past the old mill.", "Hello."],
+        "ref_audio": [str(data / n) for n in names] + [str(data / "missing.wav")],
+        "ref_text": [clips[n]["transcript"] for n in names] + ["Hi."],
+    }
+    manifest = tmp_path / "calib.parquet"
+    pq.write_table(pa.table(rows), manifest)
+    out = tmp_path / "q"
+    with contextlib.redirect_stdout(io.StringIO()):
+        quantize_mod.main([str(tiny), "--out", str(out), "--calib", str(manifest), "--eval-requests", "1"])
+    report = json.loads((out / "quant_report.json").read_text())
+    assert report["settings"]["calibration"] == str(manifest)
+    assert report["settings"]["calib_requests"] == 2  # the row without a clip is not used
+    assert report["summary"]["mean_error"]["final"] < report["summary"]["mean_error"]["rtn"]

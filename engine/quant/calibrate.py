@@ -84,8 +84,8 @@ def manifest_items(frontend, codec, requests: list[CalibRequest], source: str) -
     usable, QuantError names the first problems."""
     from engine.frontend.audio import ReferenceSettings, read_clip_bytes
     from engine.frontend.duration import estimate_target_frames
+    from engine.frontend.instruct import has_chinese, resolve_instruct
     from engine.frontend.prompt import build_prompt
-    from engine.frontend.text import has_chinese, resolve_instruct
 
     items, problems = [], []
     for i, req in enumerate(requests):
