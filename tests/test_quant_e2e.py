@@ -116,6 +116,13 @@ def test_already_quantized_and_existing_output_are_refused(tiny, quantized, tmp_
         quantize_mod.main([str(tiny), "--out", str(out)])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")
+def test_cuda_without_gpu_is_refused(tiny, tmp_path):
+    with pytest.raises(QuantError, match="no CUDA GPU"):
+        quantize_mod.main([str(tiny), "--out", str(tmp_path / "c"), "--device", "cuda"])
+    assert not (tmp_path / "c").exists()
+
+
 def test_shapes_not_multiple_of_group_are_refused(tiny, tmp_path):
     src = tmp_path / "odd"
     shutil.copytree(tiny, src)

@@ -82,6 +82,8 @@ def resolve_device(name: str, dtype: str = "auto") -> tuple[torch.device, torch.
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise QuantError(f"--device {name}: torch {torch.__version__} sees no CUDA GPU; use --device cpu.")
     if dtype == "auto":
         return device, (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if dtype not in DTYPES:
