@@ -25,9 +25,14 @@ from torch import nn
 
 from engine.config import EngineConfig, GenerationConfig
 from engine.errors import AudioError, InputError, QuantError
+from engine.frontend.audio import ReferenceSettings, read_clip_bytes
+from engine.frontend.duration import estimate_target_frames
+from engine.frontend.instruct import has_chinese, resolve_instruct
+from engine.frontend.prompt import build_prompt
 from engine.model import OmniVoiceModel, PackedBatch
 from engine.packing import GenItem, packed_tokens
 from engine.quant.lowrank import LayerStats
+from engine.runner import Runner
 
 # Calibration decodes with 8 steps (4x cheaper than 32) and records the model inputs of steps 0, 4, 6, 7:
 # about 0%, 9%, 23% and 41% of the targets decoded (t_shift 0.1), the states 32-step decoding passes
@@ -63,8 +68,6 @@ def _sentence(rng: random.Random, lo: int, hi: int) -> str:
 
 def generated_items(frontend, n: int, num_codebooks: int, codebook_size: int, seed: int) -> list[GenItem]:
     """n seeded voice-clone requests: random sentences, random reference codes of 2-6 s, estimated lengths."""
-    from engine.frontend.duration import estimate_target_frames
-
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     items = []
@@ -82,11 +85,6 @@ def generated_items(frontend, n: int, num_codebooks: int, codebook_size: int, se
 def manifest_items(frontend, codec, requests: list[CalibRequest], source: str) -> list[GenItem]:
     """GenItems for manifest rows; rows whose clip or text cannot be used are skipped, and if none is
     usable, QuantError names the first problems."""
-    from engine.frontend.audio import ReferenceSettings, read_clip_bytes
-    from engine.frontend.duration import estimate_target_frames
-    from engine.frontend.instruct import has_chinese, resolve_instruct
-    from engine.frontend.prompt import build_prompt
-
     items, problems = [], []
     for i, req in enumerate(requests):
         try:
@@ -147,8 +145,6 @@ def record_batches(
     gen: GenerationConfig | None = None,
 ) -> list[PackedBatch]:
     """The packed batches the FP model sees at `steps` while decoding `items` (eager runner, no graphs)."""
-    from engine.runner import Runner
-
     gen = gen or GenerationConfig(num_step=CALIB_DECODE_STEPS)
     runner = Runner(model, EngineConfig(cuda_graphs=False, max_batch_tokens=max_tokens), device, dtype)
     recorded, calls = [], [0]

@@ -24,10 +24,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 from engine.checkpoint import load_model, read_config, read_tensors, resolve_checkpoint, weight_files
 from engine.config import EngineConfig, GenerationConfig
 from engine.errors import QuantError
+from engine.frontend.text import TextFrontend
 from engine.model import OmniVoiceModel
 from engine.packing import GenItem, pack_items
 from engine.quant.calibrate import (
@@ -51,6 +53,7 @@ from engine.quant.format import (
 from engine.quant.gptq import GPTQConfig
 from engine.quant.linear import W4A4Linear, backend_for
 from engine.quant.lowrank import LayerStats, MethodConfig, quantize_linear
+from engine.runner import Runner
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +153,6 @@ def compare_models(
     fp: OmniVoiceModel, q: OmniVoiceModel, items: list[GenItem], device, dtype, max_tokens: int = 16384
 ) -> dict:
     """W4A4 vs FP: cosine of step-0 logits per (position, codebook), and 32-step token agreement."""
-    from engine.runner import Runner
-
     cosines = []
     for chunk in token_chunks(items, max_tokens):
         batch = pack_items(chunk, fp.cfg.num_audio_codebook, fp.cfg.audio_mask_id).to(device)
@@ -208,10 +209,6 @@ def quantize_checkpoint(
     show_progress: bool = True,
 ) -> dict:
     """Quantize `source` into the new directory `out`; returns the report (also out/quant_report.json)."""
-    from tqdm import tqdm
-
-    from engine.frontend.text import TextFrontend
-
     options = options or QuantizeOptions()
     started = time.perf_counter()
     src, out = resolve_checkpoint(source), Path(out)
@@ -225,7 +222,7 @@ def quantize_checkpoint(
     _, model = load_model(src, device=device, dtype=dtype)
     c, audio_vocab = model.cfg.num_audio_codebook, model.cfg.audio_vocab_size
     if calib_requests is not None:
-        from engine.codec import Codec
+        from engine.codec import Codec  # heavy (transformers): only manifests need it
 
         codec = Codec.from_dir(src / "audio_tokenizer", device=device)
         items = manifest_items(frontend, codec, calib_requests[: options.samples], calib_source or "manifest")
