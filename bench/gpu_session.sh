@@ -15,7 +15,7 @@ step() {
     tests)        python3 -m pytest -q -m gpu tests ;;
     official)     python3 -m pytest -q -m official tests ;;
     parity)       python3 bench/parity.py ;;
-    generate)     python3 bench/generate.py ;;
+    generate)     python3 bench/generate.py --reps 3 ;;
     codec-parity) python3 bench/codec_parity.py ;;
     codec)        python3 bench/codec.py ;;
     quantize)     python3 bench/quantize.py ;;
