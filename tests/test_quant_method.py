@@ -116,3 +116,14 @@ def test_method_quality_stages(n, k):
     err_final = (w4a4_linear_reference(held_out, res.tensors) - y).norm() / y.norm()
     print(f"  held-out: rtn {err_rtn:.4f} final {err_final:.4f}")
     assert err_final <= 0.5 * err_rtn
+
+
+def test_quantize_linear_is_deterministic():
+    g = torch.Generator().manual_seed(4)
+    w = structured_weight(64, 128, g)
+    x = structured_activations(512, outlier_channel_scales(128, g), g)
+    stats = LayerStats(x.T @ x, x.abs().amax(0), x[:128], rows=512)
+    a = quantize_linear(w, stats, MethodConfig())
+    b = quantize_linear(w, stats, MethodConfig())
+    assert a.errors == b.errors
+    assert all(torch.equal(u, v) for (_, u), (_, v) in zip(a.tensors.items(), b.tensors.items()))
