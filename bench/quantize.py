@@ -94,6 +94,17 @@ def main() -> None:
         write_structured_checkpoint(src, args.device, args.layers)
         make_s = time.perf_counter() - start
         print(f"wrote the full-size structured checkpoint in {make_s:.1f} s", flush=True)
+        kernels = "not tried (CPU run)"
+        if args.device.startswith("cuda"):
+            # Build (or find cached) the W4A4 extension first: the timing below is quantization, not nvcc.
+            from engine.kernels.build import load_extension
+
+            start = time.perf_counter()
+            ok, reason = load_extension()
+            kernels = (
+                f"built/loaded in {time.perf_counter() - start:.1f} s" if ok else f"unavailable: {reason}"
+            )
+            print(f"W4A4 kernels: {kernels}", flush=True)
         cmd = [sys.executable, "-m", "engine.quant.quantize", str(src), "--out", str(dst),
                "--samples", str(args.samples), "--eval-requests", str(args.eval_requests),
                "--rank", str(args.rank), "--device", args.device, "--dtype", args.dtype]  # fmt: skip
@@ -115,6 +126,7 @@ def main() -> None:
         "rank": args.rank,
         "dtype": report["dtype"],
         "w4a4_backend": report["w4a4_backend"],
+        "kernels_before_timing": kernels,
         "seconds": round(wall, 1),
         "quantize_seconds": report["seconds"],
         "peak_host_rss_bytes": rss,
