@@ -259,8 +259,17 @@ def test_inconsistent_frame_rates_are_refused(tiny_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------- CUDA
 
 
+@pytest.fixture
+def fp32_cuda():
+    """True float32 convolutions and matmuls (cuDNN otherwise runs float32 convs in TF32)."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 @pytest.mark.gpu
-def test_cuda_matches_transformers_and_batches(tiny_dir):
+def test_cuda_matches_transformers_and_batches(tiny_dir, fp32_cuda):
     pytest.importorskip("torchaudio")
     gpu = Codec.from_dir(tiny_dir, device="cuda")
     reference = reference_model_class()(gpu.config)

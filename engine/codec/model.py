@@ -57,7 +57,7 @@ class Codec(nn.Module):
     @classmethod
     def from_dir(
         cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-    ):
+    ) -> Codec:
         """Load `<checkpoint>/audio_tokenizer/` (config.json + model.safetensors, transformers' names)."""
         path = Path(path)
         cfg = read_codec_config(path / "config.json")
@@ -71,11 +71,11 @@ class Codec(nn.Module):
 
     @property
     def identity(self) -> str:
-        """sha256 of the config, every weight and the compute dtype: equal identities encode alike."""
-        if self._identity is None:
-            dtype = self.fc.weight.dtype
-            self._identity = _identity(self.config, self.state_dict(), dtype)
-        return self._identity
+        """sha256 of the config, every weight and the compute dtype: equal identities encode alike.
+        from_dir fixes it at load time; a codec built from a config hashes its current weights."""
+        if self._identity is not None:
+            return self._identity
+        return _identity(self.config, self.state_dict(), self.fc.weight.dtype)
 
     @property
     def device(self) -> torch.device:
