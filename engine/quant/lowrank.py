@@ -53,6 +53,7 @@ class LayerResult:
     errors: dict[str, float]  # stage -> relative output error on the calibration sample
     alpha: float | None  # smoothing strength kept (None: no smoothing)
     refits: int  # SVD refits of the kept result
+    screened_alpha: float | None = None  # the strength the cheap screen picked (kept or not)
 
 
 def lowrank_factors(m: torch.Tensor, rank: int, power_iters: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,19 +160,19 @@ def quantize_linear(
     best, best_err, first_err, refits = plain.gptq_lowrank()
     errors["gptq+svd"] = first_err
     errors["gptq+svd iterated"] = best_err
-    alpha = None
-
+    alpha = screened_alpha = None
     if cfg.alphas:
         screened = {}
         for a in cfg.alphas:
             smooth = smoothing_factors(stats.absmax, w, a)
             screened[a] = (_Problem(w, bias, stats, smooth, cfg).rtn(lowrank=True)[1], smooth)
         a_best = min(screened, key=lambda a: screened[a][0])
-        errors[f"rtn+svd smooth {a_best}"] = screened[a_best][0]
+        screened_alpha = a_best
+        errors["rtn+svd smooth"] = screened[a_best][0]
         if screened[a_best][0] < errors["rtn+svd"]:
             t, err, _, r = _Problem(w, bias, stats, screened[a_best][1], cfg).gptq_lowrank()
-            errors[f"gptq+svd iterated smooth {a_best}"] = err
+            errors["gptq+svd iterated smooth"] = err
             if err < best_err:
                 best, best_err, refits, alpha = t, err, r, a
     errors["final"] = best_err
-    return LayerResult(tensors=best, errors=errors, alpha=alpha, refits=refits)
+    return LayerResult(tensors=best, errors=errors, alpha=alpha, refits=refits, screened_alpha=screened_alpha)

@@ -139,6 +139,7 @@ class _LayerQuantizer:
                     "shape": [lin.out_features, lin.in_features],
                     "errors": {k: round(v, 6) for k, v in res.errors.items()},
                     "alpha": res.alpha,
+                    "screened_alpha": res.screened_alpha,
                     "refits": res.refits,
                     "calib_rows": stats[name].rows,
                     "seconds": round(time.perf_counter() - start, 3),
