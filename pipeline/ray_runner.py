@@ -4,7 +4,8 @@ results collected with ray.wait).
 
 An actor that dies (process killed, node lost) costs an attempt to the shard it was running (calls run in
 submission order, so that is its oldest call); shards merely queued behind it go back to the queue as
-they were. The dead actor is replaced. A shard out of attempts comes back with every row failed.
+they were. The dead actor is replaced when there is work for it. A shard out of attempts comes back with
+every row failed.
 """
 
 from __future__ import annotations
@@ -86,10 +87,24 @@ class ActorPool:
         self.resources = {"num_cpus": cfg.ray.cpus_per_actor}
         if self.use_gpu:
             self.resources["num_gpus"] = cfg.ray.gpus_per_actor
+        self._check_fits(ray.cluster_resources())
         self.actor_cls = ray.remote(ShardActor)
         self.prefix = f"ovbatch-{uuid.uuid4().hex[:8]}"
         self.spawned = 0
         self.slots = [self._spawn() for _ in range(self.size)]
+
+    def _check_fits(self, cluster: dict[str, float]) -> None:
+        """Actors that can never be placed leave a job waiting forever: on the local Ray started for the
+        job, refuse up front; on a cluster (which may be autoscaling) warn."""
+        for key, per_actor in self.resources.items():
+            have = cluster.get("CPU" if key == "num_cpus" else "GPU", 0.0)
+            if self.size * per_actor <= have:
+                continue
+            message = (f"{self.size} actors x {key}={per_actor:g} need {self.size * per_actor:g}, Ray has "
+                       f"{have:g}: lower ray.num_actors or ray.{key[4:]}_per_actor, or add nodes.")
+            if self.started_ray:
+                raise OVBatchError(message)
+            log.warning("%s Actors wait until the cluster grows.", message)
 
     def _spawn(self) -> _Slot:
         name = f"{self.prefix}-actor-{self.spawned}"
@@ -98,9 +113,6 @@ class ActorPool:
         actor = self.actor_cls.options(name=name, **self.resources).remote(self.job_path, self.cfg, threads)
         return _Slot(actor, name)
 
-    def actor_names(self) -> list[str]:
-        return [s.name for s in self.slots]
-
     def run(self, tasks: list[ShardTask]) -> Iterator[tuple[ShardTask, list[dict[str, Any]]]]:
         import ray
 
@@ -108,7 +120,9 @@ class ActorPool:
         owner: dict[Any, tuple[_Slot, ShardTask]] = {}
         max_attempts = self.cfg.ray.max_shard_attempts
         while queue or owner:
-            for slot in self.slots:
+            for i, slot in enumerate(self.slots):
+                if queue and slot.actor is None:  # its actor died: a fresh one, now that there is work
+                    slot = self.slots[i] = self._spawn()
                 while queue and len(slot.inflight) < self.cfg.ray.inflight_per_actor:
                     task = queue.popleft()
                     ref = slot.actor.run_shard.remote(task)
@@ -153,13 +167,16 @@ class ActorPool:
             ray.kill(slot.actor, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
-        self.slots[self.slots.index(slot)] = self._spawn()
+        slot.actor = None
+        slot.inflight.clear()
         return given_up
 
     def shutdown(self) -> None:
         import ray
 
         for slot in self.slots:
+            if slot.actor is None:
+                continue
             try:
                 ray.kill(slot.actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone

@@ -8,6 +8,7 @@ to keep the CPU suite short; everything else is the product's default path.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -18,10 +19,13 @@ import pytest
 import ray
 import soundfile as sf
 
+from engine.errors import OVBatchError
 from engine.tiny import ensure_tiny_checkpoint
 from pipeline.cli import main as cli_main
 from pipeline.config import load_job_config
 from pipeline.job import submit
+from pipeline.plan import RowSize
+from pipeline.ray_runner import ActorPool
 from pipeline.sizing import engine_sizer
 from pipeline.store import TMP_MARK, JobDir
 
@@ -163,3 +167,34 @@ def test_killing_an_actor_mid_job_loses_nothing(ray_session, tiny, prompt_cache,
     assert max(r["attempt"] for r in results) == 2, "the killed actor's shard should have run a second time"
     assert outcome["o"].summary["complete"]
     assert len({r["worker"] for r in results}) >= 2
+
+
+class DyingEngine:
+    """An engine whose process exits in the middle of every batch (as a crashed GPU worker would)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def synthesize(self, reqs):
+        os._exit(3)
+
+
+def test_a_shard_whose_actor_keeps_dying_fails_after_its_attempts(ray_session, tmp_path: Path):
+    manifest = write_manifest(tmp_path / "m.parquet", ["short", "medium"])
+    factory = f"tests.{Path(__file__).stem}:DyingEngine"  # imported by the actors from the repo root
+    cfg = load_job_config(None, [f"manifest={manifest}", f"engine_factory={factory}", "ray.num_actors=1",
+                                 "ray.max_shard_attempts=2", "progress=false"])
+    outcome = submit(cfg, tmp_path / "job", lambda cfg: lambda row: RowSize(10, 20, 30))
+    results = outcome.job.read_results().to_pylist()
+    assert sorted(r["id"] for r in results) == ["medium-01", "short-00"]
+    for r in results:
+        assert r["status"] == "failed" and r["attempt"] == 2
+        assert "died 2 time(s) (ray.max_shard_attempts=2)" in r["error"]
+    assert not (outcome.job.path / "wavs").exists()
+    assert outcome.summary["rows"]["failed"] == 2 and outcome.summary["complete"]
+
+
+def test_a_local_ray_too_small_for_the_actors_is_refused(ray_session, tmp_path: Path):
+    cfg = load_job_config(None, ["ray.num_actors=3"])  # the module's Ray has 2 CPUs
+    with pytest.raises(OVBatchError, match=r"3 actors x num_cpus=1 need 3, Ray has 2"):
+        ActorPool(str(tmp_path), cfg, started_ray=True)
