@@ -121,6 +121,14 @@ def rerun(job_path: str | Path, overrides: list[str] | tuple[str, ...] = (),
     job.require()
     cfg = load_job_config(job.config_path, overrides)
     plan = job.read_plan()
+    changed = [v for v in plan.variants if v not in cfg.variant_names()
+               or manifest_mod.engine_settings(cfg.engine_config(v)) != plan.engine_settings.get(v)]
+    if changed:
+        raise JobDirError(
+            f"rerun cannot change what variant(s) {changed} sound like (checkpoint, precision, generation "
+            "settings): only run settings (device, buckets, batch limits, ray.*, local) may be overridden. "
+            "Submit the manifest to a new --out for other settings."
+        )
     finished = job.finished_shards()
     todo = []
     for shard in plan.shards:

@@ -100,3 +100,53 @@ def test_report_has_tables_plots_and_players(tmp_path: Path):
     assert "A/B: w4a4 against fp16" in page
     ab = json.loads((job.report_dir / "ab.json").read_text())
     assert ab[0]["rows"] == 5 and ab[0]["metrics"]["snr_db"]["median"] > 10
+
+
+def _single_variant_job(root: Path) -> JobDir:
+    job = _ab_job(root)
+    plan = job.read_plan()
+    plan.variants, plan.shards = ["fp16"], plan.shards[:1]
+    job.write_plan(plan)
+    job.shard_result_path(1).unlink()
+    return job
+
+
+def test_single_variant_report_lists_samples_without_ab(tmp_path: Path):
+    page = write_report(_single_variant_job(tmp_path)).read_text()
+    assert "<h2>Samples</h2>" in page and page.count("<audio") == 5
+    assert "A/B" not in page and not (tmp_path / "report" / "ab.json").exists()
+
+
+def test_ab_job_through_the_real_engine(tmp_path: Path, tmp_path_factory):
+    """Two variants (fp32, bf16 on the CPU) of the tiny checkpoint, same rows and seeds, local mode."""
+    import pyarrow as pa
+
+    from engine.tiny import ensure_tiny_checkpoint
+    from pipeline.config import load_job_config
+    from pipeline.job import submit
+    from pipeline.sizing import engine_sizer
+
+    data = Path(__file__).parent / "data"
+    clips = json.loads((data / "clips.json").read_text())
+    clip = "en_16k_mono.wav"
+    table = pa.table({"id": ["a", "b", "c"], "text": ["Hello there.", "Thank you.", "Good night."],
+                      "ref_audio": [str(data / clip)] * 3, "ref_text": [clips[clip]["transcript"]] * 3})
+    pq.write_table(table, tmp_path / "m.parquet")
+    cfg = load_job_config(None, [
+        f"manifest={tmp_path / 'm.parquet'}", f"engine.checkpoint={ensure_tiny_checkpoint()}", "local=true",
+        "engine.device=cpu", "engine.generation.num_step=4", "progress=false",
+        f"engine.prompt_cache_dir={tmp_path_factory.getbasetemp() / 'ovbatch-prompts'}",
+        "variants.fp32.precision=fp32", "variants.bf16.precision=bf16",
+    ])
+    outcome = submit(cfg, tmp_path / "job", engine_sizer)
+    results = outcome.job.read_results().to_pylist()
+    assert sorted((r["variant"], r["id"], r["status"], r["precision"]) for r in results) == [
+        (v, i, "ok", v) for v in ("bf16", "fp32") for i in "abc"]
+    keys = {(r["variant"], r["id"]): r["row_key"] for r in results}
+    assert all(keys[("fp32", i)] != keys[("bf16", i)] for i in "abc")
+    wavs = outcome.job.path / "wavs"
+    assert all((wavs / v / f"{i}.wav").is_file() for v in ("fp32", "bf16") for i in "abc")
+    ab = json.loads((outcome.job.report_dir / "ab.json").read_text())
+    assert ab[0]["variant_a"] == "fp32" and ab[0]["variant_b"] == "bf16" and ab[0]["rows"] == 3
+    assert all(math.isfinite(ab[0]["metrics"][m]["median"]) for m in ("duration_ratio", "mel_lsd_db"))
+    assert "A/B: bf16 against fp32" in (outcome.job.report_dir / "index.html").read_text()

@@ -119,6 +119,17 @@ def test_row_problems_reject_only_their_rows(workdir: Path):
     assert out.num_rows == len(rows)
 
 
+def test_voice_design_rows_without_a_reference(workdir: Path):
+    m = _write(workdir / "m.parquet", id=["design", "badstyle", "half"], text=["Hello."] * 3,
+               ref_audio=pa.array([None, None, ""], pa.string()), ref_text=pa.array([None, None, "words"]),
+               instruct=["female, low pitch", "purple voice", None])
+    out = load(m)
+    assert [(r.id, r.ref_audio, r.instruct) for r in out.rows] == [("design", None, "female, low pitch")]
+    reasons = {r.id: r.reason for r in out.rejected}
+    assert "instruct 'purple voice' is not usable" in reasons["badstyle"]
+    assert "ref_text is set but ref_audio is empty" in reasons["half"]
+
+
 def test_check_id_accepts_ordinary_ids():
     for good in ("utt-001", "a.b", "Émile_3", "中文"):
         assert check_id(good) is None

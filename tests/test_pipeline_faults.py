@@ -171,7 +171,9 @@ def test_rerun_runs_only_the_failed_rows_and_never_rewrites_an_ok_row(tmp_path: 
     for i, data in shard_files.items():
         assert job.shard_result_path(i).read_bytes() == data
     assert again.summary["complete"] and len(again.summary["runs"]) == 2
-    assert rerun(job.path).shards_run == []  # nothing left to do
+    assert rerun(job.path, ["engine.max_batch_tokens=128"]).shards_run == []  # nothing left to do
+    with pytest.raises(JobDirError, match=r"rerun cannot change what variant\(s\) \['default'\] sound like"):
+        rerun(job.path, ["engine.generation.num_step=8"])
 
 
 def test_a_resubmitted_job_must_be_the_same_job(tmp_path: Path):
