@@ -106,3 +106,29 @@ def test_the_demo_manifest_is_valid_real_speech(tmp_path: Path):
     assert m.rejected == [] and len(m.rows) == DEMO_ROWS
     assert {Path(r.ref_audio).name for r in m.rows} == set(CLIPS)
     assert all(r.ref_text == CLIPS[Path(r.ref_audio).name]["transcript"] for r in m.rows)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "cluster.yaml", "ab.yaml"])
+def test_job_configs_load(name: str):
+    from pipeline.config import load_job_config
+
+    cfg = load_job_config(ROOT / "jobs" / name)
+    if name == "ab.yaml":
+        assert cfg.variant_names() == ["fp16", "w4a4"]
+        assert [cfg.engine_config(v).precision for v in cfg.variant_names()] == ["fp16", "w4a4"]
+    if name == "cluster.yaml":
+        assert cfg.engine.prompt_cache_dir == "/data/cache/prompts" and cfg.engine.device == "cuda"
+
+
+def test_ray_job_entrypoint_runs_from_any_folder(tmp_path: Path):
+    import subprocess
+    import sys
+
+    entry = str(ROOT / "jobs" / "synthesize.py")
+    proc = subprocess.run([sys.executable, entry, str(tmp_path / "none.parquet"), "--out", str(tmp_path / "job"),
+                           "--local"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == EXIT_ERROR, proc.stderr
+    assert proc.stderr.startswith("ovbatch: error: manifest") and "not found" in proc.stderr
