@@ -128,7 +128,7 @@ def test_ray_job_entrypoint_runs_from_any_folder(tmp_path: Path):
     import sys
 
     entry = str(ROOT / "jobs" / "synthesize.py")
-    proc = subprocess.run([sys.executable, entry, str(tmp_path / "none.parquet"), "--out", str(tmp_path / "job"),
-                           "--local"], cwd=tmp_path, capture_output=True, text=True)
+    argv = [sys.executable, entry, str(tmp_path / "none.parquet"), "--out", str(tmp_path / "job"), "--local"]
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == EXIT_ERROR, proc.stderr
     assert proc.stderr.startswith("ovbatch: error: manifest") and "not found" in proc.stderr
