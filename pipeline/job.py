@@ -85,8 +85,7 @@ def check_manifest(cfg: JobConfig, make_sizer: Callable[[JobConfig], Sizer]) -> 
             "rejected": plan.rejected, "buckets": dict(sorted(buckets.items())), "shards": len(plan.shards)}
 
 
-def submit(cfg: JobConfig, out: str | Path, make_sizer: Callable[[JobConfig], Sizer],
-           executor: Executor | None = None) -> JobOutcome:
+def submit(cfg: JobConfig, out: str | Path, make_sizer: Callable[[JobConfig], Sizer]) -> JobOutcome:
     """Plan MANIFEST into OUT and run it; on an existing OUT with the same plan, run what is unfinished.
     make_sizer(cfg) gives the row sizer (pipeline.sizing.engine_sizer: the engine's own preparation)."""
     t0 = time.perf_counter()
@@ -94,6 +93,10 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: Callable[[JobConfig], Si
     cfg = with_job_defaults(cfg, job)
     if cfg.manifest is None:
         raise JobDirError("no manifest given: pass MANIFEST to submit (or manifest=... in the config).")
+    foreign = [] if job.exists() else job.foreign_entries()
+    if foreign:
+        raise JobDirError(f"--out {job.path} already holds other files ({', '.join(foreign[:3])}): "
+                          "give a new or empty directory for the job.")
     plan, rows, sizer = plan_job(cfg, make_sizer, job.clip_dir)
     kind = "submit"
     if job.exists():
@@ -111,11 +114,10 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: Callable[[JobConfig], Si
         job.write_plan(plan)
     write_bytes_atomic(job.config_path, to_yaml(cfg).encode())
     todo = [s.index for s in plan.shards if s.index not in job.finished_shards()]
-    return execute(job, cfg, plan, todo, kind, executor, reusable_engines(cfg, sizer), t0)
+    return execute(job, cfg, plan, todo, kind, reusable_engines(cfg, sizer), t0)
 
 
-def rerun(job_path: str | Path, overrides: list[str] | tuple[str, ...] = (),
-          executor: Executor | None = None) -> JobOutcome:
+def rerun(job_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobOutcome:
     """Run the shards that are missing a result file or hold failed rows; only their failed rows run."""
     job = JobDir(job_path)
     job.require()
@@ -136,7 +138,7 @@ def rerun(job_path: str | Path, overrides: list[str] | tuple[str, ...] = (),
             todo.append(shard.index)
         elif any(r["status"] == "failed" for r in job.read_shard_results(shard.index)):
             todo.append(shard.index)
-    return execute(job, cfg, plan, todo, "rerun", executor)
+    return execute(job, cfg, plan, todo, "rerun")
 
 
 def _task(plan: Plan, index: int, rows: dict[str, manifest_mod.ManifestRow],
@@ -166,8 +168,7 @@ def _cuda_available() -> bool:
 
 
 def execute(job: JobDir, cfg: JobConfig, plan: Plan, shard_indices: list[int], kind: str,
-            executor: Executor | None = None, engines: dict[str, Any] | None = None,
-            t0: float | None = None) -> JobOutcome:
+            engines: dict[str, Any] | None = None, t0: float | None = None) -> JobOutcome:
     """Run `shard_indices` and write their results; t0 (perf_counter) is when the run began, planning
     included (default: now)."""
     job.remove_temp_files()
@@ -185,8 +186,7 @@ def execute(job: JobDir, cfg: JobConfig, plan: Plan, shard_indices: list[int], k
                   "shards": len(tasks), "rows": sum(len(t.rows) for t in tasks)}
     pool = None
     if tasks:
-        if executor is None:
-            executor, pool = make_executor(job, cfg, engines)
+        executor, pool = make_executor(job, cfg, engines)
         bar = tqdm(total=run_record["rows"], unit="row", desc=f"{kind} {job.path.name}",
                    disable=not cfg.progress, dynamic_ncols=True)
         try:

@@ -114,6 +114,14 @@ class JobDir:
         self.report_dir = self.path / "report"
         self.clip_dir = self.path / "clips"
 
+    def foreign_entries(self) -> list[str]:
+        """Names in the directory that a job does not write (a job never writes into such a folder)."""
+        if not self.path.is_dir():
+            return []
+        ours = {"config.yaml", "plan.json", "rows.parquet", "results", "wavs", "clips", "cache", "runs.jsonl",
+                "summary.json", "report"}
+        return sorted(p.name for p in self.path.iterdir() if p.name not in ours and TMP_MARK not in p.name)
+
     def exists(self) -> bool:
         return self.plan_path.is_file()
 

@@ -232,3 +232,12 @@ def test_killing_the_driver_then_resubmitting_redoes_only_unfinished_shards(tmp_
     assert {p.stem for p in (job.path / "wavs" / "default").iterdir()} == {r["id"] for r in results}
     assert not list(job.path.rglob("*.ovtmp-*"))
     assert outcome.summary["complete"] and [r["kind"] for r in outcome.summary["runs"]] == ["resume"]
+
+
+def test_submit_never_writes_into_a_folder_that_is_not_a_job(tmp_path: Path):
+    m = _manifest(tmp_path / "m.parquet", 2)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("keep me")
+    with pytest.raises(JobDirError, match=r"already holds other files \(notes.txt\)"):
+        submit(_fake_cfg(m), tmp_path / "busy", lambda cfg: _fake_sizer)
+    assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == ["notes.txt"]

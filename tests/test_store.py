@@ -100,3 +100,13 @@ def test_remove_temp_files_and_torn_run_log(tmp_path: Path):
 def test_require_names_the_missing_job(tmp_path: Path):
     with pytest.raises(store.JobDirError, match="not a job directory"):
         JobDir(tmp_path / "nothing").require()
+
+
+def test_foreign_entries_protect_folders_that_are_not_jobs(tmp_path: Path):
+    job = JobDir(tmp_path / "job")
+    assert job.foreign_entries() == []
+    job.write_plan(_plan())
+    (job.path / "clips").mkdir()
+    assert job.foreign_entries() == []
+    (job.path / "thesis.tex").write_text("mine")
+    assert job.foreign_entries() == ["thesis.tex"]
