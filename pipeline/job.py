@@ -191,6 +191,9 @@ def execute(job: JobDir, cfg: JobConfig, plan: Plan, shard_indices: list[int], k
                    disable=not cfg.progress, dynamic_ncols=True)
         try:
             for task, results in executor(tasks):
+                for r in results:  # a row that did not end ok keeps no wav from an earlier attempt
+                    if r["status"] != "ok":
+                        job.wav_path(task.variant, r["id"]).unlink(missing_ok=True)
                 job.write_shard_results(task.index, kept.get(task.index, []) + results)
                 bar.update(len(task.rows))
         finally:

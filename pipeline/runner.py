@@ -13,7 +13,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,6 @@ class ShardTask:
     bucket: int
     attempt: int
     rows: list[dict[str, Any]]  # ManifestRow fields + row_key, packed_tokens, target_frames
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -46,10 +45,8 @@ def load_factory(spec: str) -> Callable[..., Any]:
 
 
 def is_out_of_memory(e: BaseException) -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
+    import torch
+
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 

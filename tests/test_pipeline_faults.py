@@ -149,9 +149,13 @@ def _fake_sizer(row) -> RowSize:
 def test_rerun_runs_only_the_failed_rows_and_never_rewrites_an_ok_row(tmp_path: Path):
     cfg = _fake_cfg(_manifest(tmp_path / "m.parquet", 18))
     FakeEngine.fail_ids = {"r04", "r11"}
-    first = submit(cfg, tmp_path / "job", lambda cfg: _fake_sizer)
-    assert first.summary["rows"]["failed"] == 2 and first.summary["rows"]["ok"] == 16
     job = JobDir(tmp_path / "job")
+    stale = job.wav_path("default", "r04")  # as left by an earlier attempt whose worker died
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"RIFF from a dead attempt")
+    first = submit(cfg, job.path, lambda cfg: _fake_sizer)
+    assert first.summary["rows"]["failed"] == 2 and first.summary["rows"]["ok"] == 16
+    assert not stale.exists(), "a failed row keeps no wav"
     plan = job.read_plan()
     assert len({s.bucket for s in plan.shards}) == 3
     failed_shards = {r["shard"] for r in job.read_results().to_pylist() if r["status"] == "failed"}
