@@ -8,6 +8,7 @@ model.safetensors with every tensor name the official file has), 24 kHz, hop 960
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -17,6 +18,10 @@ from engine.codec.checkpoint import read_codec_config, training_only_shapes
 from engine.codec.model import Codec
 
 SEED = 20240611
+# WEIGHT_GAIN keeps the latents near 0.2 and the snake inputs O(1): neither fading nor chaotic.
+WEIGHT_GAIN = 0.7
+CODEBOOK_STD = 0.15
+OUTPUT_GAIN = 5.0  # decoded audio peaks around 0.3 to 0.5
 
 TINY_CODEC_CONFIG = {
     "model_type": "higgs_audio_v2_tokenizer",
@@ -70,12 +75,20 @@ def _preprocessor_config(hop_length: int, sample_rate: int) -> dict:
 
 
 def _random_weights(codec: Codec, cfg) -> dict[str, torch.Tensor]:
+    """Weights under which the output follows the input: PyTorch's default init lets the signal fade
+    through the DAC stacks until the biases alone set the audio. Matrices and kernels are drawn with
+    std WEIGHT_GAIN / sqrt(fan_in), biases are zero (norm layers and snake alphas keep their init), the
+    codebooks spread over the latents' scale and the last conv sets an audio-like level."""
     tensors = {name: t.detach().clone().contiguous() for name, t in codec.state_dict().items()}
-    # Codebooks start at zero in the module (the official ones are trained); spread them over the
-    # scale of the projected latents so different audio picks different codes.
-    for name in tensors:
+    for name in sorted(tensors):
+        shape = tensors[name].shape
         if name.endswith(".codebook.embed"):
-            tensors[name] = torch.randn(cfg.codebook_size, cfg.codebook_dim) * 0.5
+            tensors[name] = torch.randn(shape) * CODEBOOK_STD
+        elif name.endswith(".bias"):
+            tensors[name] = torch.zeros(shape)
+        elif len(shape) >= 2 and "parametrizations" not in name:
+            tensors[name] = torch.randn(shape) * (WEIGHT_GAIN / math.sqrt(math.prod(shape[1:])))
+    tensors["acoustic_decoder.conv2.weight"] *= OUTPUT_GAIN
     for name, shape in training_only_shapes(cfg).items():
         if name.endswith(".inited"):
             tensors[name] = torch.ones(shape)
