@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_report)
 
     sp = sub.add_parser("demo", help="run a small job on the tiny checkpoint through local Ray")
-    sp.add_argument("--out", default="demo-job", help="job directory (default: ./demo-job)")
+    sp.add_argument("--out", default="out/demo", help="job directory (default: out/demo)")
     sp.add_argument("--local", action="store_true", help="run in this process instead of on Ray actors")
     sp.add_argument("overrides", nargs="*", metavar="key=value")
     sp.set_defaults(func=cmd_demo)
