@@ -91,14 +91,18 @@ def check_codec_config(cfg: HiggsAudioV2TokenizerConfig, where: str) -> None:
             f"{where}: strides {list(cfg.strides)} and channel_ratios {list(cfg.channel_ratios)} differ in "
             "length; the semantic encoder needs one ratio per stride."
         )
-    hubert_hop = math.prod(cfg.semantic_model_config.conv_stride) * max(cfg.semantic_downsample_factor, 1)
+    hubert_hop = (
+        math.prod(cfg.semantic_model_config.conv_stride)
+        * max(cfg.semantic_downsample_factor, 1)
+        * math.prod(cfg.strides)
+    )
     acoustic_rate = Fraction(cfg.sample_rate, cfg.hop_length)
     semantic_rate = Fraction(cfg.semantic_sample_rate, hubert_hop)
     if acoustic_rate != semantic_rate or cfg.hop_length % 2:
         raise CheckpointError(
             f"{where}: the acoustic branch runs at {float(acoustic_rate):g} frames/s (sample_rate "
             f"{cfg.sample_rate} / hop {cfg.hop_length}) but the semantic branch at {float(semantic_rate):g} "
-            f"frames/s (semantic_sample_rate {cfg.semantic_sample_rate} / HuBERT hop {hubert_hop}); "
+            f"frames/s (semantic_sample_rate {cfg.semantic_sample_rate} / semantic hop {hubert_hop}); "
             "fix downsampling_ratios or downsample_factor so both rates agree and the hop is even."
         )
 

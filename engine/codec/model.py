@@ -93,8 +93,9 @@ class Codec(nn.Module):
             return []
         wavs = self._checked_wavs(wavs)
         semantic = [semantic_features(self.semantic_model, w, self.config) for w in wavs]
-        frames = [s.shape[0] for s in semantic]
-        e_semantic, _ = self.encoder_semantic(pad_stack([s.t() for s in semantic]), frames)
+        e_semantic, frames = self.encoder_semantic(
+            pad_stack([s.t() for s in semantic]), [s.shape[0] for s in semantic]
+        )
         clips = [self._acoustic_input(w, f) for w, f in zip(wavs, frames)]
         e_acoustic, acoustic_frames = encode_acoustic(
             self.acoustic_encoder, pad_stack([c[None] for c in clips]), [c.shape[-1] for c in clips]
