@@ -8,14 +8,26 @@ from html import escape
 import numpy as np
 
 W, H = 520, 300
-LEFT, RIGHT, TOP, BOTTOM = 56, 12, 14, 42
+LEFT, RIGHT, TOP, BOTTOM = 66, 12, 14, 42
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 
 
-def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+def _ticks(lo: float, hi: float, n: int = 5, integer: bool = False) -> list[float]:
     if hi <= lo:
         return [lo]
+    if integer:
+        step = max(1, int(np.ceil((hi - lo) / (n - 1))))
+        return list(np.arange(lo, hi + 0.5, step))
     return list(np.linspace(lo, hi, n))
+
+
+def _padded(lo: float, hi: float) -> tuple[float, float]:
+    """A range with 5% room on each side, so points on the edges stay whole; one value gets +-1 (or 5%)."""
+    if hi <= lo:
+        pad = abs(lo) * 0.05 or 1.0
+        return lo - pad, hi + pad
+    pad = (hi - lo) * 0.05
+    return (lo - pad if lo < 0 or lo - pad >= 0 else 0.0), hi + pad  # never below 0 for data that is not
 
 
 def _fmt(v: float) -> str:
@@ -27,13 +39,14 @@ def _text(x: float, y: float, size: int, anchor: str, label: str, extra: str = "
             f"{escape(label)}</text>")
 
 
-def _frame(xlo: float, xhi: float, ylo: float, yhi: float, xlabel: str, ylabel: str) -> list[str]:
+def _frame(xlo: float, xhi: float, ylo: float, yhi: float, xlabel: str, ylabel: str,
+           integer_y: bool = False) -> list[str]:
     pw, ph = W - LEFT - RIGHT, H - TOP - BOTTOM
     out = [f'<rect x="{LEFT}" y="{TOP}" width="{pw}" height="{ph}" fill="none" stroke="#888"/>']
     for t in _ticks(xlo, xhi):
         x = LEFT + (t - xlo) / ((xhi - xlo) or 1) * pw
         out.append(_text(x, H - BOTTOM + 16, 11, "middle", _fmt(t)))
-    for t in _ticks(ylo, yhi):
+    for t in _ticks(ylo, yhi, integer=integer_y):
         y = TOP + ph - (t - ylo) / ((yhi - ylo) or 1) * ph
         out.append(_text(LEFT - 6, y + 4, 11, "end", _fmt(t)))
     out.append(_text(LEFT + pw / 2, H - 6, 12, "middle", xlabel))
@@ -42,8 +55,9 @@ def _frame(xlo: float, xhi: float, ylo: float, yhi: float, xlabel: str, ylabel: 
 
 
 def _svg(body: list[str], legend: list[tuple[str, str]]) -> str:
-    items = [f'<rect x="{LEFT + 8}" y="{TOP + 6 + 16 * i}" width="10" height="10" fill="{c}"/>'
-             + _text(LEFT + 22, TOP + 15 + 16 * i, 11, "start", name) for i, (name, c) in enumerate(legend)]
+    x = W - RIGHT - 110  # legend in the top right corner
+    items = [f'<rect x="{x}" y="{TOP + 6 + 16 * i}" width="10" height="10" fill="{c}"/>'
+             + _text(x + 14, TOP + 15 + 16 * i, 11, "start", name) for i, (name, c) in enumerate(legend)]
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}">'
             + "".join(body + items) + "</svg>")
 
@@ -53,7 +67,7 @@ def scatter(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: s
     if not pts:
         return "<p>(no data to plot)</p>"
     xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    xlo, xhi, ylo, yhi = min(xs), max(xs), min(0.0, min(ys)), max(ys)
+    (xlo, xhi), (ylo, yhi) = _padded(min(xs), max(xs)), _padded(min(0.0, min(ys)), max(ys))
     pw, ph = W - LEFT - RIGHT, H - TOP - BOTTOM
     body = _frame(xlo, xhi, ylo, yhi, xlabel, ylabel)
     legend = []
@@ -79,7 +93,7 @@ def histogram(series: dict[str, list[float]], xlabel: str, bins: int = 20) -> st
     counts = {k: np.histogram([v for v in vs if math.isfinite(v)], edges)[0] for k, vs in series.items()}
     top = max(int(c.max()) for c in counts.values()) or 1
     pw, ph = W - LEFT - RIGHT, H - TOP - BOTTOM
-    body = _frame(lo, hi, 0, top, xlabel, "rows")
+    body = _frame(lo, hi, 0, top, xlabel, "rows", integer_y=True)
     legend = []
     width = pw / bins / max(1, len(series))
     for j, ((name, c), color) in enumerate(zip(counts.items(), COLORS * 8)):
