@@ -86,7 +86,7 @@ def job_config(manifest: Path, tiny: Path, prompts: Path, *extra: str):
     ])
 
 
-def check_outputs(job: JobDir, expected_ok: set[str]) -> list[dict]:
+def check_outputs(job: JobDir, expected_ok: set[str], precision: str = "fp32") -> list[dict]:
     """Every row exactly once; a whole, readable wav for each ok row and nothing else in wavs/."""
     results = job.read_results().to_pylist()
     ids = [r["id"] for r in results]
@@ -101,7 +101,7 @@ def check_outputs(job: JobDir, expected_ok: set[str]) -> list[dict]:
         assert info.samplerate == 24000
         assert info.frames / info.samplerate == pytest.approx(r["audio_seconds"])
         assert r["synth_seconds"] > 0 and r["rtf"] == pytest.approx(r["synth_seconds"] / r["audio_seconds"])
-        assert r["target_frames"] > 0 and r["model"].startswith("tiny") and r["precision"] == "fp32"
+        assert r["target_frames"] > 0 and r["model"].startswith("tiny") and r["precision"] == precision
     return results
 
 
@@ -198,3 +198,15 @@ def test_a_local_ray_too_small_for_the_actors_is_refused(ray_session, tmp_path: 
     cfg = load_job_config(None, ["ray.num_actors=3"])  # the module's Ray has 2 CPUs
     with pytest.raises(OVBatchError, match=r"3 actors x num_cpus=1 need 3, Ray has 2"):
         ActorPool(str(tmp_path), cfg, started_ray=True)
+
+
+@pytest.mark.gpu
+def test_gpu_actor_end_to_end(ray_session, tiny, prompt_cache, tmp_path: Path):
+    """The same job with one Ray GPU actor (bf16, CUDA graphs) on the tiny checkpoint."""
+    kinds = ["short"] * 6 + ["medium"] * 4 + ["long"] * 2
+    manifest = write_manifest(tmp_path / "m.parquet", kinds)
+    cfg = job_config(manifest, tiny, prompt_cache, "engine.device=cuda", "ray.num_actors=1")
+    outcome = submit(cfg, tmp_path / "job", engine_sizer)
+    results = check_outputs(outcome.job, {f"{k}-{i:02d}" for i, k in enumerate(kinds)}, precision="bf16")
+    assert all(r["gpu"] for r in results) and len({r["worker"] for r in results}) == 1
+    assert len({r["bucket"] for r in results}) >= 3
