@@ -71,7 +71,7 @@ def _cond_sequence(item: GenItem, num_codebooks: int, mask_id: int) -> tuple[Ten
     return ids, audio_mask
 
 
-@dataclass
+@dataclass(frozen=True)
 class PackLayout:
     """Fixed sizes a packed batch is padded to (one CUDA graph per layout); None: exact sizes."""
 

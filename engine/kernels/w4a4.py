@@ -89,6 +89,7 @@ class CudaW4A4Packed:
     bias: torch.Tensor | None  # float32 [N]
     in_features: int
     out_features: int
+    kernel_out_features: int  # out_features rounded up to the GEMM's 64-row granularity
 
 
 def _tensors(layer) -> W4A4Tensors:
@@ -124,6 +125,7 @@ class CudaW4A4Backend:
             )
         n, k = t.out_features, t.in_features
         n_pad = ops.padded_rows(n, ops.BLOCK_N)
+        n_run = ops.padded_rows(n, 64)
         q = torch.nn.functional.pad(unpack_int4(t.qweight), (0, 0, 0, n_pad - n))
         pd = t.proj_down.float()
         smooth = None
@@ -139,9 +141,10 @@ class CudaW4A4Backend:
             proj_up=torch.nn.functional.pad(t.proj_up.float(), (0, 0, 0, n_pad - n)).contiguous(),
             pd_t={dt: pd_t.to(dt) for dt in (torch.bfloat16, torch.float16)},
             smooth=smooth,
-            bias=t.bias.float().contiguous() if t.bias is not None else None,
+            bias=torch.nn.functional.pad(t.bias.float(), (0, n_run - n)) if t.bias is not None else None,
             in_features=k,
             out_features=n,
+            kernel_out_features=n_run,
         )
 
     def forward(self, x: torch.Tensor, packed: CudaW4A4Packed) -> torch.Tensor:
@@ -158,7 +161,11 @@ class CudaW4A4Backend:
         if not x2.is_contiguous() or x2.data_ptr() % 16:
             x2 = x2.clone(memory_format=torch.contiguous_format)
         p = packed
-        y = ops.load().w4a4_linear(x2, p.smooth, p.pd_t[x.dtype], p.qweight, p.wscales, p.proj_up, p.bias, n)
+        y = ops.load().w4a4_linear(
+            x2, p.smooth, p.pd_t[x.dtype], p.qweight, p.wscales, p.proj_up, p.bias, p.kernel_out_features
+        )
+        if p.kernel_out_features != n:  # layers narrower than 64 rows (the tiny model's k/v projections)
+            y = y[:, :n]
         return y.reshape(*lead, n)
 
 
