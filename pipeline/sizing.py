@@ -45,13 +45,24 @@ def prepared_size(engine: Any, prepared: Any) -> RowSize:
 
 
 class EngineSizer:
-    """Sizer backed by an engine; local mode on the CPU reuses `engine` to run the shards."""
+    """Sizer backed by an engine; local mode on the CPU reuses `engine` to run the shards.
+
+    Rows sharing a clip and transcript reuse its voice prompt (the engine reads and hashes a clip on
+    every request that names it by path)."""
 
     def __init__(self, engine: Any):
         self.engine = engine
+        self.prompts: dict[tuple[str, str], Any] = {}
 
     def __call__(self, row: manifest_mod.ManifestRow) -> RowSize:
-        return prepared_size(self.engine, self.engine.prepare(synth_request(row.to_dict())))
+        req = synth_request(row.to_dict())
+        voice = (row.ref_audio, row.ref_text)
+        if row.ref_audio is not None and voice in self.prompts:
+            req = replace(req, ref_audio=None, ref_text=None, prompt=self.prompts[voice])
+        prepared = self.engine.prepare(req)
+        if row.ref_audio is not None:
+            self.prompts[voice] = prepared.prompt
+        return prepared_size(self.engine, prepared)
 
 
 def engine_sizer(cfg: JobConfig) -> Sizer:

@@ -76,3 +76,34 @@ def test_a_row_bigger_than_the_budget_gets_its_own_shard():
     sizes = {r.id: RowSize(10, 0, 300) for r in rows}  # 610 tokens each, budget 500
     plan = make_plan(rows, [], sizes, {"v": {r.id: r.id for r in rows}}, BUCKETS, 1024, 500, 100)
     assert [len(s.rows) for s in plan.shards] == [1, 1, 1]
+
+
+def test_engine_sizer_matches_the_engine_layout_and_reuses_prompts(tmp_path_factory):
+    """Sizes from the real engine: rows that share a clip reuse its prompt and size as if prepared alone;
+    a long text (chunked by the engine) sums its chunks."""
+    import json
+    from pathlib import Path
+
+    from pipeline.config import load_job_config
+    from pipeline.runner import synth_request
+    from pipeline.sizing import engine_sizer, prepared_size
+
+    data = Path(__file__).parent / "data"
+    clips = json.loads((data / "clips.json").read_text())
+    prompts = tmp_path_factory.getbasetemp() / "ovbatch-prompts"
+    cfg = load_job_config(None, ["engine.device=cpu", f"engine.prompt_cache_dir={prompts}"])
+    sizer = engine_sizer(cfg)
+    long_text = " ".join(["This sentence goes on and on to make a text that needs several chunks."] * 12)
+    clip, transcript = str(data / "en_24k_mono.wav"), clips["en_24k_mono.wav"]["transcript"]
+    rows = [ManifestRow(i, f"r{i}", text, clip, transcript)
+            for i, text in enumerate(["Hello.", "A longer line of text to speak.", long_text])]
+    sizes = [sizer(r) for r in rows]
+    assert len(sizer.prompts) == 1
+    for row, size in zip(rows, sizes):
+        prepared = sizer.engine.prepare(synth_request(row.to_dict()))
+        assert size == prepared_size(sizer.engine, prepared)
+        chunks = prepared.chunks
+        assert size.target_frames == sum(c.target_frames for c in chunks)
+        assert size.ref_frames == len(chunks) * prepared.prompt.tokens.shape[1]
+    assert sizes[0].packed_tokens < sizes[1].packed_tokens < sizes[2].packed_tokens
+    assert len(sizer.engine.prepare(synth_request(rows[2].to_dict())).chunks) > 1
