@@ -79,8 +79,8 @@ def test_a_row_bigger_than_the_budget_gets_its_own_shard():
 
 
 def test_engine_sizer_matches_the_engine_layout_and_reuses_prompts(tmp_path_factory):
-    """Sizes from the real engine: rows that share a clip reuse its prompt and size as if prepared alone;
-    a long text (chunked by the engine) sums its chunks."""
+    """Sizes from the real engine equal the packed tokens the engine then spends (its token work at one
+    decoding step); rows sharing a clip reuse its prompt; a long text (chunked) sums its chunks."""
     import json
     from pathlib import Path
 
@@ -91,17 +91,21 @@ def test_engine_sizer_matches_the_engine_layout_and_reuses_prompts(tmp_path_fact
     data = Path(__file__).parent / "data"
     clips = json.loads((data / "clips.json").read_text())
     prompts = tmp_path_factory.getbasetemp() / "ovbatch-prompts"
-    cfg = load_job_config(None, ["engine.device=cpu", f"engine.prompt_cache_dir={prompts}"])
+    cfg = load_job_config(None, [  # texts over 4 s come in chunks of about 2 s
+        "engine.device=cpu", "engine.generation.num_step=1", "engine.generation.audio_chunk_threshold=4",
+        "engine.generation.audio_chunk_duration=2", f"engine.prompt_cache_dir={prompts}"])
     sizer = engine_sizer(cfg)
-    long_text = " ".join(["This sentence goes on and on to make a text that needs several chunks."] * 12)
+    long_text = "This sentence goes on to make a text that needs chunks. And here is another one, too."
     clip, transcript = str(data / "en_24k_mono.wav"), clips["en_24k_mono.wav"]["transcript"]
     rows = [ManifestRow(i, f"r{i}", text, clip, transcript)
             for i, text in enumerate(["Hello.", "A longer line of text to speak.", long_text])]
     sizes = [sizer(r) for r in rows]
     assert len(sizer.prompts) == 1
+    spent = sizer.engine.synthesize([synth_request(r.to_dict()) for r in rows])
+    assert [s.packed_tokens for s in sizes] == [r.token_work for r in spent]
     for row, size in zip(rows, sizes):
         prepared = sizer.engine.prepare(synth_request(row.to_dict()))
-        assert size == prepared_size(sizer.engine, prepared)
+        assert size == prepared_size(sizer.engine, prepared)  # the same without the shared prompt
         chunks = prepared.chunks
         assert size.target_frames == sum(c.target_frames for c in chunks)
         assert size.ref_frames == len(chunks) * prepared.prompt.tokens.shape[1]
