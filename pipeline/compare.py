@@ -19,7 +19,8 @@ import pyarrow as pa
 import soundfile as sf
 
 from engine.errors import OVBatchError
-from pipeline.store import JobDir, write_parquet_atomic
+from pipeline.atomic import write_parquet_atomic
+from pipeline.store import JobDir
 
 N_FFT = 1024
 HOP = 256

@@ -19,10 +19,11 @@ from tqdm import tqdm
 
 from engine.errors import InputError
 from pipeline import manifest as manifest_mod
+from pipeline.atomic import write_bytes_atomic, write_json_atomic
 from pipeline.config import JobConfig, load_job_config, to_yaml
 from pipeline.plan import Plan, RowSize, Sizer, make_plan, plan_differences
 from pipeline.runner import ShardRunner, ShardTask, run_local
-from pipeline.store import JobDir, JobDirError, write_bytes_atomic, write_json_atomic
+from pipeline.store import JobDir, JobDirError
 from pipeline.summary import summarize
 
 Executor = Callable[[list[ShardTask]], Iterator[tuple[ShardTask, list[dict[str, Any]]]]]

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 from engine.config import EngineConfig
 from engine.errors import AudioError, InputError, OVBatchError
 from engine.frontend.audio import ReferenceSettings, decode, rms
+from pipeline.atomic import write_bytes_atomic
 
 
 class ManifestError(OVBatchError):
@@ -231,9 +232,7 @@ def _probe_clip(location: str, clip_dir: Path | None) -> _Clip:
     clip_dir.mkdir(parents=True, exist_ok=True)
     target = clip_dir / f"{digest[:24]}{Path(location).suffix.lower()}"
     if not target.exists():
-        tmp = target.with_name(f".{target.name}.tmp")
-        tmp.write_bytes(data)
-        tmp.replace(target)
+        write_bytes_atomic(target, data)
     return _Clip(str(target), digest, seconds, None)
 
 

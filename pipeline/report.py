@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import svgplot
+from pipeline.atomic import write_bytes_atomic, write_json_atomic
 from pipeline.compare import compare_variants
-from pipeline.store import JobDir, write_bytes_atomic, write_json_atomic
+from pipeline.store import JobDir
 from pipeline.summary import summarize
 
 PLAYERS = 12

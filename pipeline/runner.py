@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import InputError, OVBatchError
+from pipeline.atomic import write_wav_atomic
 from pipeline.config import JobConfig
-from pipeline.store import JobDir, write_wav_atomic
+from pipeline.store import JobDir
 
 MAX_ERROR_CHARS = 2000
 

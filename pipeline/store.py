@@ -1,5 +1,5 @@
 """The job directory: resolved config, plan, per-shard results, wavs, summary. Every write is atomic
-(a temp file in the same folder, then os.replace), so a reader never sees half a file.
+(pipeline.atomic), so a reader never sees half a file.
 
     JOB/config.yaml                 resolved job config
     JOB/plan.json                   shards and their rows (pipeline.plan)
@@ -14,18 +14,15 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import soundfile as sf
 
 from engine.errors import OVBatchError
+from pipeline.atomic import TMP_MARK, write_json_atomic, write_parquet_atomic
 from pipeline.manifest import ManifestRow, Rejection
 from pipeline.plan import Plan
 
@@ -40,55 +37,10 @@ RESULT_SCHEMA = pa.schema([
     ("worker", pa.string()),
 ])  # fmt: skip
 STATUSES = ("ok", "failed", "rejected")
-TMP_MARK = ".ovtmp-"
 
 
 class JobDirError(OVBatchError):
     """A job directory is missing, incomplete, or holds a different job."""
-
-
-def _atomic_target(path: Path) -> tuple[int, str]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = _atomic_target(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    write_bytes_atomic(path, (json.dumps(obj, indent=1, default=str) + "\n").encode())
-
-
-def write_parquet_atomic(path: Path, table: pa.Table) -> None:
-    fd, tmp = _atomic_target(path)
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_wav_atomic(path: Path, audio: np.ndarray, sample_rate: int) -> None:
-    fd, tmp = _atomic_target(path)
-    os.close(fd)
-    try:
-        sf.write(tmp, audio, sample_rate, subtype="PCM_16", format="WAV")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def results_table(rows: Iterable[dict[str, Any]]) -> pa.Table:

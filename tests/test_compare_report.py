@@ -8,10 +8,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.atomic import write_wav_atomic
 from pipeline.compare import compare_variants, log_mel_db, mel_filterbank, pair_metrics
 from pipeline.plan import Plan, PlannedRow, Shard
 from pipeline.report import write_report
-from pipeline.store import JobDir, write_wav_atomic
+from pipeline.store import JobDir
 
 SR = 24000
 

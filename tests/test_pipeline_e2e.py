@@ -21,13 +21,14 @@ import soundfile as sf
 
 from engine.errors import OVBatchError
 from engine.tiny import ensure_tiny_checkpoint
+from pipeline.atomic import TMP_MARK
 from pipeline.cli import main as cli_main
 from pipeline.config import load_job_config
 from pipeline.job import submit
 from pipeline.plan import RowSize
 from pipeline.ray_runner import ActorPool
 from pipeline.sizing import engine_sizer
-from pipeline.store import TMP_MARK, JobDir
+from pipeline.store import JobDir
 
 DATA = Path(__file__).parent / "data"
 CLIPS = json.loads((DATA / "clips.json").read_text())

@@ -8,10 +8,11 @@ import pyarrow.parquet as pq
 import pytest
 import soundfile as sf
 
-from pipeline import store
+from pipeline import atomic, store
+from pipeline.atomic import TMP_MARK
 from pipeline.manifest import ManifestRow, Rejection
 from pipeline.plan import Plan, PlannedRow, Shard
-from pipeline.store import RESULT_SCHEMA, TMP_MARK, JobDir, results_table
+from pipeline.store import RESULT_SCHEMA, JobDir, results_table
 
 
 def _plan() -> Plan:
@@ -21,24 +22,24 @@ def _plan() -> Plan:
 
 def test_write_bytes_atomic_replaces_whole_files(tmp_path: Path):
     p = tmp_path / "sub" / "x.json"
-    store.write_json_atomic(p, {"a": 1})
-    store.write_json_atomic(p, {"a": 2})
+    atomic.write_json_atomic(p, {"a": 1})
+    atomic.write_json_atomic(p, {"a": 2})
     assert p.read_text().strip().endswith("}") and '"a": 2' in p.read_text()
     assert [q.name for q in p.parent.iterdir()] == ["x.json"]
 
 
 def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path: Path, monkeypatch):
     p = tmp_path / "x.wav"
-    store.write_wav_atomic(p, np.zeros(800, np.float32), 8000)
+    atomic.write_wav_atomic(p, np.zeros(800, np.float32), 8000)
     before = p.read_bytes()
 
     def broken_write(path, *a, **k):
         Path(path).write_bytes(b"RIFF-half")
         raise OSError("disk full")
 
-    monkeypatch.setattr(store.sf, "write", broken_write)
+    monkeypatch.setattr(atomic.sf, "write", broken_write)
     with pytest.raises(OSError, match="disk full"):
-        store.write_wav_atomic(p, np.ones(800, np.float32), 8000)
+        atomic.write_wav_atomic(p, np.ones(800, np.float32), 8000)
     assert p.read_bytes() == before
     assert [q.name for q in tmp_path.iterdir()] == ["x.wav"]
 
@@ -46,7 +47,7 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path: Path, mo
 def test_wav_round_trip(tmp_path: Path):
     audio = (0.5 * np.sin(np.linspace(0, 60, 2400))).astype(np.float32)
     p = tmp_path / "w" / "a.wav"
-    store.write_wav_atomic(p, audio, 24000)
+    atomic.write_wav_atomic(p, audio, 24000)
     back, sr = sf.read(p, dtype="float32")
     assert sr == 24000 and np.abs(back - audio).max() < 1e-4
 
