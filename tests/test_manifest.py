@@ -150,3 +150,26 @@ def test_row_key_is_stable_and_tracks_inputs_and_engine_settings(workdir: Path):
     assert row_key(a, cfg) == row_key(a, EngineConfig(max_batch_tokens=1024, device="cpu"))
     a.text = "Different."
     assert row_key(a, cfg) != row_key(b, cfg)
+
+
+def test_remote_clips_are_copied_once_into_the_job(workdir: Path, monkeypatch):
+    from pipeline import manifest as manifest_mod
+
+    data = (DATA / CLIP).read_bytes()
+    reads: list[str] = []
+
+    def fake_remote(location: str) -> bytes:  # stands in for pyarrow.fs.S3FileSystem
+        reads.append(location)
+        assert location == "s3://bucket/voices/anna.wav"
+        return data
+
+    monkeypatch.setattr(manifest_mod, "read_bytes", fake_remote)
+    m = _write(workdir / "m.parquet", id=["a", "b"], text=["One.", "Two."],
+               ref_audio=["s3://bucket/voices/anna.wav"] * 2, ref_text=[TRANSCRIPT] * 2)
+    checked = load(m)
+    assert [r.ref_audio for r in checked.rows] == ["s3://bucket/voices/anna.wav"] * 2
+    out = load(m, clip_dir=workdir / "job" / "clips")
+    copies = list((workdir / "job" / "clips").iterdir())
+    assert len(copies) == 1 and copies[0].read_bytes() == data and copies[0].suffix == ".wav"
+    assert {r.ref_audio for r in out.rows} == {str(copies[0])}
+    assert reads.count("s3://bucket/voices/anna.wav") == 2  # once per load, not once per row
