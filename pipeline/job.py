@@ -115,7 +115,9 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: Callable[[JobConfig], Si
         job.write_plan(plan)
     write_bytes_atomic(job.config_path, to_yaml(cfg).encode())
     todo = [s.index for s in plan.shards if s.index not in job.finished_shards()]
-    return execute(job, cfg, plan, todo, kind, reusable_engines(cfg, sizer), t0)
+    engines = reusable_engines(cfg, sizer)
+    del sizer  # the planning engine's memory goes back unless local mode runs shards on it
+    return execute(job, cfg, plan, todo, kind, engines, t0)
 
 
 def rerun(job_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobOutcome:
