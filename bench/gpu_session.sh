@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call, many steps: GPU tests and benchmarks, each under its own time limit.
 # Usage on the GPU machine (repo root):  bash bench/gpu_session.sh STEP[:SECONDS] ...
-# Steps: tests official parity generate codec-parity codec quantize pipeline kernels
+# Steps (GPU_TESTS narrows the test paths, PIPELINE_ROWS the pipeline bench): tests official parity generate codec-parity codec quantize pipeline kernels
 # Logs and bench/results/*.json come back bundled as $OUT/logs.tgz and $OUT/results.tgz.
 set -u
 out=${OUT:-/tmp/ovbatch-out}
@@ -12,14 +12,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/log
 
 step() {
   case $1 in
-    tests)        python3 -m pytest -q -m gpu tests ;;
+    tests)        python3 -m pytest -q -m gpu ${GPU_TESTS:-tests} ;;
     official)     python3 -m pytest -q -m official tests ;;
     parity)       python3 bench/parity.py ;;
     generate)     python3 bench/generate.py --reps 3 ;;
     codec-parity) python3 bench/codec_parity.py ;;
     codec)        python3 bench/codec.py ;;
     quantize)     python3 bench/quantize.py ;;
-    pipeline)     python3 bench/pipeline.py ;;
+    pipeline)     python3 bench/pipeline.py --rows ${PIPELINE_ROWS:-512} ;;
     kernels)      python3 bench/kernels.py ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
