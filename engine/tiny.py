@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from engine.config import LLMConfig, ModelConfig
 from engine.model import OmniVoiceModel
 
-TINY_VERSION = 2
+TINY_VERSION = 3
 SEED = 20260
 HEAD_LOGIT_STD = 2.5  # spread of the audio-head logits: peaked enough that decoding is not a coin toss
 
