@@ -25,10 +25,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from codec_parity import environment, random_reference  # noqa: E402
-
+from bench.codec_parity import random_reference  # noqa: E402
+from bench.environment import environment  # noqa: E402
 from engine.codec import Codec  # noqa: E402
 from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG  # noqa: E402
 from engine.tiny_codec import TINY_CODEC_CONFIG  # noqa: E402
@@ -205,7 +204,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     result = {
-        "environment": environment(),
+        "environment": environment("transformers", "torchaudio"),
         "size": args.size,
         **run(args.size, args.seconds, args.repeats, args.device, args.seed),
     }

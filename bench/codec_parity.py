@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -29,6 +27,7 @@ from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.environment import environment  # noqa: E402
 from engine.codec import Codec  # noqa: E402
 from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG  # noqa: E402
 from engine.tiny_codec import TINY_CODEC_CONFIG  # noqa: E402
@@ -133,25 +132,6 @@ def run_parity(size: str, device: str, seed: int) -> dict:
     }
 
 
-def environment() -> dict:
-    env = {"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda}
-    try:
-        from importlib.metadata import version
-
-        env["transformers"] = version("transformers")
-        env["torchaudio"] = version("torchaudio")
-    except Exception as e:  # the report says what could not be determined
-        env["versions_error"] = repr(e)
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-        try:
-            query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
-            env["driver"] = subprocess.run(query, capture_output=True, text=True).stdout.strip()
-        except OSError:
-            env["driver"] = "unknown"
-    return env
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -161,7 +141,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    result = {"environment": environment(), **run_parity(args.size, args.device, args.seed)}
+    result = {
+        "environment": environment("transformers", "torchaudio"),
+        **run_parity(args.size, args.device, args.seed),
+    }
     print(json.dumps({k: v for k, v in result.items() if k != "clips"}, indent=2))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

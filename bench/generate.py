@@ -23,11 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.environment import environment  # noqa: E402
 from bench.parity import (  # noqa: E402
     TEXTS,
     Request,
     build_official,
-    environment,
     official_inputs,
     save_official_checkpoint,
 )
@@ -114,7 +114,7 @@ def main() -> None:
             print(name, json.dumps(row), flush=True)
             results[name] = row
     report = {
-        "environment": environment(),
+        "environment": environment("transformers", "omnivoice"),
         "attention_backend": backend,
         "num_step": gen.num_step,
         "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.environment import environment  # noqa: E402
 from engine.kernels import CudaW4A4Backend  # noqa: E402
 from engine.kernels import ops as kops  # noqa: E402
 from engine.quant.format import W4A4Tensors, pack_int4  # noqa: E402
@@ -121,29 +119,6 @@ def bench_shape(layer: str, m: int, g: torch.Generator) -> dict:
     return row
 
 
-def environment() -> dict:
-    try:
-        driver = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        driver = "unknown"
-    import triton
-
-    return {
-        "gpu": torch.cuda.get_device_name(),
-        "driver": driver,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -173,7 +148,7 @@ def main() -> int:
                 flush=True,
             )
     result = {
-        "environment": environment(),
+        "environment": environment("triton"),
         "ceilings": {
             "hbm_bytes_per_s": HBM_BYTES_PER_S,
             "imma_s8_ops_per_s": IMMA_OPS_PER_S,

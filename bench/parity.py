@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.environment import environment  # noqa: E402
 from engine.checkpoint import load_model  # noqa: E402
 from engine.config import EngineConfig, GenerationConfig, ModelConfig  # noqa: E402
 from engine.runner import GenItem, Runner  # noqa: E402
@@ -216,27 +215,6 @@ def run_parity(size: str, device: str, seed: int = 0) -> dict[str, dict]:
     return results
 
 
-def environment() -> dict:
-    env = {"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda}
-    try:
-        import transformers
-
-        env["transformers"] = transformers.__version__
-        from importlib.metadata import version
-
-        env["omnivoice"] = version("omnivoice")
-    except Exception as e:  # the report says what could not be determined
-        env["versions_error"] = repr(e)
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-        try:
-            query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
-            env["driver"] = subprocess.run(query, capture_output=True, text=True).stdout.strip()
-        except OSError:
-            env["driver"] = "unknown"
-    return env
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -249,7 +227,12 @@ def main() -> None:
     results = run_parity(args.size, device, args.seed)
     for case, metrics in results.items():
         print(case, json.dumps(metrics), flush=True)
-    report = {"environment": environment(), "device": device, "num_step": NUM_STEP, "cases": results}
+    report = {
+        "environment": environment("transformers", "omnivoice"),
+        "device": device,
+        "num_step": NUM_STEP,
+        "cases": results,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import statistics
 import subprocess
@@ -29,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from safetensors.torch import save_file  # noqa: E402
 
+from bench.environment import environment  # noqa: E402
 from engine.codec import Codec  # noqa: E402
 from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG, read_codec_config  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
@@ -63,7 +63,8 @@ def full_size_checkpoint(out: Path) -> Path:
     (codec_dir / "config.json").write_text(json.dumps(OMNIVOICE_CODEC_CONFIG, indent=2) + "\n")
     codec_cfg = read_codec_config(codec_dir / "config.json")
     (codec_dir / "preprocessor_config.json").write_text(
-        json.dumps(_preprocessor_config(codec_cfg.hop_length, codec_cfg.sample_rate), indent=2) + "\n")
+        json.dumps(_preprocessor_config(codec_cfg.hop_length, codec_cfg.sample_rate), indent=2) + "\n"
+    )
     torch.manual_seed(0)
     save_file(_random_weights(Codec(codec_cfg), codec_cfg), str(codec_dir / "model.safetensors"))
     return out
@@ -74,13 +75,18 @@ def write_manifest(path: Path, rows: int) -> Path:
     import pyarrow.parquet as pq
 
     clips = sorted(demo_clips().items())
-    pq.write_table(pa.table({
-        "id": [f"b{i:05d}" for i in range(rows)],
-        "text": [TEXTS[i % len(TEXTS)] for i in range(rows)],
-        "ref_audio": [str(CLIPS_DIR / clips[i % len(clips)][0]) for i in range(rows)],
-        "ref_text": [clips[i % len(clips)][1] for i in range(rows)],
-        "language": ["en"] * rows,
-    }), path)
+    pq.write_table(
+        pa.table(
+            {
+                "id": [f"b{i:05d}" for i in range(rows)],
+                "text": [TEXTS[i % len(TEXTS)] for i in range(rows)],
+                "ref_audio": [str(CLIPS_DIR / clips[i % len(clips)][0]) for i in range(rows)],
+                "ref_text": [clips[i % len(clips)][1] for i in range(rows)],
+                "language": ["en"] * rows,
+            }
+        ),
+        path,
+    )
     return path
 
 
@@ -138,21 +144,6 @@ def run_mode(mode: str, manifest: Path, job_dir: Path, overrides: list[str]) -> 
     }
 
 
-def environment() -> dict:
-    import ray
-
-    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "ray": ray.__version__}
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-        try:
-            query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
-            env["driver"] = subprocess.run(query, capture_output=True, text=True).stdout.strip()
-        except OSError:
-            env["driver"] = "unknown"
-    return env
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/pipeline-h200.json")
@@ -169,15 +160,33 @@ def main() -> None:
         ckpt = full_size_checkpoint(work / "ckpt") if args.size == "full" else ensure_tiny_checkpoint()
         build_s = time.perf_counter() - t0
         manifest = write_manifest(work / "manifest.parquet", args.rows)
-        overrides = [f"engine.checkpoint={ckpt}", f"engine.device={args.device}", "progress=false",
-                     f"engine.prompt_cache_dir={work / 'prompts'}", "ray.num_actors=1"]
-        report = {"bench": "pipeline", "size": args.size, "rows": args.rows, "checkpoint_build_seconds":
-                  round(build_s, 1), "environment": environment(), "config": overrides[1:], "modes": []}
+        overrides = [
+            f"engine.checkpoint={ckpt}",
+            f"engine.device={args.device}",
+            "progress=false",
+            f"engine.prompt_cache_dir={work / 'prompts'}",
+            "ray.num_actors=1",
+        ]
+        report = {
+            "bench": "pipeline",
+            "size": args.size,
+            "rows": args.rows,
+            "checkpoint_build_seconds": round(build_s, 1),
+            "environment": environment("ray"),
+            "config": overrides[1:],
+            "modes": [],
+        }
         for mode in args.modes.split(","):
             result = run_mode(mode, manifest, work / f"job-{mode}", overrides)
             report["modes"].append(result)
-            shown = ("mode", "wall_seconds", "execution_seconds", "x_realtime", "engine_busy_fraction",
-                     "gpu_util_mean_pct")
+            shown = (
+                "mode",
+                "wall_seconds",
+                "execution_seconds",
+                "x_realtime",
+                "engine_busy_fraction",
+                "gpu_util_mean_pct",
+            )
             print(json.dumps({k: result[k] for k in shown}), flush=True)
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.parity import environment  # noqa: E402
+from bench.environment import environment  # noqa: E402
 from engine.config import LLMConfig, ModelConfig  # noqa: E402
 from engine.model import OmniVoiceModel  # noqa: E402
 from engine.quant.synthetic import structured_weight  # noqa: E402

@@ -1,0 +1,37 @@
+"""The machine and library versions every benchmark records beside its numbers."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import time
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+
+
+def _driver() -> str:
+    query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+    try:
+        return subprocess.run(query, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment(*packages: str) -> dict:
+    """Python, torch, CUDA, the GPU and its driver, the date, and the versions of `packages`."""
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    for name in packages:
+        try:
+            env[name] = version(name)
+        except PackageNotFoundError:
+            env[name] = "not installed"
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["driver"] = _driver()
+    return env
