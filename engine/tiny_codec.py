@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.codec.checkpoint import read_codec_config, training_only_shapes
+from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG, read_codec_config, training_only_shapes
 from engine.codec.model import Codec
 
 SEED = 20240611
@@ -23,40 +23,27 @@ WEIGHT_GAIN = 0.7
 CODEBOOK_STD = 0.15
 OUTPUT_GAIN = 5.0  # decoded audio peaks around 0.3 to 0.5
 
+_REAL = OMNIVOICE_CODEC_CONFIG
+# The real architecture at toy width: same rates, hop, strides and codebook size.
 TINY_CODEC_CONFIG = {
-    "model_type": "higgs_audio_v2_tokenizer",
-    "sample_rate": 24000,
-    "semantic_sample_rate": 16000,
-    "downsample_factor": 320,
-    "codebook_size": 1024,
+    **_REAL,
     "codebook_dim": 8,
-    "target_bandwidths": [0.5, 1, 1.5, 2],
-    "kernel_size": 3,
-    "unit_kernel_size": 3,
-    "strides": [1, 1],
-    "channel_ratios": [1, 1],
-    "block_dilations": [1, 1],
     "acoustic_model_config": {
-        "model_type": "dac",
+        **_REAL["acoustic_model_config"],
         "encoder_hidden_size": 4,
         "decoder_hidden_size": 64,
         "hidden_size": 16,
-        "downsampling_ratios": [8, 5, 4, 2, 3],
-        "upsampling_ratios": [8, 5, 4, 2, 3],
         "sampling_rate": 24000,
     },
     "semantic_model_config": {
-        "model_type": "hubert",
+        **_REAL["semantic_model_config"],
         "hidden_size": 32,
         "intermediate_size": 64,
         "num_hidden_layers": 2,
         "num_attention_heads": 2,
         "conv_dim": [16] * 7,
-        "conv_kernel": [10, 3, 3, 3, 3, 2, 2],
-        "conv_stride": [5, 2, 2, 2, 2, 2, 2],
         "num_conv_pos_embeddings": 16,
         "num_conv_pos_embedding_groups": 4,
-        "layer_norm_eps": 1e-5,
         "mask_time_prob": 0.0,
     },
 }
