@@ -4,7 +4,8 @@ Full-size model (real dimensions, random weights), 32 steps, guidance 2.0, refer
 target 6 s (150 frames) or varied, as in ../shared/anchors (official_baseline.py): B=1, B=8 with equal
 lengths, B=16 and B=32 with varied lengths. The official model runs its `_generate_iterative` in fp16
 with SDPA (eager, padded batch), as the anchor did; ours runs bf16 on the fastest attention backend,
-eagerly and with CUDA graphs. Medians of the repetitions; RTF = wall time / audio time.
+eagerly and with CUDA graphs, and in W4A4 (backbone Linears on the W4A4 kernels) with CUDA graphs.
+Medians of the repetitions; RTF = wall time / audio time.
 
     python bench/generate.py [--out bench/results/generate-h200.json] [--reps 5]
 """
@@ -12,6 +13,7 @@ eagerly and with CUDA graphs. Medians of the repetitions; RTF = wall time / audi
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -33,6 +35,10 @@ from bench.parity import (  # noqa: E402
 )
 from engine.checkpoint import load_model  # noqa: E402
 from engine.config import EngineConfig, GenerationConfig  # noqa: E402
+from engine.quant.format import STORE_DTYPE, W4A4Tensors, pack_int4  # noqa: E402
+from engine.quant.gptq import quantize_rtn  # noqa: E402
+from engine.quant.linear import W4A4Linear  # noqa: E402
+from engine.quant.lowrank import lowrank_factors  # noqa: E402
 from engine.runner import Runner  # noqa: E402
 
 FRAME_RATE = 25
@@ -48,6 +54,23 @@ def requests(batch: int, vary: bool) -> list[Request]:
         TARGET_FRAMES + (int(torch.randint(-75, 150, (1,), generator=g)) if vary else 0) for _ in range(batch)
     ]
     return [Request(TEXTS[0], REF_FRAMES, n) for n in lens]
+
+
+def w4a4_copy(model: torch.nn.Module, rank: int = 16) -> torch.nn.Module:
+    """The model with its backbone Linears in W4A4 (round-to-nearest + rank-16 low-rank branch).
+
+    Speed only: the layers run the same kernels as a GPTQ checkpoint's; their quality is not measured here.
+    """
+    quantized = copy.deepcopy(model)
+    for name, module in list(quantized.named_modules()):
+        if isinstance(module, torch.nn.Linear) and name.startswith("llm.layers."):
+            w = module.weight.detach().float()
+            up, down = lowrank_factors(w, rank)
+            q, scales = quantize_rtn(w - up.float() @ down.float().T)
+            layer = W4A4Linear.from_tensors(W4A4Tensors(pack_int4(q), scales.to(STORE_DTYPE), down, up))
+            parent, child = name.rsplit(".", 1)
+            setattr(quantized.get_submodule(parent), child, layer.to(w.device))
+    return quantized
 
 
 def median_seconds(reps: int, fn, *args) -> float:
@@ -93,6 +116,9 @@ def main() -> None:
         ),
         "ours_bf16_graphs": Runner(
             ours, EngineConfig(cuda_graphs=True, buckets=BUCKETS), "cuda", torch.bfloat16
+        ),
+        "ours_w4a4_graphs": Runner(
+            w4a4_copy(ours), EngineConfig(cuda_graphs=True, buckets=BUCKETS), "cuda", torch.bfloat16
         ),
     }
     gen = GenerationConfig()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call, many steps: GPU tests and benchmarks, each under its own time limit.
 # Usage on the GPU machine (repo root):  bash bench/gpu_session.sh STEP[:SECONDS] ...
-# Steps (GPU_TESTS narrows the test paths, PIPELINE_ROWS the pipeline bench): tests official parity generate codec-parity codec quantize pipeline kernels
+# Steps: tests official parity generate codec-parity codec quantize pipeline kernels kernels-nospill
+# (GPU_TESTS narrows the test paths, PIPELINE_ROWS the pipeline bench's rows.)
 # Logs and bench/results/*.json come back bundled as $OUT/logs.tgz and $OUT/results.tgz.
 set -u
 out=${OUT:-/tmp/ovbatch-out}
@@ -21,6 +22,10 @@ step() {
     quantize)     python3 bench/quantize.py ;;
     pipeline)     python3 bench/pipeline.py --rows ${PIPELINE_ROWS:-512} ;;
     kernels)      python3 bench/kernels.py ;;
+    kernels-nospill)  # the GEMM without the 2-blocks-per-SM register cap: tests, then the bench
+      export OVBATCH_KERNEL_DEFINES=-DW4A4_GEMM_MIN_BLOCKS=1
+      python3 -m pytest -q -m gpu tests/test_kernels.py &&
+        python3 bench/kernels.py --out bench/results/kernels-h200-min-blocks-1.json ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
 }
