@@ -335,18 +335,44 @@ class Engine:
             )
         return results
 
-    def _gen_item(self, p: PreparedRequest, index: int, first_tokens: torch.Tensor | None) -> GenItem:
+    def _chunk_reference(self, p: PreparedRequest, index: int) -> tuple[str | None, int]:
+        """The transcript and frame count of what chunk `index` clones: the voice prompt, or (no clip)
+        the first chunk's generated audio for the later chunks of a long text; (None, 0) for none."""
         chunk = p.chunks[index]
         if p.prompt is not None:
-            ref_text, ref_tokens = p.prompt.ref_text, p.prompt.tokens
-        elif chunk.first_chunk_is_ref:  # no clip: later chunks clone the voice of the first one
-            ref_text, ref_tokens = p.chunks[0].text, first_tokens
-        else:
-            ref_text, ref_tokens = None, None
-        ids = self.text.prompt_ids(
-            chunk.text, ref_text, p.language, p.instruct, self.gen.denoise, has_ref=ref_tokens is not None
+            return p.prompt.ref_text, int(p.prompt.tokens.shape[1])
+        if chunk.first_chunk_is_ref:
+            return p.chunks[0].text, p.chunks[0].target_frames
+        return None, 0
+
+    def _chunk_prompt_ids(self, p: PreparedRequest, index: int, ref_text: str | None) -> list[int]:
+        return self.text.prompt_ids(
+            p.chunks[index].text,
+            ref_text,
+            p.language,
+            p.instruct,
+            self.gen.denoise,
+            has_ref=ref_text is not None,
         )
-        return GenItem(ids, ref_tokens, chunk.target_frames, _chunk_seed(p.request.seed, index))
+
+    def packed_size(self, p: PreparedRequest) -> tuple[int, int, int]:
+        """(text tokens, reference frames, target frames) summed over a prepared request's chunks; the
+        runner packs text + reference + 2 x target tokens per chunk (what a planner buckets by)."""
+        text = ref = target = 0
+        for index, chunk in enumerate(p.chunks):
+            ref_text, ref_frames = self._chunk_reference(p, index)
+            text += len(self._chunk_prompt_ids(p, index, ref_text))
+            ref += ref_frames
+            target += chunk.target_frames
+        return text, ref, target
+
+    def _gen_item(self, p: PreparedRequest, index: int, first_tokens: torch.Tensor | None) -> GenItem:
+        ref_text, _ = self._chunk_reference(p, index)
+        ref_tokens = None
+        if ref_text is not None:
+            ref_tokens = p.prompt.tokens if p.prompt is not None else first_tokens
+        ids = self._chunk_prompt_ids(p, index, ref_text)
+        return GenItem(ids, ref_tokens, p.chunks[index].target_frames, _chunk_seed(p.request.seed, index))
 
     def _generate(self, prepared: list[PreparedRequest]) -> tuple[list[list[torch.Tensor]], list[int]]:
         """Tokens of every chunk of every request, and each request's token work."""

@@ -2,8 +2,8 @@
 
 The driver loads the engine on the CPU and calls `Engine.prepare` on each row: that validates the row as
 the actors will (an InputError rejects the row at planning time), builds its voice prompt through the
-shared prompt cache (so actors find every prompt ready), and gives the target frames and text chunks.
-A row's size sums its chunks' sequences: prompt text ids + reference frames + 2 x target frames.
+shared prompt cache (so actors find every prompt ready), and `Engine.packed_size` gives the row's size
+(prompt text ids + reference frames + 2 x target frames, summed over its text chunks).
 """
 
 from __future__ import annotations
@@ -24,23 +24,8 @@ def planning_engine(cfg: JobConfig) -> Any:
 
 
 def prepared_size(engine: Any, prepared: Any) -> RowSize:
-    """Packed tokens of a prepared request, chunk by chunk, laid out as the engine packs them: a chunk
-    clones the voice prompt, or (no prompt, later chunks of a long text) the first chunk's audio."""
-    denoise = engine.cfg.generation.denoise
-    prompt, chunks = prepared.prompt, prepared.chunks
-    text = ref = target = 0
-    for chunk in chunks:
-        if prompt is not None:
-            ref_text, ref_frames = prompt.ref_text, int(prompt.tokens.shape[1])
-        elif chunk.first_chunk_is_ref:
-            ref_text, ref_frames = chunks[0].text, chunks[0].target_frames
-        else:
-            ref_text, ref_frames = None, 0
-        ids = engine.text.prompt_ids(chunk.text, ref_text, prepared.language, prepared.instruct, denoise,
-                                     has_ref=ref_text is not None)
-        text += len(ids)
-        ref += ref_frames
-        target += chunk.target_frames
+    """Packed tokens of a prepared request, laid out as the engine packs them (Engine.packed_size)."""
+    text, ref, target = engine.packed_size(prepared)
     return RowSize(text_tokens=text, ref_frames=ref, target_frames=target)
 
 
@@ -67,4 +52,3 @@ class EngineSizer:
 
 def engine_sizer(cfg: JobConfig) -> Sizer:
     return EngineSizer(planning_engine(cfg))
-
