@@ -18,7 +18,8 @@ COPY pipeline pipeline
 COPY csrc csrc
 COPY jobs jobs
 COPY tests/data tests/data
-RUN pip install -e . \
+# ray[default] brings the dashboard and the job server that `ray job submit` talks to.
+RUN pip install -e . "ray[default]" \
  && python -c "import engine, pipeline, ray; print('ovbatch image ready, ray', ray.__version__)"
 
 VOLUME ["/data"]
