@@ -17,7 +17,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from engine.config import ModelConfig
 from engine.errors import CheckpointError
@@ -120,12 +120,16 @@ def weight_files(ckpt_dir: Path) -> list[Path]:
 
 
 def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in the files, read from the headers only."""
+    """Name -> shape of every tensor in the files, read from the headers only; CheckpointError naming a
+    file whose header is not safetensors."""
     shapes = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        except SafetensorError as e:
+            raise CheckpointError(f"{file} cannot be read as safetensors ({e}): re-download it.") from None
     return shapes
 
 

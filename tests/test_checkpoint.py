@@ -126,6 +126,12 @@ def test_missing_shard_is_named(broken):
         load_model(broken)
 
 
+def test_corrupt_weights_are_named(broken):
+    (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors cannot be read as safetensors"):
+        load_model(broken)
+
+
 def test_nonexistent_path_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="neither an existing directory"):
         resolve_checkpoint(tmp_path / "nothing" / "here")
