@@ -51,12 +51,16 @@ def check_items(items: list[GenItem], num_codebooks: int, mask_id: int, text_voc
             )
         ref = item.ref_tokens
         if ref is not None and (
-            ref.dim() != 2 or ref.shape[0] != num_codebooks or ref.min() < 0 or ref.max() >= mask_id
+            ref.dim() != 2
+            or ref.shape[0] != num_codebooks
+            or ref.shape[1] == 0
+            or ref.min() < 0
+            or ref.max() >= mask_id
         ):
             raise InputError(
                 f"item {i}: ref_tokens of shape {tuple(ref.shape)} with values in "
                 f"[{int(ref.min()) if ref.numel() else 0}, {int(ref.max()) if ref.numel() else 0}]; expected "
-                f"[{num_codebooks}, frames] codec codes in [0, {mask_id}) (Codec.encode output)."
+                f"[{num_codebooks}, frames > 0] codec codes in [0, {mask_id}) (Codec.encode output), or None."
             )
 
 

@@ -87,6 +87,7 @@ def test_request_alone_equals_request_in_a_batch_of_eight(tiny):
         (dict(prompt_ids=[5, 10**6]), "prompt_ids"),
         (dict(ref_tokens=torch.zeros(4, 10, dtype=torch.long)), r"shape \(4, 10\)"),
         (dict(ref_tokens=torch.full((8, 3), 1024)), r"\[1024, 1024\]"),
+        (dict(ref_tokens=torch.zeros(8, 0, dtype=torch.long)), r"shape \(8, 0\)"),
     ],
 )
 def test_bad_items_are_refused_by_name(tiny, change, message):
