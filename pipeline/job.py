@@ -51,7 +51,8 @@ def plan_job(cfg: JobConfig, make_sizer: Callable[[JobConfig], Sizer], clip_dir:
              ) -> tuple[Plan, list[manifest_mod.ManifestRow], Sizer | None]:
     """Load and validate the manifest, size its rows, cut shards. Remote clips are copied to clip_dir.
     The sizer (which may load an engine) is made only once the manifest has proved readable."""
-    manifest = manifest_mod.load(cfg.manifest, clip_dir=clip_dir)
+    first = cfg.engine_config(cfg.variant_names()[0])  # the variant whose engine sizes the rows
+    manifest = manifest_mod.load(cfg.manifest, clip_dir=clip_dir, max_ref_seconds=first.max_ref_seconds)
     sizer = make_sizer(cfg) if manifest.rows else None
     sizes: dict[str, RowSize] = {}
     rejected = list(manifest.rejected)

@@ -204,7 +204,7 @@ class _Clip:
     error: str | None
 
 
-def _probe_clip(location: str, clip_dir: Path | None) -> _Clip:
+def _probe_clip(location: str, clip_dir: Path | None, max_seconds: float) -> _Clip:
     """Read a reference clip once: content hash, duration, and whether libsndfile can decode it."""
     local = not _is_uri(location) or location.startswith("file://")
     try:
@@ -215,13 +215,12 @@ def _probe_clip(location: str, clip_dir: Path | None) -> _Clip:
         return _Clip(None, None, 0.0, f"ref_audio {location!r} {kind}: fix the path (relative paths are "
                                       "resolved against the manifest's folder)")
     digest = hashlib.sha256(data).hexdigest()
-    limits = ReferenceSettings()
     try:
-        audio, rate = decode(data, repr(location), limits.max_seconds)
+        audio, rate = decode(data, repr(location), max_seconds)
     except AudioError as e:
         return _Clip(None, digest, 0.0, str(e))
     seconds = len(audio) / float(rate)
-    if not np.isfinite(audio).all() or not rms(audio) >= limits.silence_floor_rms:
+    if not np.isfinite(audio).all() or not rms(audio) >= ReferenceSettings.silence_floor_rms:
         return _Clip(None, digest, seconds, f"reference clip {location!r} is silent or holds NaN/Inf "
                                             "samples: pass a clip with audible speech")
     if local:
@@ -259,8 +258,10 @@ def _instruct_problem(value: str | None, text: str) -> tuple[str | None, str | N
 # ---------------------------------------------------------------- load
 
 
-def load(source: str | Path, clip_dir: str | Path | None = None) -> Manifest:
-    """Read and validate a manifest. Remote reference clips are copied into `clip_dir` when given."""
+def load(source: str | Path, clip_dir: str | Path | None = None,
+         max_ref_seconds: float = EngineConfig.max_ref_seconds) -> Manifest:
+    """Read and validate a manifest. Remote reference clips are copied into `clip_dir` when given; clips
+    longer than `max_ref_seconds` (the engine's limit) are rejected."""
     source = str(source)
     if not _is_uri(source):
         source = str(Path(source).expanduser().absolute())
@@ -284,7 +285,7 @@ def load(source: str | Path, clip_dir: str | Path | None = None) -> Manifest:
         if reason is None and len(counts[rid]) > 1:
             rows = ", ".join(str(r) for r in counts[rid][:5])
             reason = f"id {rid!r} appears {len(counts[rid])} times (rows {rows}): ids must be unique"
-        row, why = (None, reason) if reason else _normalise(i, rec, base, clips, clip_root)
+        row, why = (None, reason) if reason else _normalise(i, rec, base, clips, clip_root, max_ref_seconds)
         if why is not None:
             manifest.rejected.append(Rejection(i, shown_id, why))
         else:
@@ -299,8 +300,8 @@ def _clean(value: Any) -> str | None:
     return value or None
 
 
-def _normalise(i: int, rec: dict[str, Any], base: str, clips: dict[str, _Clip],
-               clip_root: Path | None) -> tuple[ManifestRow | None, str | None]:
+def _normalise(i: int, rec: dict[str, Any], base: str, clips: dict[str, _Clip], clip_root: Path | None,
+               max_ref_seconds: float) -> tuple[ManifestRow | None, str | None]:
     text = _clean(rec.get("text"))
     if text is None:
         return None, "text is empty: give the words to speak"
@@ -329,7 +330,7 @@ def _normalise(i: int, rec: dict[str, Any], base: str, clips: dict[str, _Clip],
     if ref_source is not None:
         location = resolve_location(ref_source, base)
         if location not in clips:
-            clips[location] = _probe_clip(location, clip_root)
+            clips[location] = _probe_clip(location, clip_root, max_ref_seconds)
         clip = clips[location]
         if clip.error:
             return None, clip.error

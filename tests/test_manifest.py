@@ -173,3 +173,12 @@ def test_remote_clips_are_copied_once_into_the_job(workdir: Path, monkeypatch):
     assert len(copies) == 1 and copies[0].read_bytes() == data and copies[0].suffix == ".wav"
     assert {r.ref_audio for r in out.rows} == {str(copies[0])}
     assert reads.count("s3://bucket/voices/anna.wav") == 2  # once per load, not once per row
+
+
+def test_reference_length_limit_is_the_engines_max_ref_seconds(workdir: Path):
+    m = _write(workdir / "m.parquet", id=["a"], text=["Hello."], ref_audio=[f"clips/{CLIP}"],
+               ref_text=[TRANSCRIPT])
+    seconds = load(m).rows[0].ref_seconds
+    assert [r.id for r in load(m, max_ref_seconds=seconds + 1).rows] == ["a"]
+    (rejection,) = load(m, max_ref_seconds=seconds / 2).rejected
+    assert rejection.id == "a" and f"over the {seconds / 2:g} s limit" in rejection.reason
