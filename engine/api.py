@@ -21,7 +21,7 @@ from engine.checkpoint import load_model, read_config, resolve_checkpoint, weigh
 from engine.codec import Codec
 from engine.config import EngineConfig
 from engine.errors import AudioError, CheckpointError, InputError
-from engine.frontend.audio import ReferenceSettings, cross_fade_chunks, postprocess_output
+from engine.frontend.audio import ReferenceSettings, clip_name, cross_fade_chunks, postprocess_output
 from engine.frontend.chunking import Chunk, needs_chunking, plan_chunks
 from engine.frontend.duration import effective_speed, estimate_target_frames
 from engine.frontend.prompt import PromptCache, VoicePrompt, build_prompts
@@ -244,7 +244,7 @@ class Engine:
                     "or drop ref_text for voice design / auto voice."
                 )
             return None
-        name = f"<{len(req.ref_audio)} bytes>" if isinstance(req.ref_audio, bytes) else str(req.ref_audio)
+        name = clip_name(req.ref_audio)
         if not isinstance(req.ref_text, str) or not req.ref_text.strip():
             raise InputError(
                 f"reference clip {name} has no transcript (ref_text={req.ref_text!r}): give the words spoken "
