@@ -33,17 +33,21 @@ def _job_overrides(args: argparse.Namespace) -> list[str]:
 def _print_outcome(outcome: Any) -> int:
     s = outcome.summary
     rows = s["rows"]
-    print(f"job {s['job']}: {rows['ok']} ok, {rows['failed']} failed, {rows['rejected']} rejected, "
-          f"{rows['pending']} pending; {len(outcome.shards_run)} shard(s) run; "
-          f"wall {s['wall_seconds']:.1f} s; x-realtime {s['x_realtime']}")
+    print(
+        f"job {s['job']}: {rows['ok']} ok, {rows['failed']} failed, {rows['rejected']} rejected, "
+        f"{rows['pending']} pending; {len(outcome.shards_run)} shard(s) run; "
+        f"wall {s['wall_seconds']:.1f} s; x-realtime {s['x_realtime']}"
+    )
     print(f"  wavs:    {outcome.job.path / 'wavs'}")
     print(f"  results: {outcome.job.results_dir}")
     print(f"  summary: {outcome.job.summary_path}")
     if (outcome.job.report_dir / "index.html").exists():
         print(f"  report:  {outcome.job.report_dir / 'index.html'}")
     if rows["failed"]:
-        print(f"{rows['failed']} row(s) failed (see the error column): "
-              f"`ovbatch rerun {s['job']}` runs them again.")
+        print(
+            f"{rows['failed']} row(s) failed (see the error column): "
+            f"`ovbatch rerun {s['job']}` runs them again."
+        )
         return EXIT_FAILED_ROWS
     return 0
 
@@ -72,14 +76,20 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     rows = s["rows"]
     print(f"job {s['job']} ({'complete' if s['complete'] else 'incomplete'})")
-    print(f"  rows: {rows['ok']} ok, {rows['failed']} failed, {rows['rejected']} rejected, "
-          f"{rows['pending']} pending of {rows['total']}")
+    print(
+        f"  rows: {rows['ok']} ok, {rows['failed']} failed, {rows['rejected']} rejected, "
+        f"{rows['pending']} pending of {rows['total']}"
+    )
     print(f"  shards: {s['shards']['finished']} of {s['shards']['planned']} finished")
-    print(f"  wall {s['wall_seconds']:.1f} s over {len(s['runs'])} run(s); audio {s['audio_seconds']:.1f} s; "
-          f"x-realtime {s['x_realtime']} (engine {s['engine_x_realtime']})")
+    print(
+        f"  wall {s['wall_seconds']:.1f} s over {len(s['runs'])} run(s); audio {s['audio_seconds']:.1f} s; "
+        f"x-realtime {s['x_realtime']} (engine {s['engine_x_realtime']})"
+    )
     for b in s["per_bucket"]:
-        print(f"  {b['variant']} bucket {b['bucket']}: {b['rows']} rows, {b['rows_per_s']} rows/s, "
-              f"x-realtime {b['x_realtime']}")
+        print(
+            f"  {b['variant']} bucket {b['bucket']}: {b['rows']} rows, {b['rows_per_s']} rows/s, "
+            f"x-realtime {b['x_realtime']}"
+        )
     return 0
 
 
@@ -106,8 +116,10 @@ def cmd_manifest_check(args: argparse.Namespace) -> int:
 
     cfg = load_job_config(args.config, [f"manifest={args.file}", *_job_overrides(args)])
     report = check_manifest(cfg, engine_sizer)
-    print(f"manifest {report['source']}: {report['rows']} rows, {report['accepted']} accepted, "
-          f"{len(report['rejected'])} rejected; buckets {report['buckets']}")
+    print(
+        f"manifest {report['source']}: {report['rows']} rows, {report['accepted']} accepted, "
+        f"{len(report['rejected'])} rejected; buckets {report['buckets']}"
+    )
     for r in report["rejected"][: args.limit]:
         print(f"  row {r.row_index} id={r.id!r}: {r.reason}")
     if len(report["rejected"]) > args.limit:
@@ -123,9 +135,16 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
     cfg = load_job_config(None, _job_overrides(args))
     engine = Engine(cfg.engine)
-    req = SynthRequest(text=args.text, ref_audio=args.ref_audio, ref_text=args.ref_text,
-                       language=args.language, instruct=args.instruct, duration=args.duration,
-                       speed=args.speed, seed=args.seed)
+    req = SynthRequest(
+        text=args.text,
+        ref_audio=args.ref_audio,
+        ref_text=args.ref_text,
+        language=args.language,
+        instruct=args.instruct,
+        duration=args.duration,
+        speed=args.speed,
+        seed=args.seed,
+    )
     (result,) = engine.synthesize([req])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     sf.write(args.out, result.audio, result.sample_rate)
@@ -150,8 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--checkpoint", help="checkpoint directory (default: the embedded tiny checkpoint)")
         if config:
             sp.add_argument("--config", help="job config YAML (see jobs/*.yaml)")
-        sp.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="config overrides, e.g. engine.precision=fp16")
+        sp.add_argument(
+            "overrides", nargs="*", metavar="key=value", help="config overrides, e.g. engine.precision=fp16"
+        )
 
     sp = sub.add_parser("submit", help="plan a manifest into a job dir and run it (or resume it)")
     sp.add_argument("manifest", help="Parquet manifest: local path or pyarrow.fs URI (s3://, gs://, file://)")
@@ -200,12 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--duration", type=float)
     sp.add_argument("--speed", type=float)
     sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("overrides", nargs="*", metavar="key=value",
-                    help="engine overrides, e.g. engine.precision=fp32")
+    sp.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="engine overrides, e.g. engine.precision=fp32"
+    )
     sp.set_defaults(func=cmd_synth)
 
-    sub.add_parser("quantize", help="quantize a checkpoint to W4A4 (options: ovbatch quantize --help)",
-                   add_help=False)
+    sub.add_parser(
+        "quantize", help="quantize a checkpoint to W4A4 (options: ovbatch quantize --help)", add_help=False
+    )
     return p
 
 
@@ -227,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ovbatch: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        print("ovbatch: interrupted; finished shards are saved; submit the same job again to resume.",
-              file=sys.stderr)
+        print(
+            "ovbatch: interrupted; finished shards are saved; submit the same job again to resume.",
+            file=sys.stderr,
+        )
         return 130
 
 

@@ -71,8 +71,12 @@ def pair_metrics(a: np.ndarray, b: np.ndarray, sample_rate: int) -> dict[str, fl
     snr = math.inf if noise == 0 else (10.0 * math.log10(signal / noise) if signal > 0 else -math.inf)
     sa, sb = a64.std(), b64.std()
     corr = float(np.mean((a64 - a64.mean()) * (b64 - b64.mean())) / (sa * sb)) if sa > 0 and sb > 0 else 0.0
-    return {"duration_ratio": len(b) / len(a) if len(a) else math.inf, "mel_lsd_db": lsd, "snr_db": snr,
-            "correlation": corr}
+    return {
+        "duration_ratio": len(b) / len(a) if len(a) else math.inf,
+        "mel_lsd_db": lsd,
+        "snr_db": snr,
+        "correlation": corr,
+    }
 
 
 def _read(job: JobDir, rel: str) -> tuple[np.ndarray, int]:
@@ -92,12 +96,25 @@ def compare_variants(job: JobDir, variant_a: str, variant_b: str) -> list[dict[s
         a, sr_a = _read(job, ra["wav_path"])
         b, sr_b = _read(job, rb["wav_path"])
         if sr_a != sr_b:
-            raise OVBatchError(f"row {row_id!r}: {variant_a} wav is {sr_a} Hz, {variant_b} is {sr_b} Hz; "
-                               "A/B variants must share the codec's sample rate.")
-        rows.append({"id": row_id, "variant_a": variant_a, "variant_b": variant_b, "bucket": ra["bucket"],
-                     "seconds_a": ra["audio_seconds"], "seconds_b": rb["audio_seconds"],
-                     "rtf_a": ra["rtf"], "rtf_b": rb["rtf"], "wav_a": ra["wav_path"], "wav_b": rb["wav_path"],
-                     **pair_metrics(a, b, sr_a)})
+            raise OVBatchError(
+                f"row {row_id!r}: {variant_a} wav is {sr_a} Hz, {variant_b} is {sr_b} Hz; "
+                "A/B variants must share the codec's sample rate."
+            )
+        rows.append(
+            {
+                "id": row_id,
+                "variant_a": variant_a,
+                "variant_b": variant_b,
+                "bucket": ra["bucket"],
+                "seconds_a": ra["audio_seconds"],
+                "seconds_b": rb["audio_seconds"],
+                "rtf_a": ra["rtf"],
+                "rtf_b": rb["rtf"],
+                "wav_a": ra["wav_path"],
+                "wav_b": rb["wav_path"],
+                **pair_metrics(a, b, sr_a),
+            }
+        )
     job.report_dir.mkdir(parents=True, exist_ok=True)
     table = pa.Table.from_pylist(rows) if rows else pa.table({"id": pa.array([], pa.string())})
     write_parquet_atomic(job.report_dir / "compare.parquet", table)

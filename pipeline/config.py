@@ -70,8 +70,9 @@ def _short(e: Exception) -> str:
     return str(e).splitlines()[0]
 
 
-def load_job_config(config_file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
-                    ) -> JobConfig:
+def load_job_config(
+    config_file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> JobConfig:
     """Defaults, then the YAML file, then `key=value` overrides; validated into a JobConfig."""
     layers: list[DictConfig] = [OmegaConf.structured(JobConfig)]
     if config_file is not None:
@@ -102,8 +103,10 @@ def validate(cfg: JobConfig) -> None:
             )
         cfg.engine_config(name)
     if cfg.shard_tokens < 1 or cfg.max_rows_per_shard < 1:
-        raise InputError(f"shard_tokens={cfg.shard_tokens}, max_rows_per_shard={cfg.max_rows_per_shard}: "
-                         "both must be positive.")
+        raise InputError(
+            f"shard_tokens={cfg.shard_tokens}, max_rows_per_shard={cfg.max_rows_per_shard}: "
+            "both must be positive."
+        )
     if cfg.ray.inflight_per_actor < 1 or cfg.ray.max_shard_attempts < 1:
         raise InputError("ray.inflight_per_actor and ray.max_shard_attempts must be at least 1.")
     if cfg.ray.num_actors is not None and cfg.ray.num_actors < 1:
@@ -116,4 +119,3 @@ def validate(cfg: JobConfig) -> None:
 
 def to_yaml(cfg: JobConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-

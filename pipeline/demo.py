@@ -48,13 +48,15 @@ def write_demo_manifest(path: Path, rows: int = DEMO_ROWS) -> Path:
     """A manifest of `rows` rows cycling over the clips and texts (ref_audio relative to the manifest)."""
     clips = sorted(demo_clips().items())
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.table({
-        "id": [f"demo-{i:03d}" for i in range(rows)],
-        "text": [DEMO_TEXTS[i % len(DEMO_TEXTS)] for i in range(rows)],
-        "ref_audio": [str(CLIPS_DIR / clips[i % len(clips)][0]) for i in range(rows)],
-        "ref_text": [clips[i % len(clips)][1] for i in range(rows)],
-        "language": ["en"] * rows,
-    })
+    table = pa.table(
+        {
+            "id": [f"demo-{i:03d}" for i in range(rows)],
+            "text": [DEMO_TEXTS[i % len(DEMO_TEXTS)] for i in range(rows)],
+            "ref_audio": [str(CLIPS_DIR / clips[i % len(clips)][0]) for i in range(rows)],
+            "ref_text": [clips[i % len(clips)][1] for i in range(rows)],
+            "language": ["en"] * rows,
+        }
+    )
     pq.write_table(table, path)
     return path
 
@@ -68,7 +70,15 @@ def run_demo(out: str | Path, local: bool = False, overrides: list[str] | None =
     out = Path(out).absolute()
     checkpoint = ensure_tiny_checkpoint()
     manifest = write_demo_manifest(out.parent / f"{out.name}-manifest.parquet")
-    cfg = load_job_config(None, [f"manifest={manifest}", f"engine.checkpoint={checkpoint}", *DEMO_OVERRIDES,
-                                 f"local={str(local).lower()}", *(overrides or [])])
+    cfg = load_job_config(
+        None,
+        [
+            f"manifest={manifest}",
+            f"engine.checkpoint={checkpoint}",
+            *DEMO_OVERRIDES,
+            f"local={str(local).lower()}",
+            *(overrides or []),
+        ],
+    )
     print(f"demo: tiny checkpoint {checkpoint}; manifest {manifest} ({DEMO_ROWS} rows)")
     return submit(cfg, out, engine_sizer)

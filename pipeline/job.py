@@ -47,8 +47,9 @@ def with_job_defaults(cfg: JobConfig, job: JobDir) -> JobConfig:
     return cfg
 
 
-def plan_job(cfg: JobConfig, make_sizer: Callable[[JobConfig], Sizer], clip_dir: Path | None
-             ) -> tuple[Plan, list[manifest_mod.ManifestRow], Sizer | None]:
+def plan_job(
+    cfg: JobConfig, make_sizer: Callable[[JobConfig], Sizer], clip_dir: Path | None
+) -> tuple[Plan, list[manifest_mod.ManifestRow], Sizer | None]:
     """Load and validate the manifest, size its rows, cut shards. Remote clips are copied to clip_dir.
     The sizer (which may load an engine) is made only once the manifest has proved readable."""
     first = cfg.engine_config(cfg.variant_names()[0])  # the variant whose engine sizes the rows
@@ -69,8 +70,16 @@ def plan_job(cfg: JobConfig, make_sizer: Callable[[JobConfig], Sizer], clip_dir:
         engine_cfg = cfg.engine_config(variant)
         keys[variant] = {r.id: manifest_mod.row_key(r, engine_cfg) for r in rows}
     base = cfg.engine
-    plan = make_plan(rows, rejected, sizes, keys, base.buckets, base.max_batch_tokens, cfg.shard_tokens,
-                     cfg.max_rows_per_shard)
+    plan = make_plan(
+        rows,
+        rejected,
+        sizes,
+        keys,
+        base.buckets,
+        base.max_batch_tokens,
+        cfg.shard_tokens,
+        cfg.max_rows_per_shard,
+    )
     plan.engine_settings = {v: manifest_mod.engine_settings(cfg.engine_config(v)) for v in keys}
     return plan, rows, sizer
 
@@ -83,8 +92,14 @@ def check_manifest(cfg: JobConfig, make_sizer: Callable[[JobConfig], Sizer]) -> 
         if shard.variant == plan.variants[0]:
             buckets[shard.bucket] = buckets.get(shard.bucket, 0) + len(shard.rows)
     accepted = sum(buckets.values())
-    return {"source": cfg.manifest, "rows": accepted + len(plan.rejected), "accepted": accepted,
-            "rejected": plan.rejected, "buckets": dict(sorted(buckets.items())), "shards": len(plan.shards)}
+    return {
+        "source": cfg.manifest,
+        "rows": accepted + len(plan.rejected),
+        "accepted": accepted,
+        "rejected": plan.rejected,
+        "buckets": dict(sorted(buckets.items())),
+        "shards": len(plan.shards),
+    }
 
 
 def submit(cfg: JobConfig, out: str | Path, make_sizer: Callable[[JobConfig], Sizer]) -> JobOutcome:
@@ -97,8 +112,10 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: Callable[[JobConfig], Si
         raise JobDirError("no manifest given: pass MANIFEST to submit (or manifest=... in the config).")
     foreign = [] if job.exists() else job.foreign_entries()
     if foreign:
-        raise JobDirError(f"--out {job.path} already holds other files ({', '.join(foreign[:3])}): "
-                          "give a new or empty directory for the job.")
+        raise JobDirError(
+            f"--out {job.path} already holds other files ({', '.join(foreign[:3])}): "
+            "give a new or empty directory for the job."
+        )
     plan, rows, sizer = plan_job(cfg, make_sizer, job.clip_dir)
     kind = "submit"
     if job.exists():
@@ -127,8 +144,12 @@ def rerun(job_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
     job.require()
     cfg = load_job_config(job.config_path, overrides)
     plan = job.read_plan()
-    changed = [v for v in plan.variants if v not in cfg.variant_names()
-               or manifest_mod.engine_settings(cfg.engine_config(v)) != plan.engine_settings.get(v)]
+    changed = [
+        v
+        for v in plan.variants
+        if v not in cfg.variant_names()
+        or manifest_mod.engine_settings(cfg.engine_config(v)) != plan.engine_settings.get(v)
+    ]
     if changed:
         raise JobDirError(
             f"rerun cannot change what variant(s) {changed} sound like (checkpoint, precision, generation "
@@ -145,12 +166,21 @@ def rerun(job_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
     return execute(job, cfg, plan, todo, "rerun")
 
 
-def _task(plan: Plan, index: int, rows: dict[str, manifest_mod.ManifestRow],
-          kept: dict[int, list[dict[str, Any]]]) -> ShardTask:
+def _task(
+    plan: Plan, index: int, rows: dict[str, manifest_mod.ManifestRow], kept: dict[int, list[dict[str, Any]]]
+) -> ShardTask:
     shard = plan.shards[index]
     done = {r["id"] for r in kept.get(index, [])}
-    payload = [{**rows[p.id].to_dict(), "row_key": p.row_key, "packed_tokens": p.packed_tokens,
-                "target_frames": p.target_frames} for p in shard.rows if p.id not in done]
+    payload = [
+        {
+            **rows[p.id].to_dict(),
+            "row_key": p.row_key,
+            "packed_tokens": p.packed_tokens,
+            "target_frames": p.target_frames,
+        }
+        for p in shard.rows
+        if p.id not in done
+    ]
     attempt = 1 + max((r["attempt"] or 0 for r in kept.get(index, [])), default=0)
     return ShardTask(shard.index, shard.variant, shard.bucket, attempt, payload)
 
@@ -161,7 +191,8 @@ def reusable_engines(cfg: JobConfig, sizer: Sizer | None) -> dict[str, Any]:
     variant = cfg.variant_names()[0]
     on_cpu = getattr(getattr(engine, "device", None), "type", None) == "cpu"
     wants_cpu = cfg.engine_config(variant).device == "cpu" or (
-        cfg.engine_config(variant).device == "auto" and not _cuda_available())
+        cfg.engine_config(variant).device == "auto" and not _cuda_available()
+    )
     return {variant: engine} if cfg.local and engine is not None and on_cpu and wants_cpu else {}
 
 
@@ -171,28 +202,48 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def execute(job: JobDir, cfg: JobConfig, plan: Plan, shard_indices: list[int], kind: str,
-            engines: dict[str, Any] | None = None, t0: float | None = None) -> JobOutcome:
+def execute(
+    job: JobDir,
+    cfg: JobConfig,
+    plan: Plan,
+    shard_indices: list[int],
+    kind: str,
+    engines: dict[str, Any] | None = None,
+    t0: float | None = None,
+) -> JobOutcome:
     """Run `shard_indices` and write their results; t0 (perf_counter) is when the run began, planning
     included (default: now)."""
     job.remove_temp_files()
     rows = job.read_rows()
     finished = job.finished_shards()
     # Rows a shard already settled (ok or rejected) are kept and never run again.
-    kept = {i: [r for r in job.read_shard_results(i) if r["status"] != "failed"]
-            for i in shard_indices if i in finished}
+    kept = {
+        i: [r for r in job.read_shard_results(i) if r["status"] != "failed"]
+        for i in shard_indices
+        if i in finished
+    }
     tasks = [_task(plan, i, rows, kept) for i in shard_indices]
     t0 = time.perf_counter() if t0 is None else t0
     planning = time.perf_counter() - t0
     started = (datetime.now(UTC) - timedelta(seconds=planning)).isoformat(timespec="seconds")
-    run_record = {"kind": kind, "started_at": started, "planning_seconds": round(planning, 3),
-                  "mode": "local" if cfg.local else "ray",
-                  "shards": len(tasks), "rows": sum(len(t.rows) for t in tasks)}
+    run_record = {
+        "kind": kind,
+        "started_at": started,
+        "planning_seconds": round(planning, 3),
+        "mode": "local" if cfg.local else "ray",
+        "shards": len(tasks),
+        "rows": sum(len(t.rows) for t in tasks),
+    }
     pool = None
     if tasks:
         executor, pool = make_executor(job, cfg, engines)
-        bar = tqdm(total=run_record["rows"], unit="row", desc=f"{kind} {job.path.name}",
-                   disable=not cfg.progress, dynamic_ncols=True)
+        bar = tqdm(
+            total=run_record["rows"],
+            unit="row",
+            desc=f"{kind} {job.path.name}",
+            disable=not cfg.progress,
+            dynamic_ncols=True,
+        )
         try:
             for task, results in executor(tasks):
                 for r in results:  # a row that did not end ok keeps no wav from an earlier attempt
@@ -215,8 +266,7 @@ def execute(job: JobDir, cfg: JobConfig, plan: Plan, shard_indices: list[int], k
     return JobOutcome(job, summary, [t.index for t in tasks])
 
 
-def make_executor(job: JobDir, cfg: JobConfig, engines: dict[str, Any] | None = None
-                  ) -> tuple[Executor, Any]:
+def make_executor(job: JobDir, cfg: JobConfig, engines: dict[str, Any] | None = None) -> tuple[Executor, Any]:
     if cfg.local:
         runner = ShardRunner(job.path, cfg, engines)
         return (lambda tasks: run_local(runner, tasks)), None

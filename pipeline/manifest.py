@@ -146,14 +146,20 @@ def _check_schema(table: pa.Table, source: str) -> None:
         )
     for name in table.column_names:
         t = table.schema.field(name).type
-        if name in _STRING_COLUMNS and not (pa.types.is_string(t) or pa.types.is_large_string(t)
-                                            or pa.types.is_null(t)):
-            raise ManifestError(f"manifest column {name!r} has type {t}; it must hold strings "
-                                f"(e.g. df[{name!r}] = df[{name!r}].astype(str)).")
-        if name in _FLOAT_COLUMNS and not (pa.types.is_floating(t) or pa.types.is_integer(t)
-                                           or pa.types.is_null(t)):
-            raise ManifestError(f"manifest column {name!r} has type {t}; it must be numeric (seconds or a "
-                                "speed factor), or null where unset.")
+        if name in _STRING_COLUMNS and not (
+            pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)
+        ):
+            raise ManifestError(
+                f"manifest column {name!r} has type {t}; it must hold strings "
+                f"(e.g. df[{name!r}] = df[{name!r}].astype(str))."
+            )
+        if name in _FLOAT_COLUMNS and not (
+            pa.types.is_floating(t) or pa.types.is_integer(t) or pa.types.is_null(t)
+        ):
+            raise ManifestError(
+                f"manifest column {name!r} has type {t}; it must be numeric (seconds or a "
+                "speed factor), or null where unset."
+            )
         if name in _INT_COLUMNS and not (pa.types.is_integer(t) or pa.types.is_null(t)):
             raise ManifestError(f"manifest column {name!r} has type {t}; it must hold integers.")
 
@@ -212,8 +218,13 @@ def _probe_clip(location: str, clip_dir: Path | None, max_seconds: float) -> _Cl
     except (FileNotFoundError, pa.ArrowException, OSError) as e:
         missing = isinstance(e, FileNotFoundError) or "not found" in str(e).lower()
         kind = "not found" if missing else "unreadable"
-        return _Clip(None, None, 0.0, f"ref_audio {location!r} {kind}: fix the path (relative paths are "
-                                      "resolved against the manifest's folder)")
+        return _Clip(
+            None,
+            None,
+            0.0,
+            f"ref_audio {location!r} {kind}: fix the path (relative paths are "
+            "resolved against the manifest's folder)",
+        )
     digest = hashlib.sha256(data).hexdigest()
     try:
         audio, rate = decode(data, repr(location), max_seconds)
@@ -221,10 +232,15 @@ def _probe_clip(location: str, clip_dir: Path | None, max_seconds: float) -> _Cl
         return _Clip(None, digest, 0.0, str(e))
     seconds = len(audio) / float(rate)
     if not np.isfinite(audio).all() or not rms(audio) >= ReferenceSettings.silence_floor_rms:
-        return _Clip(None, digest, seconds, f"reference clip {location!r} is silent or holds NaN/Inf "
-                                            "samples: pass a clip with audible speech")
+        return _Clip(
+            None,
+            digest,
+            seconds,
+            f"reference clip {location!r} is silent or holds NaN/Inf "
+            "samples: pass a clip with audible speech",
+        )
     if local:
-        path = location[len("file://"):] if location.startswith("file://") else location
+        path = location[len("file://") :] if location.startswith("file://") else location
         return _Clip(path, digest, seconds, None)
     if clip_dir is None:  # only validating: the clip was readable, nothing to keep
         return _Clip(location, digest, seconds, None)
@@ -258,8 +274,11 @@ def _instruct_problem(value: str | None, text: str) -> tuple[str | None, str | N
 # ---------------------------------------------------------------- load
 
 
-def load(source: str | Path, clip_dir: str | Path | None = None,
-         max_ref_seconds: float = EngineConfig.max_ref_seconds) -> Manifest:
+def load(
+    source: str | Path,
+    clip_dir: str | Path | None = None,
+    max_ref_seconds: float = EngineConfig.max_ref_seconds,
+) -> Manifest:
     """Read and validate a manifest. Remote reference clips are copied into `clip_dir` when given; clips
     longer than `max_ref_seconds` (the engine's limit) are rejected."""
     source = str(source)
@@ -300,8 +319,14 @@ def _clean(value: Any) -> str | None:
     return value or None
 
 
-def _normalise(i: int, rec: dict[str, Any], base: str, clips: dict[str, _Clip], clip_root: Path | None,
-               max_ref_seconds: float) -> tuple[ManifestRow | None, str | None]:
+def _normalise(
+    i: int,
+    rec: dict[str, Any],
+    base: str,
+    clips: dict[str, _Clip],
+    clip_root: Path | None,
+    max_ref_seconds: float,
+) -> tuple[ManifestRow | None, str | None]:
     text = _clean(rec.get("text"))
     if text is None:
         return None, "text is empty: give the words to speak"
@@ -335,10 +360,19 @@ def _normalise(i: int, rec: dict[str, Any], base: str, clips: dict[str, _Clip], 
         if clip.error:
             return None, clip.error
     return ManifestRow(
-        row_index=i, id=rec["id"], text=text, ref_audio=clip.local_path, ref_text=ref_text,
-        language=language, instruct=instruct, duration=duration, speed=speed,
+        row_index=i,
+        id=rec["id"],
+        text=text,
+        ref_audio=clip.local_path,
+        ref_text=ref_text,
+        language=language,
+        instruct=instruct,
+        duration=duration,
+        speed=speed,
         seed=int(seed) if seed is not None else default_seed(rec["id"]),
-        ref_audio_source=ref_source, clip_sha256=clip.sha256, ref_seconds=clip.seconds,
+        ref_audio_source=ref_source,
+        clip_sha256=clip.sha256,
+        ref_seconds=clip.seconds,
     ), None
 
 
@@ -356,9 +390,15 @@ def engine_settings(cfg: EngineConfig) -> dict[str, Any]:
 def row_key(row: ManifestRow, cfg: EngineConfig) -> str:
     """Stable hash of a row's inputs (the clip by content) and the engine settings."""
     inputs = {
-        "text": row.text, "ref_audio_sha256": row.clip_sha256, "ref_text": row.ref_text,
-        "language": row.language, "instruct": row.instruct, "duration": row.duration, "speed": row.speed,
-        "seed": row.seed, "engine": engine_settings(cfg),
+        "text": row.text,
+        "ref_audio_sha256": row.clip_sha256,
+        "ref_text": row.ref_text,
+        "language": row.language,
+        "instruct": row.instruct,
+        "duration": row.duration,
+        "speed": row.speed,
+        "seed": row.seed,
+        "engine": engine_settings(cfg),
     }
     blob = json.dumps(inputs, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]

@@ -85,10 +85,18 @@ class Plan:
     def from_json(cls, d: dict[str, Any]) -> Plan:
         if d.get("version") != PLAN_VERSION:
             raise ValueError(f"plan version {d.get('version')!r}, this ovbatch reads version {PLAN_VERSION}")
-        shards = [Shard(s["index"], s["variant"], s["bucket"], s["tokens"],
-                        [PlannedRow(**r) for r in s["rows"]]) for s in d["shards"]]
-        return cls(d["variants"], d["buckets"], d["shard_tokens"], shards,
-                   [Rejection(**r) for r in d["rejected"]], d.get("engine_settings", {}))
+        shards = [
+            Shard(s["index"], s["variant"], s["bucket"], s["tokens"], [PlannedRow(**r) for r in s["rows"]])
+            for s in d["shards"]
+        ]
+        return cls(
+            d["variants"],
+            d["buckets"],
+            d["shard_tokens"],
+            shards,
+            [Rejection(**r) for r in d["rejected"]],
+            d.get("engine_settings", {}),
+        )
 
 
 def plan_differences(old: Plan, new: Plan) -> list[str]:
@@ -149,12 +157,13 @@ def make_plan(
         size = sizes[row.id]
         bucket = bucket_for(size.packed_tokens, buckets)
         if bucket is None or size.packed_tokens > max_batch_tokens:
-            plan.rejected.append(Rejection(row.row_index, row.id, (
-                f"row needs {size.packed_tokens} packed tokens ({size.text_tokens} text + {size.ref_frames} "
-                f"reference frames + 2 x {size.target_frames} target frames), over the engine limit of "
-                f"{limit}: "
-                "split the text, use a shorter reference clip, or raise engine.buckets / max_batch_tokens"
-            )))
+            reason = (
+                f"row needs {size.packed_tokens} packed tokens ({size.text_tokens} text + "
+                f"{size.ref_frames} reference frames + 2 x {size.target_frames} target frames), over the "
+                f"engine limit of {limit}: split the text, use a shorter reference clip, or raise "
+                "engine.buckets / max_batch_tokens"
+            )
+            plan.rejected.append(Rejection(row.row_index, row.id, reason))
             continue
         by_bucket.setdefault(bucket, []).append(row)
 
@@ -162,16 +171,22 @@ def make_plan(
         members = sorted(by_bucket[bucket], key=lambda r: (-sizes[r.id].packed_tokens, r.id))
         for variant in variants:
             for chunk in _cut(members, sizes, shard_tokens, max_rows_per_shard):
-                planned = [PlannedRow(r.id, row_keys[variant][r.id], sizes[r.id].packed_tokens,
-                                      sizes[r.id].target_frames) for r in chunk]
-                plan.shards.append(Shard(len(plan.shards), variant, bucket,
-                                         sum(p.packed_tokens for p in planned), planned))
+                planned = [
+                    PlannedRow(
+                        r.id, row_keys[variant][r.id], sizes[r.id].packed_tokens, sizes[r.id].target_frames
+                    )
+                    for r in chunk
+                ]
+                plan.shards.append(
+                    Shard(len(plan.shards), variant, bucket, sum(p.packed_tokens for p in planned), planned)
+                )
     plan.rejected.sort(key=lambda r: r.row_index)
     return plan
 
 
-def _cut(members: list[ManifestRow], sizes: dict[str, RowSize], shard_tokens: int, max_rows: int
-         ) -> list[list[ManifestRow]]:
+def _cut(
+    members: list[ManifestRow], sizes: dict[str, RowSize], shard_tokens: int, max_rows: int
+) -> list[list[ManifestRow]]:
     chunks: list[list[ManifestRow]] = []
     current: list[ManifestRow] = []
     tokens = 0

@@ -100,8 +100,10 @@ class ActorPool:
             have = cluster.get("CPU" if key == "num_cpus" else "GPU", 0.0)
             if self.size * per_actor <= have:
                 continue
-            message = (f"{self.size} actors x {key}={per_actor:g} need {self.size * per_actor:g}, Ray has "
-                       f"{have:g}: lower ray.num_actors or ray.{key[4:]}_per_actor, or add nodes.")
+            message = (
+                f"{self.size} actors x {key}={per_actor:g} need {self.size * per_actor:g}, Ray has "
+                f"{have:g}: lower ray.num_actors or ray.{key[4:]}_per_actor, or add nodes."
+            )
             if self.started_ray:
                 raise OVBatchError(message)
             log.warning("%s Actors wait until the cluster grows.", message)
@@ -146,8 +148,9 @@ class ActorPool:
                 done.append((task, results))
             yield from done
 
-    def _replace_dead(self, slot: _Slot, owner: dict, queue: deque, max_attempts: int, e: BaseException
-                      ) -> list[tuple[ShardTask, list[dict[str, Any]]]]:
+    def _replace_dead(
+        self, slot: _Slot, owner: dict, queue: deque, max_attempts: int, e: BaseException
+    ) -> list[tuple[ShardTask, list[dict[str, Any]]]]:
         import ray
 
         log.warning("actor %s died: %s", slot.name, _first_line(e))
@@ -158,8 +161,10 @@ class ActorPool:
         for task in reversed(waiting):
             queue.appendleft(task)
         if running.attempt >= max_attempts:
-            reason = (f"the worker running this shard died {running.attempt} time(s) "
-                      f"(ray.max_shard_attempts={max_attempts}); last: {_first_line(e)}")
+            reason = (
+                f"the worker running this shard died {running.attempt} time(s) "
+                f"(ray.max_shard_attempts={max_attempts}); last: {_first_line(e)}"
+            )
             given_up.append((running, failed_rows(running, reason)))
         else:
             queue.appendleft(replace(running, attempt=running.attempt + 1))
@@ -186,10 +191,22 @@ class ActorPool:
 
 
 def failed_rows(task: ShardTask, reason: str) -> list[dict[str, Any]]:
-    return [{"id": r["id"], "row_key": r["row_key"], "variant": task.variant, "status": "failed",
-             "error": reason, "row_index": r["row_index"], "ref_seconds": r["ref_seconds"],
-             "bucket": task.bucket, "shard": task.index, "attempt": task.attempt,
-             "packed_tokens": r["packed_tokens"]} for r in task.rows]
+    return [
+        {
+            "id": r["id"],
+            "row_key": r["row_key"],
+            "variant": task.variant,
+            "status": "failed",
+            "error": reason,
+            "row_index": r["row_index"],
+            "ref_seconds": r["ref_seconds"],
+            "bucket": task.bucket,
+            "shard": task.index,
+            "attempt": task.attempt,
+            "packed_tokens": r["packed_tokens"],
+        }
+        for r in task.rows
+    ]
 
 
 def _first_line(e: BaseException) -> str:

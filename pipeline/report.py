@@ -35,8 +35,13 @@ def _cell(v: Any) -> str:
 def table(rows: list[dict[str, Any]], columns: list[str], markup: tuple[str, ...] = ()) -> str:
     """An HTML table; values are escaped except in the `markup` columns (players built here)."""
     head = "".join(f"<th>{escape(c)}</th>" for c in (*columns, *markup))
-    body = "".join("<tr>" + "".join(_cell(r.get(c)) for c in columns)
-                   + "".join(f"<td>{r.get(c, '')}</td>" for c in markup) + "</tr>" for r in rows)
+    body = "".join(
+        "<tr>"
+        + "".join(_cell(r.get(c)) for c in columns)
+        + "".join(f"<td>{r.get(c, '')}</td>" for c in markup)
+        + "</tr>"
+        for r in rows
+    )
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
@@ -51,8 +56,13 @@ def _stats(values: list[float]) -> dict[str, float]:
     finite = [v for v in values if math.isfinite(v)]
     if not finite:
         return {"rows": len(values)}
-    return {"rows": len(values), "median": statistics.median(finite), "mean": statistics.fmean(finite),
-            "min": min(finite), "max": max(finite)}
+    return {
+        "rows": len(values),
+        "median": statistics.median(finite),
+        "mean": statistics.fmean(finite),
+        "min": min(finite),
+        "max": max(finite),
+    }
 
 
 def _ab_section(job: JobDir, a: str, b: str) -> tuple[str, dict[str, Any]]:
@@ -64,17 +74,27 @@ def _ab_section(job: JobDir, a: str, b: str) -> tuple[str, dict[str, Any]]:
     for r in worst:
         r["A"] = _audio(job.report_dir, job, r["wav_a"])
         r["B"] = _audio(job.report_dir, job, r["wav_b"])
-    players = table(worst, ["id", "bucket", "seconds_a", "seconds_b", "mel_lsd_db", "snr_db", "correlation"],
-                    markup=("A", "B"))
-    plots = "".join([
-        svgplot.histogram({"mel LSD (dB)": [r["mel_lsd_db"] for r in rows]}, f"log-mel LSD, {b} vs {a} (dB)"),
-        svgplot.scatter({"rows": [(r["seconds_a"], r["seconds_b"]) for r in rows]},
-                        f"{a} seconds", f"{b} seconds"),
-    ])
-    html = (f"<h2>A/B: {escape(b)} against {escape(a)} ({len(rows)} rows ok in both)</h2>"
-            f"{table(stat_rows, ['metric', 'rows', 'median', 'mean', 'min', 'max'])}"
-            f'<div class="plots">{plots}</div>'
-            f"<h3>Largest spectral differences (listen)</h3>{players}")
+    players = table(
+        worst,
+        ["id", "bucket", "seconds_a", "seconds_b", "mel_lsd_db", "snr_db", "correlation"],
+        markup=("A", "B"),
+    )
+    plots = "".join(
+        [
+            svgplot.histogram(
+                {"mel LSD (dB)": [r["mel_lsd_db"] for r in rows]}, f"log-mel LSD, {b} vs {a} (dB)"
+            ),
+            svgplot.scatter(
+                {"rows": [(r["seconds_a"], r["seconds_b"]) for r in rows]}, f"{a} seconds", f"{b} seconds"
+            ),
+        ]
+    )
+    html = (
+        f"<h2>A/B: {escape(b)} against {escape(a)} ({len(rows)} rows ok in both)</h2>"
+        f"{table(stat_rows, ['metric', 'rows', 'median', 'mean', 'min', 'max'])}"
+        f'<div class="plots">{plots}</div>'
+        f"<h3>Largest spectral differences (listen)</h3>{players}"
+    )
     return html, {"variant_a": a, "variant_b": b, "rows": len(rows), "metrics": stats}
 
 
@@ -88,21 +108,30 @@ def write_report(job: JobDir) -> Path:
     job.report_dir.mkdir(parents=True, exist_ok=True)
 
     status_rows = [{"variant": v, **c} for v, c in summary["rows_by_variant"].items()]
-    plots = "".join([
-        svgplot.scatter({v: [(r["packed_tokens"], r["rtf"]) for r in ok if r["variant"] == v]
-                         for v in variants}, "packed tokens (cond + uncond)", "RTF (synth s / audio s)"),
-        svgplot.histogram({v: [r["audio_seconds"] for r in ok if r["variant"] == v] for v in variants},
-                          "audio seconds"),
-    ])
+    plots = "".join(
+        [
+            svgplot.scatter(
+                {v: [(r["packed_tokens"], r["rtf"]) for r in ok if r["variant"] == v] for v in variants},
+                "packed tokens (cond + uncond)",
+                "RTF (synth s / audio s)",
+            ),
+            svgplot.histogram(
+                {v: [r["audio_seconds"] for r in ok if r["variant"] == v] for v in variants}, "audio seconds"
+            ),
+        ]
+    )
     parts = [
         f"<h1>OVBatch job {escape(job.path.name)}</h1>",
         f"<p>{escape(str(job.path))} &middot; complete: {summary['complete']} &middot; wall "
         f"{summary['wall_seconds']:.1f} s &middot; audio {summary['audio_seconds']:.1f} s &middot; "
         f"x-realtime {summary['x_realtime']} (job wall) / {summary['engine_x_realtime']} (engine time)</p>",
-        "<h2>Rows</h2>", table(status_rows, ["variant", "ok", "failed", "rejected"]),
+        "<h2>Rows</h2>",
+        table(status_rows, ["variant", "ok", "failed", "rejected"]),
         "<h2>Per bucket</h2>",
-        table(summary["per_bucket"], ["variant", "bucket", "rows", "audio_seconds", "synth_seconds",
-                                      "x_realtime", "rows_per_s"]),
+        table(
+            summary["per_bucket"],
+            ["variant", "bucket", "rows", "audio_seconds", "synth_seconds", "x_realtime", "rows_per_s"],
+        ),
         f'<div class="plots">{plots}</div>',
     ]
     ab = []
@@ -117,10 +146,14 @@ def write_report(job: JobDir) -> Path:
         columns = ["id", "bucket", "audio_seconds", "rtf"]
         parts += ["<h2>Samples</h2>", table(sample, columns, markup=("listen",))]
     if problems:
-        parts += [f"<h2>Failed and rejected rows (first {LISTED_PROBLEMS})</h2>",
-                  table(problems, ["id", "variant", "status", "error"])]
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>OVBatch {escape(job.path.name)}</title>"
-            f"<style>{_CSS}</style></head><body>{''.join(parts)}</body></html>")
+        parts += [
+            f"<h2>Failed and rejected rows (first {LISTED_PROBLEMS})</h2>",
+            table(problems, ["id", "variant", "status", "error"]),
+        ]
+    page = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>OVBatch {escape(job.path.name)}</title>"
+        f"<style>{_CSS}</style></head><body>{''.join(parts)}</body></html>"
+    )
     out = job.report_dir / "index.html"
     write_bytes_atomic(out, page.encode())
     if ab:

@@ -41,8 +41,10 @@ def load_factory(spec: str) -> Callable[..., Any]:
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise OVBatchError(f"engine_factory {spec!r} cannot be loaded ({e}): write it as 'module:callable' "
-                           "importable on every worker.") from None
+        raise OVBatchError(
+            f"engine_factory {spec!r} cannot be loaded ({e}): write it as 'module:callable' "
+            "importable on every worker."
+        ) from None
 
 
 def is_out_of_memory(e: BaseException) -> bool:
@@ -70,9 +72,16 @@ def synth_request(row: dict[str, Any]) -> Any:
     """The engine request of a manifest row (ManifestRow fields as a dict)."""
     from engine.api import SynthRequest
 
-    return SynthRequest(text=row["text"], ref_audio=row["ref_audio"], ref_text=row["ref_text"],
-                        language=row["language"], instruct=row["instruct"], duration=row["duration"],
-                        speed=row["speed"], seed=row["seed"])
+    return SynthRequest(
+        text=row["text"],
+        ref_audio=row["ref_audio"],
+        ref_text=row["ref_text"],
+        language=row["language"],
+        instruct=row["instruct"],
+        duration=row["duration"],
+        speed=row["speed"],
+        seed=row["seed"],
+    )
 
 
 def pack_batches(rows: list[dict[str, Any]], max_batch_tokens: int) -> list[list[dict[str, Any]]]:
@@ -117,12 +126,21 @@ class ShardRunner:
 
     def _base(self, engine: Any, task: ShardTask, row: dict[str, Any], batch_size: int) -> dict[str, Any]:
         return {
-            "id": row["id"], "row_key": row["row_key"], "variant": task.variant,
-            "row_index": row["row_index"], "ref_seconds": row["ref_seconds"], "bucket": task.bucket,
+            "id": row["id"],
+            "row_key": row["row_key"],
+            "variant": task.variant,
+            "row_index": row["row_index"],
+            "ref_seconds": row["ref_seconds"],
+            "bucket": task.bucket,
             "shard": task.index,
-            "attempt": task.attempt, "precision": str(engine.precision), "model": str(engine.model_id),
-            "host": self.host, "gpu": _gpu_name(engine), "packed_tokens": row["packed_tokens"],
-            "batch_size": batch_size, "worker": self.worker,
+            "attempt": task.attempt,
+            "precision": str(engine.precision),
+            "model": str(engine.model_id),
+            "host": self.host,
+            "gpu": _gpu_name(engine),
+            "packed_tokens": row["packed_tokens"],
+            "batch_size": batch_size,
+            "worker": self.worker,
         }
 
     def _run_batch(self, engine: Any, task: ShardTask, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -139,8 +157,15 @@ class ShardRunner:
             row = rows[0]
             # An input the engine refuses will be refused again: that row is rejected, not failed.
             status = "rejected" if isinstance(e, InputError) else "failed"
-            return [{**self._base(engine, task, row, 1), "status": status, "error": _error_text(e),
-                     "started_at": started, "finished_at": _now()}]
+            return [
+                {
+                    **self._base(engine, task, row, 1),
+                    "status": status,
+                    "error": _error_text(e),
+                    "started_at": started,
+                    "finished_at": _now(),
+                }
+            ]
         wall = time.perf_counter() - t0
         finished = _now()
         work = [max(int(o.token_work), 0) for o in outputs]
@@ -151,13 +176,21 @@ class ShardRunner:
             write_wav_atomic(path, out.audio, out.sample_rate)
             audio_seconds = len(out.audio) / float(out.sample_rate)
             share = wall * (w / total if total else 1.0 / len(rows))
-            results.append({
-                **self._base(engine, task, row, len(rows)), "status": "ok", "error": None,
-                "wav_path": self.job.relative(path), "audio_seconds": audio_seconds, "synth_seconds": share,
-                "rtf": share / audio_seconds if audio_seconds > 0 else None,
-                "target_frames": int(out.target_frames), "token_work": w,
-                "started_at": started, "finished_at": finished,
-            })
+            results.append(
+                {
+                    **self._base(engine, task, row, len(rows)),
+                    "status": "ok",
+                    "error": None,
+                    "wav_path": self.job.relative(path),
+                    "audio_seconds": audio_seconds,
+                    "synth_seconds": share,
+                    "rtf": share / audio_seconds if audio_seconds > 0 else None,
+                    "target_frames": int(out.target_frames),
+                    "token_work": w,
+                    "started_at": started,
+                    "finished_at": finished,
+                }
+            )
         return results
 
 
@@ -170,8 +203,9 @@ def _gpu_name(engine: Any) -> str:
     return torch.cuda.get_device_name(device)
 
 
-def run_local(runner: ShardRunner, tasks: list[ShardTask]
-              ) -> Iterator[tuple[ShardTask, list[dict[str, Any]]]]:
+def run_local(
+    runner: ShardRunner, tasks: list[ShardTask]
+) -> Iterator[tuple[ShardTask, list[dict[str, Any]]]]:
     """Local mode: the same shard runner, in this process, one shard after another."""
     for task in tasks:
         yield task, runner.run_shard(task)

@@ -50,8 +50,14 @@ def results_table(rows: Iterable[dict[str, Any]]) -> pa.Table:
 
 
 def rejected_result(rej: Rejection, variant: str) -> dict[str, Any]:
-    return {"id": rej.id, "variant": variant, "status": "rejected", "error": rej.reason,
-            "row_index": rej.row_index, "attempt": 0}
+    return {
+        "id": rej.id,
+        "variant": variant,
+        "status": "rejected",
+        "error": rej.reason,
+        "row_index": rej.row_index,
+        "attempt": 0,
+    }
 
 
 class JobDir:
@@ -70,8 +76,18 @@ class JobDir:
         """Names in the directory that a job does not write (a job never writes into such a folder)."""
         if not self.path.is_dir():
             return []
-        ours = {"config.yaml", "plan.json", "rows.parquet", "results", "wavs", "clips", "cache", "runs.jsonl",
-                "summary.json", "report"}
+        ours = {
+            "config.yaml",
+            "plan.json",
+            "rows.parquet",
+            "results",
+            "wavs",
+            "clips",
+            "cache",
+            "runs.jsonl",
+            "summary.json",
+            "report",
+        }
         return sorted(p.name for p in self.path.iterdir() if p.name not in ours and TMP_MARK not in p.name)
 
     def exists(self) -> bool:
@@ -79,8 +95,10 @@ class JobDir:
 
     def require(self) -> None:
         if not self.exists():
-            raise JobDirError(f"{self.path} is not a job directory (no plan.json): "
-                              "run `ovbatch submit MANIFEST --out JOB` first.")
+            raise JobDirError(
+                f"{self.path} is not a job directory (no plan.json): "
+                "run `ovbatch submit MANIFEST --out JOB` first."
+            )
 
     def wav_path(self, variant: str, row_id: str) -> Path:
         return self.path / "wavs" / variant / f"{row_id}.wav"
@@ -105,8 +123,11 @@ class JobDir:
 
     def write_rows(self, rows: list[ManifestRow]) -> None:
         fields = list(ManifestRow.__dataclass_fields__)
-        table = pa.table({f: [getattr(r, f) for r in rows] for f in fields}) if rows else pa.table(
-            {f: pa.array([], pa.string()) for f in fields})
+        table = (
+            pa.table({f: [getattr(r, f) for r in rows] for f in fields})
+            if rows
+            else pa.table({f: pa.array([], pa.string()) for f in fields})
+        )
         write_parquet_atomic(self.rows_path, table)
 
     def read_rows(self) -> dict[str, ManifestRow]:

@@ -38,10 +38,15 @@ def summarize(job: JobDir) -> dict[str, Any]:
     pending = planned_rows - len(results)
     wall = sum(run.get("wall_seconds", 0.0) for run in runs)
     per_bucket = [
-        {"variant": v, "bucket": k, "rows": int(b["rows"]), "audio_seconds": round(b["audio_seconds"], 3),
-         "synth_seconds": round(b["synth_seconds"], 3),
-         "x_realtime": _rate(b["audio_seconds"], b["synth_seconds"]),
-         "rows_per_s": _rate(b["rows"], b["synth_seconds"])}
+        {
+            "variant": v,
+            "bucket": k,
+            "rows": int(b["rows"]),
+            "audio_seconds": round(b["audio_seconds"], 3),
+            "synth_seconds": round(b["synth_seconds"], 3),
+            "x_realtime": _rate(b["audio_seconds"], b["synth_seconds"]),
+            "rows_per_s": _rate(b["rows"], b["synth_seconds"]),
+        }
         for (v, k), b in sorted(buckets.items())
     ]
     return {

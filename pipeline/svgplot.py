@@ -35,12 +35,15 @@ def _fmt(v: float) -> str:
 
 
 def _text(x: float, y: float, size: int, anchor: str, label: str, extra: str = "") -> str:
-    return (f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}"{extra}>'
-            f"{escape(label)}</text>")
+    return (
+        f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}"{extra}>'
+        f"{escape(label)}</text>"
+    )
 
 
-def _frame(xlo: float, xhi: float, ylo: float, yhi: float, xlabel: str, ylabel: str,
-           integer_y: bool = False) -> list[str]:
+def _frame(
+    xlo: float, xhi: float, ylo: float, yhi: float, xlabel: str, ylabel: str, integer_y: bool = False
+) -> list[str]:
     pw, ph = W - LEFT - RIGHT, H - TOP - BOTTOM
     out = [f'<rect x="{LEFT}" y="{TOP}" width="{pw}" height="{ph}" fill="none" stroke="#888"/>']
     for t in _ticks(xlo, xhi):
@@ -56,10 +59,16 @@ def _frame(xlo: float, xhi: float, ylo: float, yhi: float, xlabel: str, ylabel: 
 
 def _svg(body: list[str], legend: list[tuple[str, str]]) -> str:
     x = W - RIGHT - 110  # legend in the top right corner
-    items = [f'<rect x="{x}" y="{TOP + 6 + 16 * i}" width="10" height="10" fill="{c}"/>'
-             + _text(x + 14, TOP + 15 + 16 * i, 11, "start", name) for i, (name, c) in enumerate(legend)]
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}">'
-            + "".join(body + items) + "</svg>")
+    items = [
+        f'<rect x="{x}" y="{TOP + 6 + 16 * i}" width="10" height="10" fill="{c}"/>'
+        + _text(x + 14, TOP + 15 + 16 * i, 11, "start", name)
+        for i, (name, c) in enumerate(legend)
+    ]
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}">'
+        + "".join(body + items)
+        + "</svg>"
+    )
 
 
 def scatter(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str) -> str:
@@ -103,6 +112,8 @@ def histogram(series: dict[str, list[float]], xlabel: str, bins: int = 20) -> st
                 continue
             x = LEFT + i * pw / bins + j * width
             h = n / top * ph
-            body.append(f'<rect x="{x:.1f}" y="{TOP + ph - h:.1f}" width="{max(width - 1, 1):.1f}" '
-                        f'height="{h:.1f}" fill="{color}" fill-opacity="0.8"/>')
+            body.append(
+                f'<rect x="{x:.1f}" y="{TOP + ph - h:.1f}" width="{max(width - 1, 1):.1f}" '
+                f'height="{h:.1f}" fill="{color}" fill-opacity="0.8"/>'
+            )
     return _svg(body, legend)

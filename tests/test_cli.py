@@ -22,8 +22,11 @@ CLIP = "en_24k_mono.wav"
 @pytest.fixture
 def fast(tmp_path_factory) -> list[str]:
     """CPU, 4 decoding steps, and the voice-prompt cache the pipeline test modules share."""
-    return ["engine.device=cpu", "engine.generation.num_step=4",
-            f"engine.prompt_cache_dir={tmp_path_factory.getbasetemp() / 'ovbatch-prompts'}"]
+    return [
+        "engine.device=cpu",
+        "engine.generation.num_step=4",
+        f"engine.prompt_cache_dir={tmp_path_factory.getbasetemp() / 'ovbatch-prompts'}",
+    ]
 
 
 def _error_line(capsys) -> str:
@@ -43,8 +46,16 @@ def test_an_unusable_manifest_is_one_line_and_exit_2(tmp_path: Path, capsys):
 
 
 def test_submit_refuses_a_missing_manifest_before_loading_an_engine(tmp_path: Path, capsys):
-    code = main(["submit", str(tmp_path / "none.parquet"), "--out", str(tmp_path / "job"), "--local",
-                 "progress=false"])
+    code = main(
+        [
+            "submit",
+            str(tmp_path / "none.parquet"),
+            "--out",
+            str(tmp_path / "job"),
+            "--local",
+            "progress=false",
+        ]
+    )
     assert code == EXIT_ERROR
     assert "not found" in _error_line(capsys)
     assert not (tmp_path / "job").exists()
@@ -79,12 +90,17 @@ def test_quantize_forwards_its_arguments(capsys):
 
 
 def test_manifest_check_reports_rejected_rows_and_buckets(tmp_path: Path, capsys, fast):
-    pq.write_table(pa.table({
-        "id": ["good", "bad/id", "good2"],
-        "text": ["Hello there.", "Hello.", "A somewhat longer sentence to speak here."],
-        "ref_audio": [str(DATA / CLIP)] * 3,
-        "ref_text": [CLIPS[CLIP]["transcript"]] * 3,
-    }), tmp_path / "m.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "id": ["good", "bad/id", "good2"],
+                "text": ["Hello there.", "Hello.", "A somewhat longer sentence to speak here."],
+                "ref_audio": [str(DATA / CLIP)] * 3,
+                "ref_text": [CLIPS[CLIP]["transcript"]] * 3,
+            }
+        ),
+        tmp_path / "m.parquet",
+    )
     assert main(["manifest", "check", str(tmp_path / "m.parquet"), *fast]) == 1
     out = capsys.readouterr().out
     assert "3 rows, 2 accepted, 1 rejected" in out
@@ -94,8 +110,25 @@ def test_manifest_check_reports_rejected_rows_and_buckets(tmp_path: Path, capsys
 
 def test_synth_writes_a_wav(tmp_path: Path, capsys, fast):
     out = tmp_path / "o" / "x.wav"
-    assert main(["synth", "--text", "Hello there.", "--ref-audio", str(DATA / CLIP), "--ref-text",
-                 CLIPS[CLIP]["transcript"], "--out", str(out), "--seed", "3", *fast]) == 0
+    assert (
+        main(
+            [
+                "synth",
+                "--text",
+                "Hello there.",
+                "--ref-audio",
+                str(DATA / CLIP),
+                "--ref-text",
+                CLIPS[CLIP]["transcript"],
+                "--out",
+                str(out),
+                "--seed",
+                "3",
+                *fast,
+            ]
+        )
+        == 0
+    )
     info = sf.info(out)
     assert info.samplerate == 24000 and info.frames > 0
     assert "s at 24000 Hz (fp32 on cpu)" in capsys.readouterr().out

@@ -72,10 +72,21 @@ def _ab_job(root: Path) -> JobDir:
             audio = audio + noise * rng.standard_normal(len(audio)).astype(np.float32)
             path = job.wav_path(variant, i)
             write_wav_atomic(path, audio, SR)
-            results.append({"id": i, "variant": variant, "status": "ok", "wav_path": job.relative(path),
-                            "audio_seconds": len(audio) / SR, "synth_seconds": 0.1,
-                            "rtf": 0.1 * SR / len(audio),
-                            "bucket": 256, "shard": shards[-1].index, "packed_tokens": 200, "attempt": 1})
+            results.append(
+                {
+                    "id": i,
+                    "variant": variant,
+                    "status": "ok",
+                    "wav_path": job.relative(path),
+                    "audio_seconds": len(audio) / SR,
+                    "synth_seconds": 0.1,
+                    "rtf": 0.1 * SR / len(audio),
+                    "bucket": 256,
+                    "shard": shards[-1].index,
+                    "packed_tokens": 200,
+                    "attempt": 1,
+                }
+            )
     job.write_plan(Plan(["fp16", "w4a4"], [256], 1000, shards, []))
     job.write_rejected(job.read_plan())
     for s in shards:
@@ -130,19 +141,34 @@ def test_ab_job_through_the_real_engine(tmp_path: Path, tmp_path_factory):
     data = Path(__file__).parent / "data"
     clips = json.loads((data / "clips.json").read_text())
     clip = "en_16k_mono.wav"
-    table = pa.table({"id": ["a", "b", "c"], "text": ["Hello there.", "Thank you.", "Good night."],
-                      "ref_audio": [str(data / clip)] * 3, "ref_text": [clips[clip]["transcript"]] * 3})
+    table = pa.table(
+        {
+            "id": ["a", "b", "c"],
+            "text": ["Hello there.", "Thank you.", "Good night."],
+            "ref_audio": [str(data / clip)] * 3,
+            "ref_text": [clips[clip]["transcript"]] * 3,
+        }
+    )
     pq.write_table(table, tmp_path / "m.parquet")
-    cfg = load_job_config(None, [
-        f"manifest={tmp_path / 'm.parquet'}", f"engine.checkpoint={ensure_tiny_checkpoint()}", "local=true",
-        "engine.device=cpu", "engine.generation.num_step=4", "progress=false",
-        f"engine.prompt_cache_dir={tmp_path_factory.getbasetemp() / 'ovbatch-prompts'}",
-        "variants.fp32.precision=fp32", "variants.bf16.precision=bf16",
-    ])
+    cfg = load_job_config(
+        None,
+        [
+            f"manifest={tmp_path / 'm.parquet'}",
+            f"engine.checkpoint={ensure_tiny_checkpoint()}",
+            "local=true",
+            "engine.device=cpu",
+            "engine.generation.num_step=4",
+            "progress=false",
+            f"engine.prompt_cache_dir={tmp_path_factory.getbasetemp() / 'ovbatch-prompts'}",
+            "variants.fp32.precision=fp32",
+            "variants.bf16.precision=bf16",
+        ],
+    )
     outcome = submit(cfg, tmp_path / "job", engine_sizer)
     results = outcome.job.read_results().to_pylist()
     assert sorted((r["variant"], r["id"], r["status"], r["precision"]) for r in results) == [
-        (v, i, "ok", v) for v in ("bf16", "fp32") for i in "abc"]
+        (v, i, "ok", v) for v in ("bf16", "fp32") for i in "abc"
+    ]
     keys = {(r["variant"], r["id"]): r["row_key"] for r in results}
     assert all(keys[("fp32", i)] != keys[("bf16", i)] for i in "abc")
     wavs = outcome.job.path / "wavs"

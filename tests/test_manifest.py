@@ -31,10 +31,16 @@ def workdir(tmp_path: Path) -> Path:
 
 
 def test_good_rows_resolve_relative_clips_against_the_manifest_folder(workdir: Path):
-    m = _write(workdir / "m.parquet", id=["a", "b"], text=["Hello.", "World, again."],
-               ref_audio=[f"clips/{CLIP}", str(workdir / "clips" / "other.wav")],
-               ref_text=[TRANSCRIPT, "Hi."],
-               language=["en", "English"], speed=[None, 1.2], seed=[7, None])
+    m = _write(
+        workdir / "m.parquet",
+        id=["a", "b"],
+        text=["Hello.", "World, again."],
+        ref_audio=[f"clips/{CLIP}", str(workdir / "clips" / "other.wav")],
+        ref_text=[TRANSCRIPT, "Hi."],
+        language=["en", "English"],
+        speed=[None, 1.2],
+        seed=[7, None],
+    )
     out = load(m)
     assert out.rejected == []
     a, b = out.rows
@@ -47,8 +53,9 @@ def test_good_rows_resolve_relative_clips_against_the_manifest_folder(workdir: P
 
 
 def test_manifest_as_a_file_uri(workdir: Path):
-    m = _write(workdir / "m.parquet", id=["a"], text=["Hello."], ref_audio=[f"clips/{CLIP}"],
-               ref_text=[TRANSCRIPT])
+    m = _write(
+        workdir / "m.parquet", id=["a"], text=["Hello."], ref_audio=[f"clips/{CLIP}"], ref_text=[TRANSCRIPT]
+    )
     out = load(f"file://{m}")
     assert [r.id for r in out.rows] == ["a"]
     assert out.rows[0].ref_audio == str(workdir / "clips" / CLIP)
@@ -105,9 +112,16 @@ def test_row_problems_reject_only_their_rows(workdir: Path):
         ("ok2", "Also fine.", f"clips/{CLIP}", TRANSCRIPT, "en", 3.0, None, None),
     ]
     cols = list(zip(*rows))
-    m = _write(workdir / "m.parquet", id=list(cols[0]), text=list(cols[1]), ref_audio=list(cols[2]),
-               ref_text=list(cols[3]), language=pa.array(cols[4], pa.string()),
-               duration=pa.array(cols[5], pa.float64()), speed=pa.array(cols[6], pa.float64()))
+    m = _write(
+        workdir / "m.parquet",
+        id=list(cols[0]),
+        text=list(cols[1]),
+        ref_audio=list(cols[2]),
+        ref_text=list(cols[3]),
+        language=pa.array(cols[4], pa.string()),
+        duration=pa.array(cols[5], pa.float64()),
+        speed=pa.array(cols[6], pa.float64()),
+    )
     out = load(m)
     assert [r.id for r in out.rows] == ["ok1", "ok2"]
     by_index = {r.row_index: r for r in out.rejected}
@@ -120,9 +134,14 @@ def test_row_problems_reject_only_their_rows(workdir: Path):
 
 
 def test_voice_design_rows_without_a_reference(workdir: Path):
-    m = _write(workdir / "m.parquet", id=["design", "badstyle", "half"], text=["Hello."] * 3,
-               ref_audio=pa.array([None, None, ""], pa.string()), ref_text=pa.array([None, None, "words"]),
-               instruct=["female, low pitch", "purple voice", None])
+    m = _write(
+        workdir / "m.parquet",
+        id=["design", "badstyle", "half"],
+        text=["Hello."] * 3,
+        ref_audio=pa.array([None, None, ""], pa.string()),
+        ref_text=pa.array([None, None, "words"]),
+        instruct=["female, low pitch", "purple voice", None],
+    )
     out = load(m)
     assert [(r.id, r.ref_audio, r.instruct) for r in out.rows] == [("design", None, "female, low pitch")]
     reasons = {r.id: r.reason for r in out.rejected}
@@ -138,8 +157,14 @@ def test_check_id_accepts_ordinary_ids():
 
 
 def test_row_key_is_stable_and_tracks_inputs_and_engine_settings(workdir: Path):
-    m = _write(workdir / "m.parquet", id=["a", "b"], text=["Same.", "Same."], ref_audio=[f"clips/{CLIP}"] * 2,
-               ref_text=[TRANSCRIPT] * 2, seed=[1, 1])
+    m = _write(
+        workdir / "m.parquet",
+        id=["a", "b"],
+        text=["Same.", "Same."],
+        ref_audio=[f"clips/{CLIP}"] * 2,
+        ref_text=[TRANSCRIPT] * 2,
+        seed=[1, 1],
+    )
     a, b = load(m).rows
     a2 = load(m).rows[0]
     cfg = EngineConfig()
@@ -164,8 +189,13 @@ def test_remote_clips_are_copied_once_into_the_job(workdir: Path, monkeypatch):
         return data
 
     monkeypatch.setattr(manifest_mod, "read_bytes", fake_remote)
-    m = _write(workdir / "m.parquet", id=["a", "b"], text=["One.", "Two."],
-               ref_audio=["s3://bucket/voices/anna.wav"] * 2, ref_text=[TRANSCRIPT] * 2)
+    m = _write(
+        workdir / "m.parquet",
+        id=["a", "b"],
+        text=["One.", "Two."],
+        ref_audio=["s3://bucket/voices/anna.wav"] * 2,
+        ref_text=[TRANSCRIPT] * 2,
+    )
     checked = load(m)
     assert [r.ref_audio for r in checked.rows] == ["s3://bucket/voices/anna.wav"] * 2
     out = load(m, clip_dir=workdir / "job" / "clips")
@@ -176,8 +206,9 @@ def test_remote_clips_are_copied_once_into_the_job(workdir: Path, monkeypatch):
 
 
 def test_reference_length_limit_is_the_engines_max_ref_seconds(workdir: Path):
-    m = _write(workdir / "m.parquet", id=["a"], text=["Hello."], ref_audio=[f"clips/{CLIP}"],
-               ref_text=[TRANSCRIPT])
+    m = _write(
+        workdir / "m.parquet", id=["a"], text=["Hello."], ref_audio=[f"clips/{CLIP}"], ref_text=[TRANSCRIPT]
+    )
     seconds = load(m).rows[0].ref_seconds
     assert [r.id for r in load(m, max_ref_seconds=seconds + 1).rows] == ["a"]
     (rejection,) = load(m, max_ref_seconds=seconds / 2).rejected

@@ -34,10 +34,14 @@ DATA = Path(__file__).parent / "data"
 CLIPS = json.loads((DATA / "clips.json").read_text())
 TEXTS = {  # three lengths: three graph buckets
     "short": ["Hi there.", "Thank you.", "Good night.", "Yes, please."],
-    "medium": ["The train leaves at nine, so do not be late today.",
-               "We wrote down every number we saw that afternoon."],
-    "long": ["Batch synthesis turns a long list of sentences into speech, one clean file for every row, "
-             "while the graphs stay warm and the queue keeps moving."],
+    "medium": [
+        "The train leaves at nine, so do not be late today.",
+        "We wrote down every number we saw that afternoon.",
+    ],
+    "long": [
+        "Batch synthesis turns a long list of sentences into speech, one clean file for every row, "
+        "while the graphs stay warm and the queue keeps moving."
+    ],
 }
 
 
@@ -69,8 +73,11 @@ def write_manifest(path: Path, kinds: list[str], bad_rows: bool = False) -> Path
         rows["ref_text"].append(CLIPS[clip]["transcript"])
     if bad_rows:
         first = str(DATA / names[0])
-        for rid, text, clip in (("../escape", "Hello.", first), ("blank", "  ", first),
-                                ("noclip", "Hello.", str(DATA / "missing.wav"))):
+        for rid, text, clip in (
+            ("../escape", "Hello.", first),
+            ("blank", "  ", first),
+            ("noclip", "Hello.", str(DATA / "missing.wav")),
+        ):
             rows["id"].append(rid)
             rows["text"].append(text)
             rows["ref_audio"].append(clip)
@@ -80,11 +87,22 @@ def write_manifest(path: Path, kinds: list[str], bad_rows: bool = False) -> Path
 
 
 def job_config(manifest: Path, tiny: Path, prompts: Path, *extra: str):
-    return load_job_config(None, [
-        f"manifest={manifest}", f"engine.checkpoint={tiny}", f"engine.prompt_cache_dir={prompts}",
-        "engine.device=cpu", "engine.generation.num_step=4", "engine.buckets=[128,256,512,1024]",
-        "engine.max_batch_tokens=1024", "shard_tokens=1200", "ray.num_actors=2", "progress=false", *extra,
-    ])
+    return load_job_config(
+        None,
+        [
+            f"manifest={manifest}",
+            f"engine.checkpoint={tiny}",
+            f"engine.prompt_cache_dir={prompts}",
+            "engine.device=cpu",
+            "engine.generation.num_step=4",
+            "engine.buckets=[128,256,512,1024]",
+            "engine.max_batch_tokens=1024",
+            "shard_tokens=1200",
+            "ray.num_actors=2",
+            "progress=false",
+            *extra,
+        ],
+    )
 
 
 def check_outputs(job: JobDir, expected_ok: set[str], precision: str = "fp32") -> list[dict]:
@@ -133,8 +151,10 @@ def test_end_to_end_on_local_ray(ray_session, tiny, prompt_cache, tmp_path: Path
     assert len(s["per_bucket"]) >= 3 and s["x_realtime"] > 0
     assert sum(b["rows"] for b in s["per_bucket"]) == len(valid)
     plan = json.loads(job.plan_path.read_text())
-    assert all(len({r["id"][:4] for r in sh["rows"]}) >= 1 and sh["bucket"] in (128, 256, 512, 1024)
-               for sh in plan["shards"])
+    assert all(
+        len({r["id"][:4] for r in sh["rows"]}) >= 1 and sh["bucket"] in (128, 256, 512, 1024)
+        for sh in plan["shards"]
+    )
     assert (job.path / "config.yaml").read_text().count("num_step: 4") == 1
 
     assert cli_main(["status", str(job.path)]) == 0
@@ -156,8 +176,11 @@ def test_killing_an_actor_mid_job_loses_nothing(ray_session, tiny, prompt_cache,
     assert job.finished_shards(), "no shard finished in time"
     planned = len(job.read_plan().shards)
     assert len(job.finished_shards()) < planned, "the job finished before an actor could be killed"
-    actors = sorted((a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
-                    if a["name"].startswith("ovbatch-"))
+    actors = sorted(
+        (a["name"], a["namespace"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("ovbatch-")
+    )
     assert len(actors) == 2
     ray.kill(ray.get_actor(actors[0][0], namespace=actors[0][1]), no_restart=True)
     runner.join(timeout=300)
@@ -183,8 +206,16 @@ class DyingEngine:
 def test_a_shard_whose_actor_keeps_dying_fails_after_its_attempts(ray_session, tmp_path: Path):
     manifest = write_manifest(tmp_path / "m.parquet", ["short", "medium"])
     factory = f"tests.{Path(__file__).stem}:DyingEngine"  # imported by the actors from the repo root
-    cfg = load_job_config(None, [f"manifest={manifest}", f"engine_factory={factory}", "ray.num_actors=1",
-                                 "ray.max_shard_attempts=2", "progress=false"])
+    cfg = load_job_config(
+        None,
+        [
+            f"manifest={manifest}",
+            f"engine_factory={factory}",
+            "ray.num_actors=1",
+            "ray.max_shard_attempts=2",
+            "progress=false",
+        ],
+    )
     outcome = submit(cfg, tmp_path / "job", lambda cfg: lambda row: RowSize(10, 20, 30))
     results = outcome.job.read_results().to_pylist()
     assert sorted(r["id"] for r in results) == ["medium-01", "short-00"]

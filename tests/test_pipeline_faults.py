@@ -74,16 +74,38 @@ def reset_fake():
 
 
 def _fake_cfg(manifest: Path | None = None, *extra: str):
-    return load_job_config(None, [f"manifest={manifest}" if manifest else "manifest=null", "local=true",
-                                  f"engine_factory={__name__}:FakeEngine", "progress=false",
-                                  "engine.buckets=[64,128,256]", "engine.max_batch_tokens=256",
-                                  "shard_tokens=300", *extra])
+    return load_job_config(
+        None,
+        [
+            f"manifest={manifest}" if manifest else "manifest=null",
+            "local=true",
+            f"engine_factory={__name__}:FakeEngine",
+            "progress=false",
+            "engine.buckets=[64,128,256]",
+            "engine.max_batch_tokens=256",
+            "shard_tokens=300",
+            *extra,
+        ],
+    )
 
 
 def _row(i: int, text: str | None = None, tokens: int = 40) -> dict:
-    return {"row_index": i, "id": f"r{i:02d}", "text": text or f"row r{i:02d}", "ref_audio": None,
-            "ref_text": None, "language": None, "instruct": None, "duration": None, "speed": None,
-            "seed": i, "ref_seconds": 0.0, "row_key": f"k{i}", "packed_tokens": tokens, "target_frames": 10}
+    return {
+        "row_index": i,
+        "id": f"r{i:02d}",
+        "text": text or f"row r{i:02d}",
+        "ref_audio": None,
+        "ref_text": None,
+        "language": None,
+        "instruct": None,
+        "duration": None,
+        "speed": None,
+        "seed": i,
+        "ref_seconds": 0.0,
+        "row_key": f"k{i}",
+        "packed_tokens": tokens,
+        "target_frames": 10,
+    }
 
 
 def test_a_failing_row_fails_alone_and_its_batch_mates_finish(tmp_path: Path):
@@ -133,12 +155,17 @@ def test_per_row_time_is_a_share_of_the_batch_by_token_work(tmp_path: Path):
 
 def _manifest(path: Path, n: int, texts: list[str] | None = None) -> Path:
     names = sorted(CLIPS)
-    pq.write_table(pa.table({
-        "id": [f"r{i:02d}" for i in range(n)],
-        "text": texts or [f"row r{i:02d}" for i in range(n)],
-        "ref_audio": [str(DATA / names[i % len(names)]) for i in range(n)],
-        "ref_text": [CLIPS[names[i % len(names)]]["transcript"] for i in range(n)],
-    }), path)
+    pq.write_table(
+        pa.table(
+            {
+                "id": [f"r{i:02d}" for i in range(n)],
+                "text": texts or [f"row r{i:02d}" for i in range(n)],
+                "ref_audio": [str(DATA / names[i % len(names)]) for i in range(n)],
+                "ref_text": [CLIPS[names[i % len(names)]]["transcript"] for i in range(n)],
+            }
+        ),
+        path,
+    )
     return path
 
 
@@ -188,8 +215,11 @@ def test_a_resubmitted_job_must_be_the_same_job(tmp_path: Path):
     with pytest.raises(JobDirError, match=r"holds a different job: .*generation.num_step: 32 -> 8"):
         submit(_fake_cfg(m, "engine.generation.num_step=8"), tmp_path / "job", lambda cfg: _fake_sizer)
     with pytest.raises(JobDirError, match=r"1 row\(s\) have other inputs \(e.g. id 'r01'\)"):
-        submit(_fake_cfg(_manifest(m, 4, ["row r00", "changed", "row r02", "row r03"])), tmp_path / "job",
-               lambda cfg: _fake_sizer)
+        submit(
+            _fake_cfg(_manifest(m, 4, ["row r00", "changed", "row r02", "row r03"])),
+            tmp_path / "job",
+            lambda cfg: _fake_sizer,
+        )
 
 
 def test_killing_the_driver_then_resubmitting_redoes_only_unfinished_shards(tmp_path: Path, tmp_path_factory):
@@ -200,15 +230,33 @@ def test_killing_the_driver_then_resubmitting_redoes_only_unfinished_shards(tmp_
     texts = ["Hi there.", "Thank you.", "Good night, see you soon.", "Yes, please."] * 2
     manifest = _manifest(tmp_path / "m.parquet", len(texts), texts)
     overrides = [
-        f"engine.checkpoint={ensure_tiny_checkpoint()}", "engine.device=cpu", "engine.generation.num_step=4",
+        f"engine.checkpoint={ensure_tiny_checkpoint()}",
+        "engine.device=cpu",
+        "engine.generation.num_step=4",
         f"engine.prompt_cache_dir={tmp_path_factory.getbasetemp() / 'ovbatch-prompts'}",
-        "engine.buckets=[128,256,512,1024]", "engine.max_batch_tokens=1024", "shard_tokens=500",
+        "engine.buckets=[128,256,512,1024]",
+        "engine.max_batch_tokens=1024",
+        "shard_tokens=500",
         "progress=false",
     ]
     job = JobDir(tmp_path / "job")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "submit", str(manifest), "--out", str(job.path), "--local",
-         *overrides], cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "submit",
+            str(manifest),
+            "--out",
+            str(job.path),
+            "--local",
+            *overrides,
+        ],
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 240
     while not job.finished_shards() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -220,8 +268,11 @@ def test_killing_the_driver_then_resubmitting_redoes_only_unfinished_shards(tmp_
     assert len(planned) >= 3 and finished < planned, "the job finished before the driver could be killed"
     kept = {i: job.shard_result_path(i).read_bytes() for i in finished}
     kept_ids = {r["id"] for i in finished for r in job.read_shard_results(i)}
-    stamps = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (job.path / "wavs").rglob("*.wav")
-              if p.stem in kept_ids}
+    stamps = {
+        p: (p.stat().st_ino, p.stat().st_mtime_ns)
+        for p in (job.path / "wavs").rglob("*.wav")
+        if p.stem in kept_ids
+    }
 
     cfg = load_job_config(None, [f"manifest={manifest}", "local=true", *overrides])
     outcome = submit(cfg, job.path, engine_sizer)

@@ -15,8 +15,9 @@ def _rows(n: int, rng: random.Random) -> tuple[list[ManifestRow], dict[str, RowS
     for i in range(n):
         rid = f"r{i:03d}"
         rows.append(ManifestRow(row_index=i, id=rid, text="t", ref_audio=None, ref_text=None))
-        sizes[rid] = RowSize(text_tokens=rng.randint(5, 60), ref_frames=rng.randint(0, 150),
-                             target_frames=rng.randint(10, 450))
+        sizes[rid] = RowSize(
+            text_tokens=rng.randint(5, 60), ref_frames=rng.randint(0, 150), target_frames=rng.randint(10, 450)
+        )
     return rows, sizes
 
 
@@ -39,8 +40,9 @@ def test_shards_cover_every_row_once_per_variant_within_budget(seed: int):
     rows, sizes = _rows(200, rng)
     keys = {v: {r.id: f"{v}-{r.id}" for r in rows} for v in ("fp16", "w4a4")}
     pre = [Rejection(500, "bad", "text is empty")]
-    plan = make_plan(rows, pre, sizes, keys, BUCKETS, max_batch_tokens=1000, shard_tokens=3000,
-                     max_rows_per_shard=16)
+    plan = make_plan(
+        rows, pre, sizes, keys, BUCKETS, max_batch_tokens=1000, shard_tokens=3000, max_rows_per_shard=16
+    )
     too_long = {r.id for r in rows if sizes[r.id].packed_tokens > 1000}
     assert too_long, "the random sizes should include rows over the limit"
     assert {r.id for r in plan.rejected} == too_long | {"bad"}
@@ -91,14 +93,23 @@ def test_engine_sizer_matches_the_engine_layout_and_reuses_prompts(tmp_path_fact
     data = Path(__file__).parent / "data"
     clips = json.loads((data / "clips.json").read_text())
     prompts = tmp_path_factory.getbasetemp() / "ovbatch-prompts"
-    cfg = load_job_config(None, [  # texts over 4 s come in chunks of about 2 s
-        "engine.device=cpu", "engine.generation.num_step=1", "engine.generation.audio_chunk_threshold=4",
-        "engine.generation.audio_chunk_duration=2", f"engine.prompt_cache_dir={prompts}"])
+    cfg = load_job_config(
+        None,
+        [  # texts over 4 s come in chunks of about 2 s
+            "engine.device=cpu",
+            "engine.generation.num_step=1",
+            "engine.generation.audio_chunk_threshold=4",
+            "engine.generation.audio_chunk_duration=2",
+            f"engine.prompt_cache_dir={prompts}",
+        ],
+    )
     sizer = engine_sizer(cfg)
     long_text = "This sentence goes on to make a text that needs chunks. And here is another one, too."
     clip, transcript = str(data / "en_24k_mono.wav"), clips["en_24k_mono.wav"]["transcript"]
-    rows = [ManifestRow(i, f"r{i}", text, clip, transcript)
-            for i, text in enumerate(["Hello.", "A longer line of text to speak.", long_text])]
+    rows = [
+        ManifestRow(i, f"r{i}", text, clip, transcript)
+        for i, text in enumerate(["Hello.", "A longer line of text to speak.", long_text])
+    ]
     sizes = [sizer(r) for r in rows]
     assert len(sizer.prompts) == 1
     spent = sizer.engine.synthesize([synth_request(r.to_dict()) for r in rows])

@@ -58,8 +58,9 @@ def test_results_schema_and_shard_files(tmp_path: Path):
     job.write_plan(plan)
     job.write_rejected(plan)
     assert job.exists() and job.finished_shards() == set()
-    job.write_shard_results(0, [{"id": "a", "status": "ok", "variant": "default", "audio_seconds": 1.5,
-                                 "shard": 0, "attempt": 1}])
+    job.write_shard_results(
+        0, [{"id": "a", "status": "ok", "variant": "default", "audio_seconds": 1.5, "shard": 0, "attempt": 1}]
+    )
     assert job.finished_shards() == {0}
     assert job.shard_result_path(0).name == "shard-00000.parquet"
     t = job.read_results()
