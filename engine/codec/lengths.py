@@ -41,7 +41,7 @@ def masked_conv(
     return conv(x), conv_output_lengths(conv, lengths)
 
 
-def pad_stack(items: list[torch.Tensor], value: float = 0) -> torch.Tensor:
-    """Stack [..., T_i] tensors into [B, ..., max T], right-padded with `value`."""
+def pad_stack(items: list[torch.Tensor]) -> torch.Tensor:
+    """Stack [..., T_i] tensors into [B, ..., max T], right-padded with zeros."""
     size = max(t.shape[-1] for t in items)
-    return torch.stack([nn.functional.pad(t, (0, size - t.shape[-1]), value=value) for t in items])
+    return torch.stack([nn.functional.pad(t, (0, size - t.shape[-1])) for t in items])
