@@ -19,7 +19,7 @@ import torch
 
 from engine.checkpoint import load_model, read_config, resolve_checkpoint, weight_files
 from engine.codec import Codec
-from engine.config import EngineConfig
+from engine.config import DTYPES, EngineConfig
 from engine.errors import AudioError, CheckpointError, InputError
 from engine.frontend.audio import ReferenceSettings, clip_name, cross_fade_chunks, postprocess_output
 from engine.frontend.chunking import Chunk, needs_chunking, plan_chunks
@@ -37,7 +37,6 @@ from engine.runner import Runner
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Frames decoded per codec call (16 clips of 30 s at 25 frames/s): bounds the decoder's memory.
 DECODE_BATCH_FRAMES = 12_000
 # Longest output one request may ask for (through its text, speed or duration).

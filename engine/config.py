@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine.errors import CheckpointError, InputError
 
 
@@ -121,6 +123,8 @@ class GenerationConfig:
 
 
 PRECISIONS = ("fp32", "bf16", "fp16", "w4a4")
+# Activation dtype of each unquantized precision name.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass

@@ -123,6 +123,12 @@ def test_cuda_without_gpu_is_refused(tiny, tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+def test_unknown_device_is_refused_by_name(tiny, tmp_path):
+    with pytest.raises(QuantError, match="--device gpu0"):
+        quantize_mod.main([str(tiny), "--out", str(tmp_path / "d"), "--device", "gpu0"])
+    assert not (tmp_path / "d").exists()
+
+
 def test_shapes_not_multiple_of_group_are_refused(tiny, tmp_path):
     src = tmp_path / "odd"
     shutil.copytree(tiny, src)

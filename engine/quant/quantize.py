@@ -27,7 +27,7 @@ from torch import nn
 from tqdm import tqdm
 
 from engine.checkpoint import load_model, read_config, read_tensors, resolve_checkpoint, weight_files
-from engine.config import EngineConfig, GenerationConfig
+from engine.config import DTYPES, EngineConfig, GenerationConfig
 from engine.errors import QuantError
 from engine.frontend.text import TextFrontend
 from engine.model import OmniVoiceModel
@@ -77,14 +77,14 @@ class QuantizeOptions:
         return MethodConfig(rank=self.rank, gptq=GPTQConfig(), stage_report=self.stage_report)
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def resolve_device(name: str, dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
     """The device, and the activation dtype: bf16 on CUDA and fp32 elsewhere unless asked."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise QuantError(f"--device {name}: use auto, cpu, cuda or cuda:N.") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise QuantError(f"--device {name}: torch {torch.__version__} sees no CUDA GPU; use --device cpu.")
     if dtype == "auto":
