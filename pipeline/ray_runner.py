@@ -38,9 +38,6 @@ class ShardActor:
     def run_shard(self, task: ShardTask) -> list[dict[str, Any]]:
         return self.runner.run_shard(task)
 
-    def pid(self) -> int:
-        return os.getpid()
-
 
 def connect(cfg: JobConfig) -> bool:
     """Join the cluster at ray.address / RAY_ADDRESS, or start a local Ray. True when we started it."""
@@ -140,7 +137,10 @@ class ActorPool:
                     results = ray.get(ref)
                 except Exception as e:
                     if not died(e):
-                        raise OVBatchError(f"shard {task.index} could not run: {_first_line(e)}") from e
+                        cause = getattr(e, "cause", None) or e  # a RayTaskError's text opens with its pid
+                        raise OVBatchError(
+                            f"shard {task.index} could not run: {type(cause).__name__}: {_first_line(cause)}"
+                        ) from e
                     done.extend(self._replace_dead(slot, owner, queue, max_attempts, e))
                     continue
                 slot.inflight.remove(ref)

@@ -226,6 +226,23 @@ def test_a_shard_whose_actor_keeps_dying_fails_after_its_attempts(ray_session, t
     assert outcome.summary["rows"]["failed"] == 2 and outcome.summary["complete"]
 
 
+class UnloadableEngine:
+    """An engine that cannot load (as a wrong checkpoint path would)."""
+
+    def __init__(self, cfg):
+        raise OVBatchError("checkpoint '/nowhere' not found: pass an OmniVoice checkpoint directory")
+
+
+def test_an_error_inside_an_actor_is_reported_by_its_own_message(ray_session, tmp_path: Path):
+    manifest = write_manifest(tmp_path / "m.parquet", ["short"])
+    factory = f"tests.{Path(__file__).stem}:UnloadableEngine"
+    cfg = load_job_config(
+        None, [f"manifest={manifest}", f"engine_factory={factory}", "ray.num_actors=1", "progress=false"]
+    )
+    with pytest.raises(OVBatchError, match=r"could not run: OVBatchError: checkpoint '/nowhere' not found"):
+        submit(cfg, tmp_path / "job", lambda cfg: lambda row: RowSize(10, 20, 30))
+
+
 def test_a_local_ray_too_small_for_the_actors_is_refused(ray_session, tmp_path: Path):
     cfg = load_job_config(None, ["ray.num_actors=3"])  # the module's Ray has 2 CPUs
     with pytest.raises(OVBatchError, match=r"3 actors x num_cpus=1 need 3, Ray has 2"):
