@@ -121,6 +121,10 @@ def read_bytes(location: str) -> bytes:
 # ---------------------------------------------------------------- the table
 
 
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
 def _read_table(source: str) -> pa.Table:
     try:
         fs, path = open_location(source)
@@ -133,8 +137,8 @@ def _read_table(source: str) -> pa.Table:
     except ManifestError:
         raise
     except (pa.ArrowException, OSError, ValueError) as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ManifestError(f"manifest {source!r} is not a readable Parquet file ({first}).") from None
+        reason = _first_line(e)
+        raise ManifestError(f"manifest {source!r} is not a readable Parquet file ({reason}).") from None
 
 
 def _check_schema(table: pa.Table, source: str) -> None:
@@ -217,13 +221,13 @@ def _probe_clip(location: str, clip_dir: Path | None, max_seconds: float) -> _Cl
         data = read_bytes(location)
     except (FileNotFoundError, pa.ArrowException, OSError) as e:
         missing = isinstance(e, FileNotFoundError) or "not found" in str(e).lower()
-        kind = "not found" if missing else "unreadable"
+        kind = "not found" if missing else f"unreadable ({_first_line(e)})"
         return _Clip(
             None,
             None,
             0.0,
             f"ref_audio {location!r} {kind}: fix the path (relative paths are "
-            "resolved against the manifest's folder)",
+            "resolved against the manifest's folder) or its permissions",
         )
     digest = hashlib.sha256(data).hexdigest()
     try:

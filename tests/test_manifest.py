@@ -99,6 +99,7 @@ def test_row_problems_reject_only_their_rows(workdir: Path):
         ("dup", "Two.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "appears 2 times"),
         ("empty", "   ", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "text is empty"),
         ("missing", "Text.", "clips/nothere.wav", TRANSCRIPT, None, None, None, "not found"),
+        ("folder", "Text.", "clips", TRANSCRIPT, None, None, None, "unreadable (Cannot open for reading"),
         ("corrupt", "Text.", "clips/corrupt.wav", TRANSCRIPT, None, None, None, "not a readable audio file"),
         ("zero", "Text.", "clips/empty.wav", TRANSCRIPT, None, None, None, "empty (0 bytes)"),
         ("../escape", "Text.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "path separator"),
