@@ -128,9 +128,8 @@ def cmd_manifest_check(args: argparse.Namespace) -> int:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    import soundfile as sf
-
     from engine.api import Engine, SynthRequest
+    from pipeline.atomic import write_wav_atomic
     from pipeline.config import load_job_config
 
     cfg = load_job_config(None, _job_overrides(args))
@@ -146,8 +145,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     (result,) = engine.synthesize([req])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    sf.write(args.out, result.audio, result.sample_rate)
+    write_wav_atomic(Path(args.out), result.audio, result.sample_rate)
     seconds = len(result.audio) / result.sample_rate
     print(f"{args.out}: {seconds:.2f} s at {result.sample_rate} Hz ({engine.precision} on {engine.device})")
     return 0
