@@ -32,7 +32,7 @@ from engine.frontend.text import (
     resolve_instruct,
     resolve_language,
 )
-from engine.packing import GenItem
+from engine.packing import GenItem, token_chunks
 from engine.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -113,21 +113,6 @@ def checkpoint_id(ckpt_dir: Path, name: str) -> str:
         with open(path, "rb") as f:
             digest.update(hashlib.file_digest(f, "sha256").digest())
     return f"{name}@{digest.hexdigest()[:12]}"
-
-
-def _token_batches(items: list[GenItem], max_tokens: int) -> list[list[int]]:
-    """Indices of items in consecutive groups of at most max_tokens packed tokens (an item over the
-    budget runs alone)."""
-    groups: list[list[int]] = []
-    used = 0
-    for i, item in enumerate(items):
-        size = Runner.packed_tokens(item)
-        if not groups or used + size > max_tokens:
-            groups.append([])
-            used = 0
-        groups[-1].append(i)
-        used += size
-    return groups
 
 
 def _chunk_seed(seed: int, index: int) -> int:
@@ -380,10 +365,9 @@ class Engine:
         for index in range(max(len(p.chunks) for p in prepared)):
             members = [i for i, p in enumerate(prepared) if index < len(p.chunks)]
             items = [self._gen_item(prepared[i], index, tokens[i][0] if tokens[i] else None) for i in members]
-            out: list[torch.Tensor | None] = [None] * len(items)
-            for group in _token_batches(items, self.cfg.max_batch_tokens):
-                for j, t in zip(group, self.runner.generate([items[j] for j in group], self.gen)):
-                    out[j] = t
+            out: list[torch.Tensor] = []
+            for chunk in token_chunks(items, self.cfg.max_batch_tokens):
+                out += self.runner.generate(chunk, self.gen)
             for i, item, t in zip(members, items, out):
                 tokens[i].append(t)
                 work[i] += Runner.packed_tokens(item) * self.gen.num_step

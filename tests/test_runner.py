@@ -10,7 +10,7 @@ from engine.checkpoint import load_model
 from engine.config import EngineConfig, GenerationConfig
 from engine.decoding import unmask_schedule
 from engine.errors import InputError
-from engine.packing import pack_items
+from engine.packing import pack_items, token_chunks
 from engine.runner import GenItem, GraphedForward, Runner, choose_layout
 from engine.tiny import ensure_tiny_checkpoint, tiny_state_dict
 
@@ -34,6 +34,13 @@ def make_items(specs, seed=0):
         )
         for i, (n_prompt, n_ref, n_target) in enumerate(specs)
     ]
+
+
+def test_token_chunks_keep_order_and_budget_and_run_an_oversized_item_alone():
+    items = make_items([(10, 0, 20), (10, 0, 20), (10, 0, 20), (100, 0, 200), (5, 0, 5)])  # 50 50 50 500 15
+    chunks = list(token_chunks(items, 120))
+    assert [len(c) for c in chunks] == [2, 1, 1, 1]
+    assert [item for chunk in chunks for item in chunk] == items
 
 
 def test_packed_tokens_counts_cond_and_uncond():

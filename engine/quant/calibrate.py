@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 
 import torch
@@ -30,7 +30,7 @@ from engine.frontend.duration import estimate_target_frames
 from engine.frontend.instruct import has_chinese, resolve_instruct
 from engine.frontend.prompt import build_prompt
 from engine.model import OmniVoiceModel, PackedBatch
-from engine.packing import GenItem, packed_tokens
+from engine.packing import GenItem, token_chunks
 from engine.quant.lowrank import LayerStats
 from engine.runner import Runner
 
@@ -105,20 +105,6 @@ def manifest_items(frontend, codec, requests: list[CalibRequest], source: str) -
             "out to calibrate on generated prompts."
         )
     return items
-
-
-def token_chunks(items: list[GenItem], max_tokens: int) -> Iterator[list[GenItem]]:
-    """Consecutive groups of items whose packed tokens stay within max_tokens (one item may exceed it)."""
-    chunk, used = [], 0
-    for item in items:
-        n = packed_tokens(item)
-        if chunk and used + n > max_tokens:
-            yield chunk
-            chunk, used = [], 0
-        chunk.append(item)
-        used += n
-    if chunk:
-        yield chunk
 
 
 def _copy_batch(batch: PackedBatch) -> PackedBatch:

@@ -31,7 +31,7 @@ from engine.config import DTYPES, EngineConfig, GenerationConfig
 from engine.errors import QuantError
 from engine.frontend.text import TextFrontend
 from engine.model import OmniVoiceModel
-from engine.packing import GenItem, pack_items
+from engine.packing import GenItem, pack_items, token_chunks
 from engine.quant.calibrate import (
     CalibRequest,
     calibrate_layers,
@@ -40,7 +40,6 @@ from engine.quant.calibrate import (
     layer_linears,
     manifest_items,
     record_batches,
-    token_chunks,
 )
 from engine.quant.format import (
     SUPPORTED_RANKS,
