@@ -45,7 +45,7 @@ def demo_clips() -> dict[str, str]:
 
 
 def write_demo_manifest(path: Path, rows: int = DEMO_ROWS) -> Path:
-    """A manifest of `rows` rows cycling over the clips and texts (ref_audio relative to the manifest)."""
+    """A manifest of `rows` rows cycling over the clips and texts (ref_audio: absolute paths)."""
     clips = sorted(demo_clips().items())
     path.parent.mkdir(parents=True, exist_ok=True)
     table = pa.table(

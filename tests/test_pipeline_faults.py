@@ -1,8 +1,8 @@
 """Faults: a bad row in a batch fails alone, OOM splits batches, rerun runs only failed rows, a killed
-driver resumes with only the unfinished shards, a killed actor costs nothing but time.
+driver resumes with only the unfinished shards (a killed actor: tests/test_pipeline_e2e.py).
 
-The shard-runner unit tests use FakeEngine (a deterministic stand-in defined here); the driver-kill and
-actor-kill tests run the real engine on the tiny checkpoint.
+The shard-runner unit tests use FakeEngine (a deterministic stand-in defined here); the driver-kill test
+runs the real engine on the tiny checkpoint.
 """
 
 from __future__ import annotations
