@@ -163,8 +163,8 @@ def effective_speed(
     With a fixed duration it is (estimate at speed 1) / (duration frames), so every chunk is
     stretched like the whole text; otherwise it is the requested speed (1.0 when unset).
     """
-    _check_positive("speed", speed)
-    _check_positive("duration", duration)
-    if duration is not None:
-        return frames_at_speed(text, ref_text, ref_frames) / max(1, int(duration * frame_rate))
-    return 1.0 if speed is None else speed
+    if duration is None:
+        _check_positive("speed", speed)
+        return 1.0 if speed is None else speed
+    target = estimate_target_frames(text, ref_text, ref_frames, speed, duration, frame_rate)
+    return frames_at_speed(text, ref_text, ref_frames) / target
