@@ -8,6 +8,7 @@ rerun JOB                   runs exactly the shards whose result file is missing
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -85,8 +86,10 @@ def plan_job(
 
 
 def check_manifest(cfg: JobConfig, make_sizer: Callable[[JobConfig], Sizer]) -> dict[str, Any]:
-    """What submit would plan, without writing or running anything."""
-    plan, _, _ = plan_job(cfg, make_sizer, clip_dir=None)
+    """What submit would plan, without writing or running anything. Remote clips go to a temporary
+    folder (submit copies them into the job) so that the engine's preparation can read them."""
+    with tempfile.TemporaryDirectory(prefix="ovbatch-check-") as clips:
+        plan, _, _ = plan_job(cfg, make_sizer, clip_dir=Path(clips))
     buckets: dict[int, int] = {}
     for shard in plan.shards:
         if shard.variant == plan.variants[0]:

@@ -108,6 +108,26 @@ def test_manifest_check_reports_rejected_rows_and_buckets(tmp_path: Path, capsys
     assert "buckets {" in out
 
 
+def test_manifest_check_reads_remote_clips_as_submit_does(tmp_path: Path, capsys, fast, monkeypatch):
+    from pipeline import manifest as manifest_mod
+
+    data = (DATA / CLIP).read_bytes()
+    monkeypatch.setattr(manifest_mod, "read_bytes", lambda location: data)  # stands in for S3
+    pq.write_table(
+        pa.table(
+            {
+                "id": ["a"],
+                "text": ["Hello."],
+                "ref_audio": ["s3://b/anna.wav"],
+                "ref_text": [CLIPS[CLIP]["transcript"]],
+            }
+        ),
+        tmp_path / "m.parquet",
+    )
+    assert main(["manifest", "check", str(tmp_path / "m.parquet"), *fast]) == 0
+    assert "1 rows, 1 accepted, 0 rejected" in capsys.readouterr().out
+
+
 def test_synth_writes_a_wav(tmp_path: Path, capsys, fast):
     out = tmp_path / "o" / "x.wav"
     assert (
