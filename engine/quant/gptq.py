@@ -16,8 +16,6 @@ import torch
 from engine.errors import QuantError
 from engine.quant.format import (
     GROUP_SIZE,
-    QMAX,
-    QMIN,
     check_group_multiple,
     quantize_to_grid,
     weight_group_scales,
@@ -100,15 +98,13 @@ def gptq_quantize(
                 scales[:, col // GROUP_SIZE] = g[:, 0]
                 col_scales[:, col : col + GROUP_SIZE] = g
             s = col_scales[:, col]
-            # A zero scale means an all-zero group: any q dequantizes to 0 there (masked to 0 below).
-            qcol = torch.round(block[:, i] / torch.where(s > 0, s, 1.0)).clamp_(QMIN, QMAX)
+            qcol = quantize_to_grid(block[:, i], s)
             q[:, col] = qcol
             err = (block[:, i] - qcol * s) / hinv_block[i, i]
             block[:, i:].addr_(err, hinv_block[i, i:], alpha=-1.0)
             errs[:, i] = err
         w[:, stop:] -= errs @ hinv[start:stop, stop:]
 
-    q = torch.where(col_scales > 0, q, 0.0)
     if perm is not None:
         q = q[:, torch.argsort(perm)]
     return q.to(torch.int8), scales

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from engine.errors import QuantError
-from engine.quant.format import GROUP_SIZE, QMAX, QMIN, W4A4Tensors, unpack_int4
+from engine.quant.format import GROUP_SIZE, QMAX, W4A4Tensors, quantize_to_grid, unpack_int4
 
 
 def quantize_activations(x: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,8 +36,7 @@ def quantize_activations(x: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple
     m, k = x.shape
     xg = x.float().reshape(m, k // group_size, group_size)
     scales = xg.abs().amax(-1) / QMAX
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(xg / safe[..., None]).clamp_(QMIN, QMAX)
+    q = quantize_to_grid(xg, scales[..., None])
     return q.to(torch.int8).reshape(m, k), scales
 
 
