@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import soundfile as sf
 
 from engine.errors import OVBatchError
@@ -85,7 +86,8 @@ def _read(job: JobDir, rel: str) -> tuple[np.ndarray, int]:
 
 
 def compare_variants(job: JobDir, variant_a: str, variant_b: str) -> list[dict[str, Any]]:
-    """Metrics for every row ok in both variants; written to report/compare.parquet."""
+    """Metrics for every row ok in both variants; written to report/compare.parquet beside the rows of the
+    job's other pairs."""
     results = job.read_results().to_pylist()
     ok = {(r["variant"], r["id"]): r for r in results if r["status"] == "ok"}
     rows = []
@@ -115,7 +117,11 @@ def compare_variants(job: JobDir, variant_a: str, variant_b: str) -> list[dict[s
                 **pair_metrics(a, b, sr_a),
             }
         )
-    job.report_dir.mkdir(parents=True, exist_ok=True)
-    table = pa.Table.from_pylist(rows) if rows else pa.table({"id": pa.array([], pa.string())})
-    write_parquet_atomic(job.report_dir / "compare.parquet", table)
+    path = job.report_dir / "compare.parquet"
+    # One file holds every pair the report compares (the first variant against each other one).
+    earlier = pq.read_table(path).to_pylist() if path.is_file() else []
+    pair = (variant_a, variant_b)
+    everything = [r for r in earlier if (r.get("variant_a"), r.get("variant_b")) != pair] + rows
+    table = pa.Table.from_pylist(everything) if everything else pa.table({"id": pa.array([], pa.string())})
+    write_parquet_atomic(path, table)
     return rows

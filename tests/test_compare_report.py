@@ -103,6 +103,16 @@ def test_compare_variants_pairs_rows_by_id(tmp_path: Path):
     assert pq.read_table(job.report_dir / "compare.parquet").num_rows == 5
 
 
+def test_compare_parquet_keeps_every_pair_of_the_job(tmp_path: Path):
+    job = _ab_job(tmp_path)
+    compare_variants(job, "fp16", "w4a4")
+    compare_variants(job, "w4a4", "fp16")
+    compare_variants(job, "fp16", "w4a4")  # a pair compared again replaces its own rows
+    table = pq.read_table(job.report_dir / "compare.parquet").to_pylist()
+    pairs = sorted((r["variant_a"], r["variant_b"], r["id"]) for r in table)
+    assert pairs == sorted((a, b, f"u{i}") for a, b in (("fp16", "w4a4"), ("w4a4", "fp16")) for i in range(5))
+
+
 def test_report_has_tables_plots_and_players(tmp_path: Path):
     job = _ab_job(tmp_path)
     page = write_report(job).read_text()
