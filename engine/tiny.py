@@ -7,7 +7,6 @@ path runs on it too. Built once into a cache directory, atomically (temp dir + r
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -63,26 +62,25 @@ def tiny_state_dict(cfg: ModelConfig, seed: int = SEED) -> dict[str, torch.Tenso
 
 def write_tiny_checkpoint(out_dir: Path) -> None:
     """Write the complete tiny checkpoint into out_dir (which must exist)."""
+    from engine.tiny_codec import write_tiny_codec
     from engine.tiny_tokenizer import write_tiny_tokenizer
 
     vocab_size = write_tiny_tokenizer(out_dir)
     cfg = tiny_model_config(vocab_size)
     (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     save_file(tiny_state_dict(cfg), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    if _codec_available():
-        from engine.tiny_codec import write_tiny_codec
-
-        write_tiny_codec(out_dir)  # writes out_dir/audio_tokenizer/
-
-
-def _codec_available() -> bool:
-    return importlib.util.find_spec("engine.tiny_codec") is not None
+    write_tiny_codec(out_dir)  # writes out_dir/audio_tokenizer/
 
 
 def _complete(ckpt_dir: Path) -> bool:
-    needed = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
-    if _codec_available():
-        needed += ["audio_tokenizer/config.json", "audio_tokenizer/model.safetensors"]
+    needed = (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "audio_tokenizer/config.json",
+        "audio_tokenizer/model.safetensors",
+    )
     return all((ckpt_dir / name).exists() for name in needed)
 
 
@@ -100,7 +98,8 @@ def ensure_tiny_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=root))
     try:
         write_tiny_checkpoint(staging)
-        if target.exists():  # an older build made before the codec existed: replace it
+        # Replace a damaged copy (files deleted), never one a concurrent builder has just published.
+        if target.exists() and not _complete(target):
             shutil.rmtree(target, ignore_errors=True)
         try:
             staging.rename(target)

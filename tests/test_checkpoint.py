@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import engine.tiny as tiny_module
 from engine.checkpoint import load_model, resolve_checkpoint
 from engine.errors import CheckpointError
 from engine.tiny import ensure_tiny_checkpoint, tiny_state_dict
@@ -46,6 +47,21 @@ def test_tiny_checkpoint_is_cached(tiny):
     stamp = (tiny / "model.safetensors").stat().st_mtime_ns
     assert ensure_tiny_checkpoint(tiny.parent) == tiny
     assert (tiny / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_tiny_checkpoint_published_by_a_concurrent_builder_is_kept(tiny, monkeypatch):
+    inode = (tiny / "model.safetensors").stat().st_ino
+    real_complete, calls = tiny_module._complete, []
+
+    def complete(path):  # the first check runs before the other builder has published
+        calls.append(path)
+        return len(calls) > 1 and real_complete(path)
+
+    monkeypatch.setattr(tiny_module, "_complete", complete)
+    assert ensure_tiny_checkpoint(tiny.parent) == tiny
+    assert len(calls) > 1
+    assert (tiny / "model.safetensors").stat().st_ino == inode
+    assert not [p for p in tiny.parent.iterdir() if p.name.startswith(".tiny-")]
 
 
 def test_tiny_checkpoint_loads_with_the_weights_it_was_made_from(tiny):
