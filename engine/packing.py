@@ -133,7 +133,10 @@ def pack_items(
             or len(lengths) + len(pad_lens) > layout.sequences
             or len(target_index) > layout.targets
         ):
-            raise ValueError(f"batch ({start} tokens, {len(lengths)} sequences) does not fit {layout}")
+            raise InputError(
+                f"batch ({start} tokens, {len(lengths)} sequences) does not fit {layout}: "
+                "take the layout from engine.runner.choose_layout(items, buckets)."
+            )
         if pad:
             ids.append(torch.zeros((num_codebooks, pad), dtype=torch.long))
             masks.append(torch.zeros(pad, dtype=torch.bool))

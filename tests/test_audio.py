@@ -159,6 +159,11 @@ def test_audio_error_is_an_input_error():
 # ---------------------------------------------------------------- pydub semantics
 
 
+def test_remove_silence_refuses_rates_pydub_would_resample():
+    with pytest.raises(InputError, match="at least 11025 Hz, got 8000"):
+        A.remove_silence(np.zeros(8000, np.float32), 8000, mid_sil=200, lead_sil=100, trail_sil=200)
+
+
 def test_remove_silence_hand_example():
     # 1 s noise, 1 s digital silence, 1 s noise at 24 kHz: the silent range is [1000, 2000] ms and
     # keep_silence=200 keeps 200 ms of it on each side: 2.4 s remain.

@@ -5,7 +5,7 @@ import torch
 from dense_reference import dense_logits
 from torch import nn
 
-from engine.errors import BackendUnavailable
+from engine.errors import BackendUnavailable, InputError
 from engine.model import OmniVoiceModel
 from engine.model.attention import BACKENDS, choose_attention
 from engine.packing import GenItem, PackLayout, pack_items
@@ -89,7 +89,7 @@ def test_padding_to_a_layout_leaves_real_logits_unchanged():
 
 def test_layout_too_small_is_refused():
     items, _ = random_items([(12, 30, 25)], [True], seed=1)
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(InputError, match="does not fit"):
         pack_items(items, C, MASK, PackLayout(tokens=64, sequences=4, targets=64, max_seqlen=64))
 
 

@@ -16,7 +16,7 @@ import soundfile as sf
 import soxr
 
 from engine.config import GenerationConfig
-from engine.errors import AudioError
+from engine.errors import AudioError, InputError
 from engine.frontend.silence import (
     Pcm16,
     detect_leading_silence,
@@ -102,7 +102,9 @@ def remove_silence(
     edges (pydub semantics: the result is 16-bit quantized, as upstream's). Needs rate >= 11025 Hz:
     upstream joins the pieces onto an empty 11.025 kHz pydub segment, which resamples lower rates."""
     if rate < 11025:
-        raise ValueError(f"remove_silence needs a rate of at least 11025 Hz, got {rate}")
+        raise InputError(
+            f"remove_silence needs a rate of at least 11025 Hz, got {rate}: resample the audio first."
+        )
     seg = Pcm16(to_pcm16(audio), rate)
     if mid_sil > 0:
         pieces = split_on_silence(seg, mid_sil, silence_thresh, keep_silence=mid_sil, seek_step=10)
