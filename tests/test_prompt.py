@@ -88,6 +88,9 @@ def test_voice_prompt_detects_mismatched_or_damaged_files(tmp_path):
     (tmp_path / "e.json").write_text(json.dumps({**meta, "version": 99}))
     with pytest.raises(InputError, match="not a version-1 ovbatch-voice-prompt file"):
         VoicePrompt.load(tmp_path / "e")
+    (tmp_path / "e.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "ref_rms"}))
+    with pytest.raises(InputError, match=r"e\.json needs a text ref_text and a numeric ref_rms"):
+        VoicePrompt.load(tmp_path / "e")
 
 
 # ---------------------------------------------------------------- building and caching

@@ -87,7 +87,13 @@ class VoicePrompt:
             or _tokens_sha256(tokens) != meta.get("tokens_sha256")
         ):
             raise InputError(f"voice prompt {st_path} does not match {json_path} (shape or checksum): {fix}")
-        return cls(tokens=tokens, ref_text=meta["ref_text"], ref_rms=float(meta["ref_rms"]))
+        ref_text, ref_rms = meta.get("ref_text"), meta.get("ref_rms")
+        if not isinstance(ref_text, str) or not isinstance(ref_rms, int | float):
+            raise InputError(
+                f"{json_path} needs a text ref_text and a numeric ref_rms, has {ref_text!r} and "
+                f"{ref_rms!r}: {fix}"
+            )
+        return cls(tokens=tokens, ref_text=ref_text, ref_rms=float(ref_rms))
 
 
 # Seconds of reference audio encoded per codec call: bounds the encoder's memory on large batches.
