@@ -13,11 +13,12 @@ import hashlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pipeline.manifest import ManifestRow, Rejection
 
 PLAN_VERSION = 1
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,9 @@ def make_plan(
     for bucket in sorted(by_bucket, reverse=True):  # longest work first: the tail of the job is short shards
         members = sorted(by_bucket[bucket], key=lambda r: (-sizes[r.id].packed_tokens, r.id))
         for variant in variants:
-            for chunk in _cut(members, sizes, shard_tokens, max_rows_per_shard):
+            for chunk in cut_by_tokens(
+                members, lambda r: sizes[r.id].packed_tokens, shard_tokens, max_rows_per_shard
+            ):
                 planned = [
                     PlannedRow(
                         r.id, row_keys[variant][r.id], sizes[r.id].packed_tokens, sizes[r.id].target_frames
@@ -184,19 +187,21 @@ def make_plan(
     return plan
 
 
-def _cut(
-    members: list[ManifestRow], sizes: dict[str, RowSize], shard_tokens: int, max_rows: int
-) -> list[list[ManifestRow]]:
-    chunks: list[list[ManifestRow]] = []
-    current: list[ManifestRow] = []
-    tokens = 0
-    for row in members:
-        n = sizes[row.id].packed_tokens
-        if current and (tokens + n > shard_tokens or len(current) >= max_rows):
-            chunks.append(current)
-            current, tokens = [], 0
-        current.append(row)
-        tokens += n
+def cut_by_tokens(
+    items: Sequence[T], tokens: Callable[[T], int], budget: int, max_items: int | None = None
+) -> list[list[T]]:
+    """Greedy runs of consecutive items while their tokens fit `budget` (and their count `max_items`);
+    an item over the budget on its own makes a run of one."""
+    runs: list[list[T]] = []
+    current: list[T] = []
+    total = 0
+    for item in items:
+        n = tokens(item)
+        if current and (total + n > budget or (max_items is not None and len(current) >= max_items)):
+            runs.append(current)
+            current, total = [], 0
+        current.append(item)
+        total += n
     if current:
-        chunks.append(current)
-    return chunks
+        runs.append(current)
+    return runs

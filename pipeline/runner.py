@@ -21,6 +21,7 @@ from typing import Any
 from engine.errors import InputError, OVBatchError
 from pipeline.atomic import write_wav_atomic
 from pipeline.config import JobConfig
+from pipeline.plan import cut_by_tokens
 from pipeline.store import JobDir
 
 MAX_ERROR_CHARS = 2000
@@ -86,18 +87,8 @@ def synth_request(row: dict[str, Any]) -> Any:
 
 def pack_batches(rows: list[dict[str, Any]], max_batch_tokens: int) -> list[list[dict[str, Any]]]:
     """Greedy, longest first: consecutive rows while their packed tokens fit one batch."""
-    batches: list[list[dict[str, Any]]] = []
-    current: list[dict[str, Any]] = []
-    tokens = 0
-    for row in sorted(rows, key=lambda r: -r["packed_tokens"]):
-        if current and tokens + row["packed_tokens"] > max_batch_tokens:
-            batches.append(current)
-            current, tokens = [], 0
-        current.append(row)
-        tokens += row["packed_tokens"]
-    if current:
-        batches.append(current)
-    return batches
+    longest_first = sorted(rows, key=lambda r: -r["packed_tokens"])
+    return cut_by_tokens(longest_first, lambda r: r["packed_tokens"], max_batch_tokens)
 
 
 class ShardRunner:
