@@ -18,8 +18,9 @@ COPY pipeline pipeline
 COPY csrc csrc
 COPY jobs jobs
 COPY tests/data tests/data
-# ray[default] brings the dashboard and the job server that `ray job submit` talks to.
-RUN pip install -e . "ray[default]" \
+# ray[default] brings the dashboard and the job server that `ray job submit` talks to; ninja is what
+# torch.utils.cpp_extension builds the W4A4 kernels (csrc/) with on a worker's first use.
+RUN pip install -e . "ray[default]" ninja \
  && python -c "import engine, pipeline, ray; print('ovbatch image ready, ray', ray.__version__)"
 
 VOLUME ["/data"]
