@@ -1,6 +1,9 @@
 import io
 import json
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -68,6 +71,21 @@ def test_voice_prompt_roundtrip(tmp_path):
     assert torch.equal(back.tokens, prompt.tokens) and back.tokens.dtype == torch.long
     assert back.ref_text == prompt.ref_text and back.ref_rms == prompt.ref_rms
     assert (tmp_path / "voice.safetensors").read_bytes()[8:9] == b"{"  # safetensors header, not a pickle
+
+
+def test_voice_prompt_files_are_utf8_whatever_the_locale(tmp_path):
+    script = (
+        "import sys, torch; from engine.frontend.prompt import VoicePrompt; "
+        "p = VoicePrompt(torch.zeros(8, 3, dtype=torch.long), '\\u4f60\\u597d, Gr\\u00fc\\u00dfe', 0.1); "
+        "p.save(sys.argv[1]); "
+        "assert VoicePrompt.load(sys.argv[1]).ref_text == p.ref_text"
+    )
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": ""}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "v")], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "你好" in (tmp_path / "v.json").read_bytes().decode("utf-8")
 
 
 def test_voice_prompt_detects_mismatched_or_damaged_files(tmp_path):

@@ -61,7 +61,7 @@ class VoicePrompt:
             "shape": list(tokens.shape),
             "tokens_sha256": _tokens_sha256(tokens),
         }
-        stem.with_suffix(".json").write_text(json.dumps(meta, ensure_ascii=False, indent=1))
+        stem.with_suffix(".json").write_text(json.dumps(meta, ensure_ascii=False, indent=1), encoding="utf-8")
 
     @classmethod
     def load(cls, stem: str | Path) -> VoicePrompt:
@@ -70,7 +70,7 @@ class VoicePrompt:
         json_path, st_path = stem.with_suffix(".json"), stem.with_suffix(".safetensors")
         fix = "write it again with VoicePrompt.save (or delete it to have it rebuilt)."
         try:
-            meta = json.loads(json_path.read_text())
+            meta = json.loads(json_path.read_text(encoding="utf-8"))
             tokens = load_file(str(st_path))["tokens"]
         except FileNotFoundError as e:
             raise InputError(f"voice prompt {e.filename} is missing: {fix}") from None
