@@ -19,7 +19,7 @@ import torch
 
 from engine.checkpoint import load_model, read_config, resolve_checkpoint, weight_files
 from engine.codec import Codec
-from engine.config import DTYPES, EngineConfig
+from engine.config import DTYPES, EngineConfig, resolve_device
 from engine.errors import AudioError, CheckpointError, InputError
 from engine.frontend.audio import ReferenceSettings, clip_name, cross_fade_chunks, postprocess_output
 from engine.frontend.chunking import Chunk, needs_chunking, plan_chunks
@@ -76,18 +76,6 @@ class PreparedRequest:
     prompt: VoicePrompt | None
     target_frames: int  # of the whole text
     chunks: list[Chunk]  # one chunk holding the whole text unless the text is long
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise InputError(f"device={name!r}: use auto, cpu, cuda or cuda:N.") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"device={name!r} but CUDA is not available here: use device='cpu' or 'auto'.")
-    return device
 
 
 def resolve_precision(precision: str, device: torch.device, quantized: bool) -> tuple[str, torch.dtype]:

@@ -127,6 +127,21 @@ PRECISIONS = ("fp32", "bf16", "fp16", "w4a4")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def resolve_device(name: str) -> torch.device:
+    """A device name (auto | cpu | cuda | cuda:N) as a torch.device; auto picks CUDA when there is one."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise InputError(f"device={name!r}: use auto, cpu, cuda or cuda:N.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(
+            f"device={name!r} but torch {torch.__version__} sees no CUDA GPU: use device='cpu' or 'auto'."
+        )
+    return device
+
+
 @dataclass
 class EngineConfig:
     """How to run: which checkpoint, where, in what precision, with which fast paths."""

@@ -27,8 +27,8 @@ from torch import nn
 from tqdm import tqdm
 
 from engine.checkpoint import load_model, read_config, read_tensors, resolve_checkpoint, weight_files
-from engine.config import DTYPES, EngineConfig, GenerationConfig
-from engine.errors import QuantError
+from engine.config import DTYPES, EngineConfig, GenerationConfig, resolve_device
+from engine.errors import InputError, QuantError
 from engine.frontend.text import TextFrontend
 from engine.model import OmniVoiceModel
 from engine.packing import GenItem, pack_items, token_chunks
@@ -76,16 +76,12 @@ class QuantizeOptions:
         return MethodConfig(rank=self.rank, gptq=GPTQConfig(), stage_report=self.stage_report)
 
 
-def resolve_device(name: str, dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
+def device_and_dtype(name: str, dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
     """The device, and the activation dtype: bf16 on CUDA and fp32 elsewhere unless asked."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise QuantError(f"--device {name}: use auto, cpu, cuda or cuda:N.") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise QuantError(f"--device {name}: torch {torch.__version__} sees no CUDA GPU; use --device cpu.")
+        device = resolve_device(name)
+    except InputError as e:
+        raise QuantError(f"--device {name}: {e}") from None
     if dtype == "auto":
         return device, (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if dtype not in DTYPES:
@@ -213,7 +209,7 @@ def quantize_checkpoint(
     started = time.perf_counter()
     src, out = resolve_checkpoint(source), Path(out)
     raw, _ = check_source(src, out, options.rank)
-    device, dtype = resolve_device(options.device, options.dtype)
+    device, dtype = device_and_dtype(options.device, options.dtype)
     source_hash = checkpoint_source_hash(src)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
