@@ -107,10 +107,19 @@ def validate(cfg: JobConfig) -> None:
             f"shard_tokens={cfg.shard_tokens}, max_rows_per_shard={cfg.max_rows_per_shard}: "
             "both must be positive."
         )
-    if cfg.ray.inflight_per_actor < 1 or cfg.ray.max_shard_attempts < 1:
-        raise InputError("ray.inflight_per_actor and ray.max_shard_attempts must be at least 1.")
-    if cfg.ray.num_actors is not None and cfg.ray.num_actors < 1:
-        raise InputError(f"ray.num_actors={cfg.ray.num_actors}: need at least one actor (or null for auto).")
+    ray = cfg.ray
+    for key in ("inflight_per_actor", "max_shard_attempts", "cpu_actors"):
+        if getattr(ray, key) < 1:
+            raise InputError(f"ray.{key}={getattr(ray, key)}: it must be at least 1.")
+    if ray.num_actors is not None and ray.num_actors < 1:
+        raise InputError(f"ray.num_actors={ray.num_actors}: need at least one actor (or null for auto).")
+    if ray.gpus_per_actor <= 0 or ray.cpus_per_actor < 0:
+        raise InputError(
+            f"ray.gpus_per_actor={ray.gpus_per_actor:g}, ray.cpus_per_actor={ray.cpus_per_actor:g}: GPUs per "
+            "actor must be positive (a fraction shares a GPU) and CPUs per actor not negative."
+        )
+    if ray.num_cpus is not None and ray.num_cpus < 1:
+        raise InputError(f"ray.num_cpus={ray.num_cpus}: give the local Ray at least 1 CPU (or null for all).")
     if cfg.report not in ("auto", "always", "never"):
         raise InputError(f"report={cfg.report!r}: choose auto, always or never.")
     if ":" not in cfg.engine_factory:

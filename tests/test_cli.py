@@ -69,6 +69,17 @@ def test_bad_config_keys_and_values_are_one_line(tmp_path: Path, capsys):
     assert "precision='int3'" in _error_line(capsys)
     assert main(["manifest", "check", m, "--config", str(tmp_path / "none.yaml")]) == EXIT_ERROR
     assert "config file" in _error_line(capsys)
+    for bad, message in (
+        ("ray.cpu_actors=0", "ray.cpu_actors=0: it must be at least 1"),
+        ("ray.max_shard_attempts=0", "ray.max_shard_attempts=0: it must be at least 1"),
+        (
+            "ray.gpus_per_actor=0",
+            "ray.gpus_per_actor=0, ray.cpus_per_actor=1: GPUs per actor must be positive",
+        ),
+        ("ray.num_cpus=0", "ray.num_cpus=0: give the local Ray at least 1 CPU"),
+    ):
+        assert main(["submit", m, "--out", str(tmp_path / "j"), bad]) == EXIT_ERROR
+        assert message in _error_line(capsys)
 
 
 def test_stray_arguments_are_a_usage_error(tmp_path: Path):
