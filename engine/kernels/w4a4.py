@@ -21,8 +21,8 @@ import torch
 
 from engine.errors import BackendUnavailable, QuantError
 from engine.kernels import ops
-from engine.quant.format import GROUP_SIZE, W4A4Tensors, unpack_int4
-from engine.quant.reference import ReferenceW4A4Backend
+from engine.quant.format import GROUP_SIZE, unpack_int4
+from engine.quant.reference import ReferenceW4A4Backend, layer_tensors
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +92,6 @@ class CudaW4A4Packed:
     kernel_out_features: int  # out_features rounded up to the GEMM's 64-row granularity
 
 
-def _tensors(layer) -> W4A4Tensors:
-    return layer if isinstance(layer, W4A4Tensors) else layer.tensors()
-
-
 class CudaW4A4Backend:
     name = "cuda-sm90"
 
@@ -116,7 +112,7 @@ class CudaW4A4Backend:
         return True, ""
 
     def prepare(self, layer) -> CudaW4A4Packed:
-        t = _tensors(layer)
+        t = layer_tensors(layer)
         t.validate()
         device = t.qweight.device
         if device.type != "cuda":

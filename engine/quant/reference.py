@@ -92,14 +92,18 @@ def w4a4_linear_reference(x: torch.Tensor, layer: W4A4Tensors) -> torch.Tensor:
     return y.to(x.dtype).reshape(*lead, n)
 
 
+def layer_tensors(layer) -> W4A4Tensors:
+    """The canonical tensors of `layer`: a W4A4Linear (anything with .tensors()) or W4A4Tensors."""
+    return layer if isinstance(layer, W4A4Tensors) else layer.tensors()
+
+
 class ReferenceW4A4Backend:
     """The backend interface (`prepare`, `forward`) over the reference: any device, no build step."""
 
     name = "reference"
 
     def prepare(self, layer) -> W4A4Tensors:
-        """`layer`: a W4A4Linear (anything with .tensors()) or W4A4Tensors."""
-        return layer if isinstance(layer, W4A4Tensors) else layer.tensors()
+        return layer_tensors(layer)
 
     def forward(self, x: torch.Tensor, packed: W4A4Tensors) -> torch.Tensor:
         return w4a4_linear_reference(x, packed)
