@@ -246,9 +246,8 @@ def _probe_clip(location: str, clip_dir: Path | None, max_seconds: float) -> _Cl
     if local:
         path = location[len("file://") :] if location.startswith("file://") else location
         return _Clip(path, digest, seconds, None)
-    if clip_dir is None:  # only validating: the clip was readable, nothing to keep
+    if clip_dir is None:  # the row keeps the URI (the engine reads local paths: submit passes a clip_dir)
         return _Clip(location, digest, seconds, None)
-    clip_dir.mkdir(parents=True, exist_ok=True)
     target = clip_dir / f"{digest[:24]}{Path(location).suffix.lower()}"
     if not target.exists():
         write_bytes_atomic(target, data)
