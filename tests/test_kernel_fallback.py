@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.errors import BackendUnavailable
-from engine.kernels import CudaW4A4Backend, choose_w4a4_backend, w4a4_backend_report
+from engine.kernels import CudaW4A4Backend, build, choose_w4a4_backend, w4a4_backend_report
 from engine.kernels.build import load_extension
 from engine.kernels.w4a4 import MAGIC, OPERAND_SCALE, kernel_weight_scales, pack_operand, unpack_operand
 from engine.quant.format import W4A4Tensors, pack_int4
@@ -36,6 +36,17 @@ def test_asking_for_cuda_on_cpu_raises_with_reason():
         choose_w4a4_backend("cpu", prefer="int3")
     ok, reason = load_extension()
     assert not ok and "without CUDA" in reason
+
+
+def test_extension_without_sources_or_cache_dir_reports_why(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.version, "cuda", "12.4")  # as on a CUDA build of torch
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("OVBATCH_KERNEL_CACHE", str(tmp_path / "file" / "cache"))
+    ok, reason = load_extension.__wrapped__()
+    assert not ok and "cannot create the kernel cache" in reason and "OVBATCH_KERNEL_CACHE" in reason
+    monkeypatch.setattr(build, "CSRC", tmp_path / "csrc")
+    ok, reason = load_extension.__wrapped__()
+    assert not ok and "binding.cpp" in reason and "source checkout" in reason
 
 
 def test_reference_backend_runs_the_contract():

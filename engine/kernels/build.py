@@ -55,8 +55,14 @@ def load_extension() -> tuple[bool, str]:
         from torch.utils.cpp_extension import load
     except ImportError as exc:  # pragma: no cover - part of every torch
         return False, f"torch.utils.cpp_extension is unavailable: {exc}"
+    missing = [name for name in SOURCES + HEADERS if not (CSRC / name).is_file()]
+    if missing:
+        return False, f"the CUDA sources {missing} are not in {CSRC}: run from a source checkout"
     build_dir = cache_dir()
-    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return False, f"cannot create the kernel cache {build_dir} ({exc}): set OVBATCH_KERNEL_CACHE"
     start = time.perf_counter()
     try:
         load(
