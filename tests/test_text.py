@@ -183,8 +183,15 @@ def test_every_table_row_resolves():
         assert resolve_language(r["language_name"].lower()) == r["language_id"]
 
 
-@pytest.mark.parametrize(("bad", "suggestion"), [("Englsh", "English (en)"), ("EN", "en (English)"),
-                                                 ("chinse", "Chinese (zh)"), ("Japanes", "Japanese (ja)")])
+@pytest.mark.parametrize(
+    ("bad", "suggestion"),
+    [
+        ("Englsh", "English (en)"),
+        ("EN", "en (English)"),
+        ("chinse", "Chinese (zh)"),
+        ("Japanes", "Japanese (ja)"),
+    ],
+)
 def test_unknown_language_suggests(bad, suggestion):
     with pytest.raises(InputError) as e:
         resolve_language(bad)
@@ -195,6 +202,13 @@ def test_unknown_language_without_close_match():
     with pytest.raises(InputError, match="not recognized") as e:
         resolve_language("qqqqqqqqqq")
     assert "Did you mean" not in str(e.value)
+
+
+def test_non_string_language_and_instruct_are_refused_by_value():
+    with pytest.raises(InputError, match="language 5 is not a string"):
+        resolve_language(5)
+    with pytest.raises(InputError, match=r"instruct \['male'\] is not a string"):
+        resolve_instruct(["male"], False)
 
 
 # ---------------------------------------------------------------- instructs
@@ -322,7 +336,13 @@ def test_upstream_prompt_ids(upstream, tok_dir, fe):
         denoise = rng.random() < 0.5
         ref_tokens = torch.zeros(2, 3, dtype=torch.long) if has_ref else None
         out = upstream.model.OmniVoice._prepare_inference_inputs(
-            fake, text, 4, ref_text=ref_text, ref_audio_tokens=ref_tokens, lang=lang, instruct=instruct,
+            fake,
+            text,
+            4,
+            ref_text=ref_text,
+            ref_audio_tokens=ref_tokens,
+            lang=lang,
+            instruct=instruct,
             denoise=denoise,
         )
         n_audio = int(out["audio_mask"].sum())

@@ -80,6 +80,8 @@ def resolve_instruct(instruct: str | None, use_zh: bool) -> str | None:
     an accent forces English. Raises InputError for unknown items (with the closest valid item),
     a dialect mixed with an accent, or two items of one category.
     """
+    if instruct is not None and not isinstance(instruct, str):
+        raise InputError(f"instruct {instruct!r} is not a string: pass comma-separated items, e.g. 'male'.")
     if instruct is None or not instruct.strip():
         return None
     stripped = instruct.strip()

@@ -98,7 +98,11 @@ def resolve_language(name_or_code: str | None) -> str | None:
     an unknown language with a warning; here an unknown language is an InputError naming the closest
     names and ids.
     """
-    if name_or_code is None or name_or_code.lower() == "none":
+    if name_or_code is None:
+        return None
+    if not isinstance(name_or_code, str):
+        raise InputError(f"language {name_or_code!r} is not a string: pass an id such as 'en' or a name.")
+    if name_or_code.lower() == "none":
         return None
     ids, by_name, names = _language_table()
     if name_or_code in ids:
