@@ -82,7 +82,7 @@ def test_speed_and_duration_overrides():
     assert effective_speed(text, None, None) == 1.0
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf])
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, "fast", [2.0]])
 def test_bad_speed_or_duration(bad):
     with pytest.raises(InputError, match="speed="):
         estimate_target_frames("hi", None, None, speed=bad)
@@ -96,9 +96,24 @@ def test_bad_speed_or_duration(bad):
 
 
 def _random_multiscript_text(rng: random.Random) -> str:
-    ranges = [(0x20, 0x7E), (0xC0, 0x24F), (0x370, 0x3FF), (0x400, 0x4FF), (0x590, 0x6FF), (0x900, 0xDFF),
-              (0xE00, 0xEFF), (0x1100, 0x11FF), (0x3040, 0x30FF), (0x4E00, 0x9FFF), (0xAC00, 0xD7AF),
-              (0x1F300, 0x1F64F), (0x20000, 0x2A6DF), (0x0300, 0x036F), (0x2000, 0x206F), (0xFF00, 0xFFEF)]
+    ranges = [
+        (0x20, 0x7E),
+        (0xC0, 0x24F),
+        (0x370, 0x3FF),
+        (0x400, 0x4FF),
+        (0x590, 0x6FF),
+        (0x900, 0xDFF),
+        (0xE00, 0xEFF),
+        (0x1100, 0x11FF),
+        (0x3040, 0x30FF),
+        (0x4E00, 0x9FFF),
+        (0xAC00, 0xD7AF),
+        (0x1F300, 0x1F64F),
+        (0x20000, 0x2A6DF),
+        (0x0300, 0x036F),
+        (0x2000, 0x206F),
+        (0xFF00, 0xFFEF),
+    ]
     out = []
     for _ in range(rng.randint(0, 60)):
         lo, hi = rng.choice(ranges)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 import unicodedata
 from functools import lru_cache
 
@@ -120,7 +121,7 @@ def estimate_frames(target_text: str, ref_text: str, ref_frames: float) -> float
 
 
 def _check_positive(name: str, value: float | None) -> None:
-    if value is not None and not (math.isfinite(value) and value > 0):
+    if value is not None and not (isinstance(value, numbers.Real) and math.isfinite(value) and value > 0):
         raise InputError(f"{name}={value!r}: must be a finite number > 0 (or left unset).")
 
 
