@@ -106,6 +106,11 @@ def test_missing_file(tmp_path):
         A.prepare_reference(tmp_path / "nope.wav", RATE, HOP)
 
 
+def test_clip_of_another_type_is_named():
+    with pytest.raises(AudioError, match="reference clip 7 is a int"):
+        A.read_clip_bytes(7)
+
+
 def test_empty_file(tmp_path):
     (tmp_path / "empty.wav").write_bytes(b"")
     with pytest.raises(AudioError, match=r"empty\.wav is empty"):

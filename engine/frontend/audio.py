@@ -47,6 +47,8 @@ def read_clip_bytes(clip: ClipSource) -> bytes:
     """The clip's file content (what the prompt cache hashes), AudioError if it cannot be read."""
     if isinstance(clip, bytes):
         return clip
+    if not isinstance(clip, str | Path):
+        raise AudioError(f"reference clip {clip!r} is a {type(clip).__name__}: give a path or the bytes.")
     try:
         return Path(clip).read_bytes()
     except FileNotFoundError:
