@@ -141,6 +141,10 @@ class ActorPool:
                         raise OVBatchError(
                             f"shard {task.index} could not run: {type(cause).__name__}: {_first_line(cause)}"
                         ) from e
+                    if getattr(e, "actor_init_failed", False):  # every replacement would fail the same way
+                        raise OVBatchError(
+                            f"the shard actor could not start on a worker: {_last_line(e)}"
+                        ) from e
                     done.extend(self._replace_dead(slot, owner, queue, max_attempts, e))
                     continue
                 slot.inflight.remove(ref)
@@ -212,3 +216,9 @@ def failed_rows(task: ShardTask, reason: str) -> list[dict[str, Any]]:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0][:300] if text else type(e).__name__
+
+
+def _last_line(e: BaseException) -> str:
+    """The exception line at the end of a traceback Ray carries as text."""
+    text = str(e).strip().splitlines()
+    return text[-1].strip()[:300] if text else type(e).__name__

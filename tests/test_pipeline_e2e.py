@@ -27,6 +27,7 @@ from pipeline.config import load_job_config
 from pipeline.job import submit
 from pipeline.plan import RowSize
 from pipeline.ray_runner import ActorPool
+from pipeline.runner import ShardTask
 from pipeline.sizing import engine_sizer
 from pipeline.store import JobDir
 
@@ -241,6 +242,17 @@ def test_an_error_inside_an_actor_is_reported_by_its_own_message(ray_session, tm
     )
     with pytest.raises(OVBatchError, match=r"could not run: OVBatchError: checkpoint '/nowhere' not found"):
         submit(cfg, tmp_path / "job", lambda cfg: lambda row: RowSize(10, 20, 30))
+
+
+def test_an_actor_that_cannot_start_stops_the_job_with_the_cause(ray_session, tmp_path: Path):
+    cfg = load_job_config(None, ["engine_factory=no_such_module:Engine", "ray.num_actors=1"])
+    pool = ActorPool(str(tmp_path), cfg)
+    task = ShardTask(0, "default", 128, 1, [])
+    try:
+        with pytest.raises(OVBatchError, match=r"could not start on a worker: .*no_such_module"):
+            list(pool.run([task]))
+    finally:
+        pool.shutdown()
 
 
 def test_a_local_ray_too_small_for_the_actors_is_refused(ray_session, tmp_path: Path):
