@@ -8,6 +8,7 @@ names equal the official state-dict keys, so official weights load with `load_st
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -28,11 +29,12 @@ class PackedBatch:
     target_index: Tensor  # [n_target] long; positions whose logits are wanted
 
     def to(self, device: torch.device | str) -> PackedBatch:
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name, value in moved.items():
-            if isinstance(value, Tensor):
-                moved[name] = value.to(device)
-        return PackedBatch(**moved)
+        return self.apply(lambda t: t.to(device))
+
+    def apply(self, fn: Callable[[Tensor], Tensor]) -> PackedBatch:
+        """A batch holding fn(tensor) for each tensor field (max_seqlen kept)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return PackedBatch(**{k: fn(v) if isinstance(v, Tensor) else v for k, v in values.items()})
 
 
 class SelfAttention(nn.Module):

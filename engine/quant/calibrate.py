@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -107,19 +107,6 @@ def manifest_items(frontend, codec, requests: list[CalibRequest], source: str) -
     return items
 
 
-def _copy_batch(batch: PackedBatch) -> PackedBatch:
-    return PackedBatch(
-        **{
-            f.name: (
-                getattr(batch, f.name).clone()
-                if isinstance(getattr(batch, f.name), torch.Tensor)
-                else getattr(batch, f.name)
-            )
-            for f in fields(batch)
-        }
-    )
-
-
 @torch.inference_mode()
 def record_batches(
     model: OmniVoiceModel,
@@ -137,7 +124,7 @@ def record_batches(
 
     def keep(module, args):
         if calls[0] % gen.num_step in steps:
-            recorded.append(_copy_batch(args[0]))
+            recorded.append(args[0].apply(torch.clone))
         calls[0] += 1
 
     handle = model.register_forward_pre_hook(keep)
