@@ -45,10 +45,10 @@ def table(rows: list[dict[str, Any]], columns: list[str], markup: tuple[str, ...
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def _audio(report_dir: Path, job: JobDir, rel: str | None) -> str:
+def _audio(job: JobDir, rel: str | None) -> str:
     if not rel:
         return ""
-    src = os.path.relpath(job.path / rel, report_dir)
+    src = os.path.relpath(job.path / rel, job.report_dir)
     return f'<audio controls preload="none" src="{escape(src)}"></audio>'
 
 
@@ -72,8 +72,8 @@ def _ab_section(job: JobDir, a: str, b: str) -> tuple[str, dict[str, Any]]:
     stat_rows = [{"metric": m, **s} for m, s in stats.items()]
     worst = sorted(rows, key=lambda r: -r["mel_lsd_db"])[:PLAYERS]
     for r in worst:
-        r["A"] = _audio(job.report_dir, job, r["wav_a"])
-        r["B"] = _audio(job.report_dir, job, r["wav_b"])
+        r["A"] = _audio(job, r["wav_a"])
+        r["B"] = _audio(job, r["wav_b"])
     players = table(
         worst,
         ["id", "bucket", "seconds_a", "seconds_b", "mel_lsd_db", "snr_db", "correlation"],
@@ -142,7 +142,7 @@ def write_report(job: JobDir) -> Path:
     if len(variants) == 1 and ok:
         sample = sorted(ok, key=lambda r: r["id"])[:PLAYERS]
         for r in sample:
-            r["listen"] = _audio(job.report_dir, job, r["wav_path"])
+            r["listen"] = _audio(job, r["wav_path"])
         columns = ["id", "bucket", "audio_seconds", "rtf"]
         parts += ["<h2>Samples</h2>", table(sample, columns, markup=("listen",))]
     if problems:
