@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import tempfile
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,7 +230,7 @@ class PromptCache:
     def _publish(self, key: str, prompt: VoicePrompt) -> None:
         final = self.entry_dir(key)
         final.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".tmp-{uuid.uuid4().hex[:8]}-", dir=final.parent))
+        staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
         try:
             prompt.save(staging / ENTRY_STEM)
             os.rename(staging, final)  # atomic; fails when another writer published first
