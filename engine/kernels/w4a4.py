@@ -5,7 +5,7 @@ and `forward(x, packed) -> y`.
 
 - `CudaW4A4Backend`: the csrc/ kernels (Hopper, sm_90a): activation quantization + low-rank down in one
   kernel, INT8-tensor-core GEMM + low-rank up in the other. `prepare` repacks the canonical layout once.
-- `ReferenceBackend`: engine/quant/reference.py in plain torch, on any device.
+- `ReferenceW4A4Backend`: engine/quant/reference.py in plain torch, on any device.
 
 The kernels' packed operand layout is defined here in torch (`pack_operand` / `unpack_operand`) and in
 csrc/w4a4_common.cuh; the GPU tests hold the two to each other.
@@ -165,14 +165,7 @@ class CudaW4A4Backend:
         return y.reshape(*lead, n)
 
 
-class ReferenceBackend(ReferenceW4A4Backend):
-    """engine/quant/reference.py: correct everywhere, fast nowhere."""
-
-    def can_use(self, device) -> tuple[bool, str]:
-        return True, ""
-
-
-BACKENDS = (CudaW4A4Backend, ReferenceBackend)
+BACKENDS = (CudaW4A4Backend, ReferenceW4A4Backend)
 
 
 def w4a4_backend_report(device) -> list[tuple[str, bool, str]]:

@@ -98,9 +98,13 @@ def layer_tensors(layer) -> W4A4Tensors:
 
 
 class ReferenceW4A4Backend:
-    """The backend interface (`prepare`, `forward`) over the reference: any device, no build step."""
+    """The backend interface over the reference: any device, no build step; correct everywhere, fast
+    nowhere."""
 
     name = "reference"
+
+    def can_use(self, device) -> tuple[bool, str]:
+        return True, ""
 
     def prepare(self, layer) -> W4A4Tensors:
         return layer_tensors(layer)
