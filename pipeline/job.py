@@ -18,6 +18,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from engine.config import resolve_device
 from engine.errors import InputError
 from pipeline import manifest as manifest_mod
 from pipeline.atomic import write_bytes_atomic, write_json_atomic
@@ -191,18 +192,10 @@ def _task(
 def reusable_engines(cfg: JobConfig, sizer: Sizer | None) -> dict[str, Any]:
     """Local mode on the CPU can run shards on the engine that planned them (loaded on the CPU)."""
     engine = getattr(sizer, "engine", None)
+    if not cfg.local or getattr(getattr(engine, "device", None), "type", None) != "cpu":
+        return {}
     variant = cfg.variant_names()[0]
-    on_cpu = getattr(getattr(engine, "device", None), "type", None) == "cpu"
-    wants_cpu = cfg.engine_config(variant).device == "cpu" or (
-        cfg.engine_config(variant).device == "auto" and not _cuda_available()
-    )
-    return {variant: engine} if cfg.local and engine is not None and on_cpu and wants_cpu else {}
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    return {variant: engine} if resolve_device(cfg.engine_config(variant).device).type == "cpu" else {}
 
 
 def execute(

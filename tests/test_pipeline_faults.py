@@ -296,3 +296,16 @@ def test_submit_never_writes_into_a_folder_that_is_not_a_job(tmp_path: Path):
     with pytest.raises(JobDirError, match=r"already holds other files \(notes.txt\)"):
         submit(_fake_cfg(m), tmp_path / "busy", lambda cfg: _fake_sizer)
     assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == ["notes.txt"]
+
+
+def test_local_cpu_mode_runs_shards_on_the_planning_engine():
+    from types import SimpleNamespace
+
+    from pipeline.job import reusable_engines
+
+    sizer = SimpleNamespace(engine=FakeEngine(None))  # FakeEngine sits on the CPU
+    assert reusable_engines(_fake_cfg(None, "engine.device=cpu"), sizer) == {"default": sizer.engine}
+    assert reusable_engines(_fake_cfg(None, "engine.device=cpu", "local=false"), sizer) == {}
+    assert reusable_engines(_fake_cfg(None, "engine.device=cpu"), lambda row: None) == {}
+    auto = reusable_engines(_fake_cfg(None, "engine.device=auto"), sizer)
+    assert auto == ({} if torch.cuda.is_available() else {"default": sizer.engine})
