@@ -1,5 +1,6 @@
 """End to end on the tiny checkpoint through a local Ray with two CPU actors: 40+ rows in 3+ buckets,
-bad rows rejected while the others run; then an actor killed mid-job.
+bad rows rejected while the others run; then an actor killed mid-job, an actor that keeps dying, one
+that cannot start, an error inside an actor, and a local Ray too small for the pool.
 
 One Ray session for the module (2 CPUs, no dashboard). The engine runs 4 decoding steps instead of 32
 to keep the CPU suite short; everything else is the product's default path.
