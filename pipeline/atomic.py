@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,22 +20,26 @@ import soundfile as sf
 TMP_MARK = ".ovtmp-"
 
 
-def _atomic_target(path: Path) -> tuple[int, str]:
+@contextmanager
+def _replacing(path: Path) -> Iterator[str]:
+    """A temp file beside `path` to write; it replaces `path` when the block ends, or is deleted if the
+    block raises."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    return tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = _atomic_target(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    with _replacing(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -41,22 +47,10 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 
 
 def write_parquet_atomic(path: Path, table: pa.Table) -> None:
-    fd, tmp = _atomic_target(path)
-    os.close(fd)
-    try:
+    with _replacing(path) as tmp:
         pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_wav_atomic(path: Path, audio: np.ndarray, sample_rate: int) -> None:
-    fd, tmp = _atomic_target(path)
-    os.close(fd)
-    try:
+    with _replacing(path) as tmp:
         sf.write(tmp, audio, sample_rate, subtype="PCM_16", format="WAV")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
