@@ -1,9 +1,11 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from engine.errors import QuantError
+from engine.quant import format as format_module
 from engine.quant.format import (
     FORMAT_VERSION,
     QuantMeta,
@@ -88,6 +90,17 @@ def test_safetensors_roundtrip(tmp_path):
     assert set(got) == set(state) and all(torch.equal(got[k], state[k]) for k in state)
     back = W4A4Tensors.from_state("llm.layers.0.mlp.up_proj", got)
     assert back.rank == 16 and back.in_features == 128 and back.out_features == 96
+
+
+def test_failed_write_leaves_neither_file_nor_temporary(tmp_path, monkeypatch):
+    def disk_full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(format_module, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        _write(tmp_path)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_truncated_file_is_refused(tmp_path):

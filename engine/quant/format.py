@@ -258,8 +258,11 @@ def write_w4a4_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor]
         HEADER_CHECKSUM_KEY: tensors_checksum(cpu),
     }
     tmp = path.with_name(path.name + ".tmp")
-    save_file(cpu, str(tmp), metadata=header)
-    os.replace(tmp, path)
+    try:
+        save_file(cpu, str(tmp), metadata=header)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_w4a4_safetensors(
