@@ -63,9 +63,10 @@ class Plan:
 
     @property
     def fingerprint(self) -> str:
-        """Hash of what the plan will produce: shards, their rows and row keys."""
+        """Hash of what the plan will produce: shards, their rows and row keys, and which rows are rejected
+        (not the wording of why: an error text from storage may differ between two identical submissions)."""
         items = [[s.index, s.variant, [(r.id, r.row_key) for r in s.rows]] for s in self.shards]
-        items.append([[r.row_index, r.id, r.reason] for r in self.rejected])
+        items.append([[r.row_index, r.id] for r in self.rejected])
         return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:32]
 
     def to_json(self) -> dict[str, Any]:

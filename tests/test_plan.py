@@ -72,6 +72,17 @@ def test_plan_json_round_trip_and_fingerprint():
     keys["default"][rows[0].id] = "changed"
     assert make_plan(rows, [], sizes, keys, BUCKETS, 1024, 2000, 64).fingerprint != plan.fingerprint
 
+    def with_rejection(index: int, rid: str, reason: str) -> str:
+        return make_plan(
+            rows, [Rejection(index, rid, reason)], sizes, keys, BUCKETS, 1024, 2000, 64
+        ).fingerprint
+
+    reworded = (
+        with_rejection(99, "x", "unreadable (request 1)"),
+        with_rejection(99, "x", "unreadable (request 2)"),
+    )
+    assert reworded[0] == reworded[1] != with_rejection(98, "y", "unreadable (request 1)")
+
 
 def test_a_row_bigger_than_the_budget_gets_its_own_shard():
     rows, _ = _rows(3, random.Random(0))
