@@ -212,7 +212,7 @@ class Engine:
         if req.ref_audio is None:
             if req.ref_text is not None:
                 raise InputError(
-                    f"ref_text {req.ref_text[:40]!r} is given without ref_audio: add the reference clip, "
+                    f"ref_text {req.ref_text!r:.40} is given without ref_audio: add the reference clip, "
                     "or drop ref_text for voice design / auto voice."
                 )
             return None
@@ -267,8 +267,11 @@ class Engine:
                 f"{tuple(getattr(tokens, 'shape', ()))} are not int64 codes [{codebooks}, frames>0] in "
                 f"0..{size - 1}: build the prompt with this engine's codec."
             )
-        if not prompt.ref_text or not prompt.ref_text.strip():
-            raise InputError("voice prompt has an empty ref_text: rebuild it with the clip's transcript.")
+        if not isinstance(prompt.ref_text, str) or not prompt.ref_text.strip():
+            raise InputError(
+                f"voice prompt has an empty ref_text ({prompt.ref_text!r:.40}): rebuild it with the clip's "
+                "transcript."
+            )
         return prompt
 
     # ---------------------------------------------------------------------------------- synthesize

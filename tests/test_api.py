@@ -203,6 +203,7 @@ def test_long_text_is_chunked_and_cross_faded(chunking_engine, with_clip):
         ({"text": "Hi.", "ref_audio": str(CLIP)}, InputError, "has no transcript"),
         ({"text": "Hi.", "ref_audio": str(CLIP), "ref_text": "  "}, InputError, "has no transcript"),
         ({"text": "Hi.", "ref_text": "words"}, InputError, "without ref_audio"),
+        ({"text": "Hi.", "ref_text": 7}, InputError, "ref_text 7 is given without ref_audio"),
         ({"text": "Hi.", "language": "Klingonese"}, InputError, "Klingonese"),
         ({"text": "Hi.", "speed": -1.0}, InputError, "speed=-1.0"),
         ({"text": "Hi.", "duration": 0.0}, InputError, "duration=0.0"),
@@ -233,6 +234,8 @@ def test_bad_voice_prompts(engine):
         engine.prepare(SynthRequest(text="Hi.", prompt=out_of_range))
     with pytest.raises(InputError, match="empty ref_text"):
         engine.prepare(SynthRequest(text="Hi.", prompt=VoicePrompt(good.tokens, " ", good.ref_rms)))
+    with pytest.raises(InputError, match=r"empty ref_text \(None\)"):
+        engine.prepare(SynthRequest(text="Hi.", prompt=VoicePrompt(good.tokens, None, good.ref_rms)))
 
 
 def test_precision_must_fit_the_checkpoint():
