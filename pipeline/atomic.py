@@ -27,6 +27,7 @@ def _replacing(path: Path) -> Iterator[str]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
     os.close(fd)
+    os.chmod(tmp, 0o644)  # mkstemp makes owner-only files; outputs are read by other users and containers
     try:
         yield tmp
         os.replace(tmp, path)

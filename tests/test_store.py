@@ -28,6 +28,13 @@ def test_write_bytes_atomic_replaces_whole_files(tmp_path: Path):
     assert [q.name for q in p.parent.iterdir()] == ["x.json"]
 
 
+def test_written_files_are_readable_by_others(tmp_path: Path):
+    atomic.write_bytes_atomic(tmp_path / "x.json", b"{}")
+    atomic.write_wav_atomic(tmp_path / "x.wav", np.zeros(240, dtype=np.float32), 24000)
+    for name in ("x.json", "x.wav"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o644
+
+
 def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path: Path, monkeypatch):
     p = tmp_path / "x.wav"
     atomic.write_wav_atomic(p, np.zeros(800, np.float32), 8000)
