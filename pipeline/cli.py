@@ -106,7 +106,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from pipeline.demo import run_demo
 
-    return _print_outcome(run_demo(args.out, local=args.local, overrides=list(args.overrides)))
+    return _print_outcome(run_demo(args.out, local=args.local, overrides=list(args.overrides), ab=args.ab))
 
 
 def cmd_manifest_check(args: argparse.Namespace) -> int:
@@ -194,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("demo", help="run a small job on the tiny checkpoint through local Ray")
     sp.add_argument("--out", default="out/demo", help="job directory (default: out/demo)")
     sp.add_argument("--local", action="store_true", help="run in this process instead of on Ray actors")
+    sp.add_argument("--ab", action="store_true", help="float32 vs W4A4 tiny model, with the A/B report")
     sp.add_argument("overrides", nargs="*", metavar="key=value")
     sp.set_defaults(func=cmd_demo)
 

@@ -187,3 +187,17 @@ def test_ab_job_through_the_real_engine(tmp_path: Path, tmp_path_factory):
     assert ab[0]["variant_a"] == "fp32" and ab[0]["variant_b"] == "bf16" and ab[0]["rows"] == 3
     assert all(math.isfinite(ab[0]["metrics"][m]["median"]) for m in ("duration_ratio", "mel_lsd_db"))
     assert "A/B: bf16 against fp32" in (outcome.job.report_dir / "index.html").read_text()
+
+
+def test_demo_ab_runs_float32_against_w4a4(tmp_path: Path):
+    """`ovbatch demo --ab`: the tiny checkpoint quantized to W4A4 once, both variants over the demo rows."""
+    from pipeline.demo import DEMO_ROWS, run_demo
+
+    outcome = run_demo(
+        tmp_path / "job", local=True, overrides=["engine.generation.num_step=4", "progress=false"], ab=True
+    )
+    results = outcome.job.read_results().to_pylist()
+    assert sorted({(r["variant"], r["precision"]) for r in results}) == [("fp32", "fp32"), ("w4a4", "w4a4")]
+    assert [r["status"] for r in results] == ["ok"] * (2 * DEMO_ROWS)
+    ab = json.loads((outcome.job.report_dir / "ab.json").read_text())
+    assert ab[0]["variant_a"] == "fp32" and ab[0]["variant_b"] == "w4a4" and ab[0]["rows"] == DEMO_ROWS
