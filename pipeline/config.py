@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from engine.config import EngineConfig
 from engine.errors import InputError
+from pipeline.messages import first_line
 
 DEFAULT_VARIANT = "default"
 _VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -62,12 +63,8 @@ class JobConfig:
             return OmegaConf.to_object(merged)
         except OmegaConfBaseException as e:
             raise InputError(
-                f"variants.{variant}: {_short(e)}. Use keys of `engine:` (see jobs/ab.yaml)."
+                f"variants.{variant}: {first_line(e)}. Use keys of `engine:` (see jobs/ab.yaml)."
             ) from None
-
-
-def _short(e: Exception) -> str:
-    return str(e).splitlines()[0]
 
 
 def load_job_config(
@@ -82,7 +79,7 @@ def load_job_config(
         try:
             layers.append(OmegaConf.load(path))
         except Exception as e:  # yaml parse errors come in several types
-            raise InputError(f"config file {str(path)!r} is not valid YAML: {_short(e)}") from None
+            raise InputError(f"config file {str(path)!r} is not valid YAML: {first_line(e)}") from None
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise InputError(f"override {bad[0]!r} is not key=value (e.g. engine.precision=fp16).")
@@ -90,7 +87,7 @@ def load_job_config(
     try:
         cfg: JobConfig = OmegaConf.to_object(OmegaConf.merge(*layers))
     except OmegaConfBaseException as e:
-        raise InputError(f"job config: {_short(e)}") from None
+        raise InputError(f"job config: {first_line(e)}") from None
     validate(cfg)
     return cfg
 

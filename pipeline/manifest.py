@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from engine.errors import AudioError, InputError, OVBatchError
 from engine.frontend.audio import ReferenceSettings, decode, rms
 from pipeline.atomic import write_bytes_atomic
+from pipeline.messages import first_line
 
 
 class ManifestError(OVBatchError):
@@ -121,10 +122,6 @@ def read_bytes(location: str) -> bytes:
 # ---------------------------------------------------------------- the table
 
 
-def _first_line(e: BaseException) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
-
-
 def _read_table(source: str) -> pa.Table:
     try:
         fs, path = open_location(source)
@@ -137,7 +134,7 @@ def _read_table(source: str) -> pa.Table:
     except ManifestError:
         raise
     except (pa.ArrowException, OSError, ValueError) as e:
-        reason = _first_line(e)
+        reason = first_line(e)
         raise ManifestError(f"manifest {source!r} is not a readable Parquet file ({reason}).") from None
 
 
@@ -221,7 +218,7 @@ def _probe_clip(location: str, clip_dir: Path | None, max_seconds: float) -> _Cl
         data = read_bytes(location)
     except (FileNotFoundError, pa.ArrowException, OSError) as e:
         missing = isinstance(e, FileNotFoundError) or "not found" in str(e).lower()
-        kind = "not found" if missing else f"unreadable ({_first_line(e)})"
+        kind = "not found" if missing else f"unreadable ({first_line(e)})"
         return _Clip(
             None,
             None,

@@ -20,6 +20,7 @@ from typing import Any
 
 from engine.errors import OVBatchError
 from pipeline.config import JobConfig
+from pipeline.messages import first_line
 from pipeline.runner import ShardRunner, ShardTask
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ class ActorPool:
                     if not died(e):
                         cause = getattr(e, "cause", None) or e  # a RayTaskError's text opens with its pid
                         raise OVBatchError(
-                            f"shard {task.index} could not run: {type(cause).__name__}: {_first_line(cause)}"
+                            f"shard {task.index} could not run: {type(cause).__name__}: {first_line(cause)}"
                         ) from e
                     if getattr(e, "actor_init_failed", False):  # every replacement would fail the same way
                         raise OVBatchError(
@@ -157,7 +158,7 @@ class ActorPool:
     ) -> list[tuple[ShardTask, list[dict[str, Any]]]]:
         import ray
 
-        log.warning("actor %s died: %s", slot.name, _first_line(e))
+        log.warning("actor %s died: %s", slot.name, first_line(e))
         refs = list(slot.inflight)
         lost = [owner.pop(r)[1] for r in refs]
         given_up: list[tuple[ShardTask, list[dict[str, Any]]]] = []
@@ -167,7 +168,7 @@ class ActorPool:
         if running.attempt >= max_attempts:
             reason = (
                 f"the worker running this shard died {running.attempt} time(s) "
-                f"(ray.max_shard_attempts={max_attempts}); last: {_first_line(e)}"
+                f"(ray.max_shard_attempts={max_attempts}); last: {first_line(e)}"
             )
             given_up.append((running, failed_rows(running, reason)))
         else:
@@ -211,11 +212,6 @@ def failed_rows(task: ShardTask, reason: str) -> list[dict[str, Any]]:
         }
         for r in task.rows
     ]
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:300] if text else type(e).__name__
 
 
 def _last_line(e: BaseException) -> str:
