@@ -28,8 +28,9 @@ test: setup
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu
 
+# On a CUDA machine; parity and generate also need the official `omnivoice` package installed.
 bench: setup
-	$(PY) bench/run_all.py
+	PY=$(PY) bash bench/gpu_session.sh parity generate codec-parity codec quantize pipeline kernels
 
 build-ext: setup
 	$(PY) -m engine.kernels.build

@@ -8,24 +8,25 @@ set -u
 out=${OUT:-/tmp/ovbatch-out}
 mkdir -p "$out/logs"
 [ -f .devwheels/activate ] && source .devwheels/activate
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+PY=${PY:-python3}  # the interpreter that has torch (make bench passes the venv's)
+export PY PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/logs/gpu.txt" 2>&1
 
 step() {
   case $1 in
-    tests)        python3 -m pytest -q -m gpu ${GPU_TESTS:-tests} ;;
-    official)     python3 -m pytest -q -m official tests ;;
-    parity)       python3 bench/parity.py ;;
-    generate)     python3 bench/generate.py --reps 3 ;;
-    codec-parity) python3 bench/codec_parity.py ;;
-    codec)        python3 bench/codec.py ;;
-    quantize)     python3 bench/quantize.py ;;
-    pipeline)     python3 bench/pipeline.py --rows ${PIPELINE_ROWS:-512} ;;
-    kernels)      python3 bench/kernels.py ;;
+    tests)        $PY -m pytest -q -m gpu ${GPU_TESTS:-tests} ;;
+    official)     $PY -m pytest -q -m official tests ;;
+    parity)       $PY bench/parity.py ;;
+    generate)     $PY bench/generate.py --reps 3 ;;
+    codec-parity) $PY bench/codec_parity.py ;;
+    codec)        $PY bench/codec.py ;;
+    quantize)     $PY bench/quantize.py ;;
+    pipeline)     $PY bench/pipeline.py --rows ${PIPELINE_ROWS:-512} ;;
+    kernels)      $PY bench/kernels.py ;;
     kernels-nospill)  # the GEMM without the 2-blocks-per-SM register cap: tests, then the bench
       export OVBATCH_KERNEL_DEFINES=-DW4A4_GEMM_MIN_BLOCKS=1
-      python3 -m pytest -q -m gpu tests/test_kernels.py &&
-        python3 bench/kernels.py --out bench/results/kernels-h200-min-blocks-1.json ;;
+      $PY -m pytest -q -m gpu tests/test_kernels.py &&
+        $PY bench/kernels.py --out bench/results/kernels-h200-min-blocks-1.json ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
 }
