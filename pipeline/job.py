@@ -8,6 +8,7 @@ rerun JOB                   runs exactly the shards whose result file is missing
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -23,10 +24,13 @@ from engine.errors import InputError
 from pipeline import manifest as manifest_mod
 from pipeline.atomic import write_bytes_atomic, write_json_atomic
 from pipeline.config import JobConfig, load_job_config, to_yaml
+from pipeline.messages import first_line
 from pipeline.plan import Plan, RowSize, Sizer, make_plan, plan_differences
 from pipeline.runner import ShardRunner, ShardTask, run_local
 from pipeline.store import JobDir, JobDirError
 from pipeline.summary import summarize
+
+log = logging.getLogger(__name__)
 
 Executor = Callable[[list[ShardTask]], Iterator[tuple[ShardTask, list[dict[str, Any]]]]]
 
@@ -65,6 +69,11 @@ def plan_job(
             sizes[row.id] = sizer(row)
         except InputError as e:  # the engine's frontend refused the row (AudioError included)
             rejected.append(manifest_mod.Rejection(row.row_index, row.id, str(e)))
+            continue
+        except Exception as e:  # one row must not stop the job; the reason keeps what went wrong
+            reason = f"could not be prepared ({type(e).__name__}: {first_line(e)}); check its inputs"
+            log.warning("row %s: %s", row.id, reason)
+            rejected.append(manifest_mod.Rejection(row.row_index, row.id, reason))
             continue
         rows.append(row)
     keys = {}

@@ -207,6 +207,19 @@ def test_rerun_runs_only_the_failed_rows_and_never_rewrites_an_ok_row(tmp_path: 
         rerun(job.path, ["engine.generation.num_step=8"])
 
 
+def test_a_row_whose_preparation_crashes_is_rejected_and_the_others_run(tmp_path: Path):
+    def sizer(row) -> RowSize:
+        if row.id == "r02":
+            raise RuntimeError("codec exploded")
+        return _fake_sizer(row)
+
+    FakeEngine.fail_ids = set()
+    outcome = submit(_fake_cfg(_manifest(tmp_path / "m.parquet", 5)), tmp_path / "job", lambda cfg: sizer)
+    results = {r["id"]: r for r in outcome.job.read_results().to_pylist()}
+    assert [results[f"r{i:02d}"]["status"] for i in range(5)] == ["ok", "ok", "rejected", "ok", "ok"]
+    assert "RuntimeError: codec exploded" in results["r02"]["error"]
+
+
 def test_a_resubmitted_job_must_be_the_same_job(tmp_path: Path):
     m = _manifest(tmp_path / "m.parquet", 4)
     submit(_fake_cfg(m), tmp_path / "job", lambda cfg: _fake_sizer)
