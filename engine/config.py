@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,12 @@ from typing import Any
 import torch
 
 from engine.errors import CheckpointError, InputError
+
+
+def cache_root() -> Path:
+    """Where the engine keeps what it builds (tiny checkpoint, compiled kernels): $OVBATCH_CACHE or
+    ~/.cache/ovbatch."""
+    return Path(os.environ.get("OVBATCH_CACHE") or Path.home() / ".cache" / "ovbatch")
 
 
 @dataclass(frozen=True)

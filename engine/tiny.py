@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.config import LLMConfig, ModelConfig
+from engine.config import LLMConfig, ModelConfig, cache_root
 from engine.model import OmniVoiceModel
 
 TINY_VERSION = 3
@@ -84,13 +84,9 @@ def _complete(ckpt_dir: Path) -> bool:
     return all((ckpt_dir / name).exists() for name in needed)
 
 
-def default_cache_root() -> Path:
-    return Path(os.environ.get("OVBATCH_CACHE") or Path.home() / ".cache" / "ovbatch")
-
-
 def ensure_tiny_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     """The tiny checkpoint directory (<cache root>/tiny-v<version>), built on first use."""
-    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
     target = root / f"tiny-v{TINY_VERSION}"
     if _complete(target):
         return target

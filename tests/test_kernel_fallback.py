@@ -121,3 +121,11 @@ def test_one_fma_recovers_dot_times_scale_exactly():
         "fp16 scales stay as stored"
     )
     assert ((ws * OPERAND_SCALE - scales.double()).abs() <= scales.double() * 2.0**-22).all()
+
+
+def test_kernel_builds_are_cached_under_ovbatch_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv("OVBATCH_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("OVBATCH_CACHE", str(tmp_path))
+    assert build.cache_dir().parent == tmp_path / "kernels"
+    monkeypatch.setenv("OVBATCH_KERNEL_CACHE", str(tmp_path / "elsewhere"))
+    assert build.cache_dir().parent == tmp_path / "elsewhere"

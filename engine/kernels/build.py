@@ -3,8 +3,9 @@
 `python -m engine.kernels.build` builds it (same as `make build-ext`) and prints where it went. The build
 directory is keyed by the sources' hash, the torch version and the CUDA version, so an edit or an
 upgrade rebuilds and an unchanged tree loads the cached library in well under a second.
-Set OVBATCH_KERNEL_CACHE to move the cache (default ~/.cache/ovbatch/kernels); OVBATCH_KERNEL_DEFINES
-passes tuning knobs (see `tuning_defines`).
+Set OVBATCH_KERNEL_CACHE to move the cache (default: <$OVBATCH_CACHE or ~/.cache/ovbatch>/kernels, so
+containers keep their builds on the shared volume); OVBATCH_KERNEL_DEFINES passes tuning knobs (see
+`tuning_defines`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from engine.config import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ def tuning_defines() -> list[str]:
 
 
 def cache_dir() -> Path:
-    root = Path(os.environ.get("OVBATCH_KERNEL_CACHE", Path.home() / ".cache" / "ovbatch" / "kernels"))
+    root = Path(os.environ.get("OVBATCH_KERNEL_CACHE") or cache_root() / "kernels")
     digest = hashlib.sha256()
     for name in SOURCES + HEADERS:
         digest.update(name.encode())
