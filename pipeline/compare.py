@@ -6,6 +6,8 @@ Per row, on the two waveforms:
                   the dB difference, averaged over the frames both clips have (0 = identical spectra)
   snr_db          10 log10(sum a^2 / sum (a - b)^2) over the common length (inf when identical)
   correlation     Pearson correlation of the waveforms over the common length
+A row whose two wavs cannot be compared (one unreadable or empty, sample rates differ) keeps its place with
+comparable=False, the reason, and no metrics.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ import soundfile as sf
 
 from engine.errors import OVBatchError
 from pipeline.atomic import write_parquet_atomic
+from pipeline.messages import first_line
 from pipeline.store import JobDir
 
 N_FFT = 1024
 HOP = 256
 N_MELS = 80
 DB_FLOOR = -100.0
+METRICS = ("duration_ratio", "mel_lsd_db", "snr_db", "correlation")
 
 
 def _hz_to_mel(f: np.ndarray) -> np.ndarray:
@@ -85,9 +89,30 @@ def _read(job: JobDir, rel: str) -> tuple[np.ndarray, int]:
     return audio[:, 0], sr
 
 
+def _pair(job: JobDir, pair: list[tuple[str, str]]) -> tuple[dict[str, float | None], str | None]:
+    """Metrics of one row's two wavs [(variant, wav path)] x 2, or no metrics and why they cannot be
+    compared."""
+    waves = []
+    for variant, rel in pair:
+        try:
+            audio, sr = _read(job, rel)
+        except (sf.SoundFileError, OSError) as e:
+            return dict.fromkeys(METRICS), f"the {variant} wav cannot be read ({first_line(e)})"
+        if len(audio) == 0:
+            return dict.fromkeys(METRICS), f"the {variant} wav holds no samples"
+        waves.append((audio, sr))
+    (a, sr_a), (b, sr_b) = waves
+    if sr_a != sr_b:
+        return dict.fromkeys(METRICS), (
+            f"the {pair[0][0]} wav is {sr_a} Hz and the {pair[1][0]} wav {sr_b} Hz: A/B variants must share "
+            "the codec's sample rate"
+        )
+    return pair_metrics(a, b, sr_a), None
+
+
 def compare_variants(job: JobDir, variant_a: str, variant_b: str) -> list[dict[str, Any]]:
-    """Metrics for every row ok in both variants; written to report/compare.parquet beside the rows of the
-    job's other pairs."""
+    """One row per id ok in both variants (metrics, or comparable=False and the reason); written to
+    report/compare.parquet beside the rows of the job's other pairs."""
     results = job.read_results().to_pylist()
     ok = {(r["variant"], r["id"]): r for r in results if r["status"] == "ok"}
     rows = []
@@ -95,13 +120,7 @@ def compare_variants(job: JobDir, variant_a: str, variant_b: str) -> list[dict[s
         rb = ok.get((variant_b, row_id))
         if variant != variant_a or rb is None:
             continue
-        a, sr_a = _read(job, ra["wav_path"])
-        b, sr_b = _read(job, rb["wav_path"])
-        if sr_a != sr_b:
-            raise OVBatchError(
-                f"row {row_id!r}: {variant_a} wav is {sr_a} Hz, {variant_b} is {sr_b} Hz; "
-                "A/B variants must share the codec's sample rate."
-            )
+        metrics, reason = _pair(job, [(variant_a, ra["wav_path"]), (variant_b, rb["wav_path"])])
         rows.append(
             {
                 "id": row_id,
@@ -114,7 +133,9 @@ def compare_variants(job: JobDir, variant_a: str, variant_b: str) -> list[dict[s
                 "rtf_b": rb["rtf"],
                 "wav_a": ra["wav_path"],
                 "wav_b": rb["wav_path"],
-                **pair_metrics(a, b, sr_a),
+                "comparable": reason is None,
+                "reason": reason,
+                **metrics,
             }
         )
     path = job.report_dir / "compare.parquet"

@@ -12,7 +12,7 @@ from typing import Any
 
 from pipeline import svgplot
 from pipeline.atomic import write_bytes_atomic, write_json_atomic
-from pipeline.compare import compare_variants
+from pipeline.compare import METRICS, compare_variants
 from pipeline.store import JobDir
 from pipeline.summary import summarize
 
@@ -67,10 +67,11 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 def _ab_section(job: JobDir, a: str, b: str) -> tuple[str, dict[str, Any]]:
     rows = compare_variants(job, a, b)
-    metrics = ("duration_ratio", "mel_lsd_db", "snr_db", "correlation")
-    stats = {m: _stats([r[m] for r in rows]) for m in metrics}
+    compared = [r for r in rows if r["comparable"]]
+    skipped = [r for r in rows if not r["comparable"]]
+    stats = {m: _stats([r[m] for r in compared]) for m in METRICS}
     stat_rows = [{"metric": m, **s} for m, s in stats.items()]
-    worst = sorted(rows, key=lambda r: -r["mel_lsd_db"])[:PLAYERS]
+    worst = sorted(compared, key=lambda r: -r["mel_lsd_db"])[:PLAYERS]
     for r in worst:
         r["A"] = _audio(job, r["wav_a"])
         r["B"] = _audio(job, r["wav_b"])
@@ -82,20 +83,32 @@ def _ab_section(job: JobDir, a: str, b: str) -> tuple[str, dict[str, Any]]:
     plots = "".join(
         [
             svgplot.histogram(
-                {"mel LSD (dB)": [r["mel_lsd_db"] for r in rows]}, f"log-mel LSD, {b} vs {a} (dB)"
+                {"mel LSD (dB)": [r["mel_lsd_db"] for r in compared]}, f"log-mel LSD, {b} vs {a} (dB)"
             ),
             svgplot.scatter(
-                {"rows": [(r["seconds_a"], r["seconds_b"]) for r in rows]}, f"{a} seconds", f"{b} seconds"
+                {"rows": [(r["seconds_a"], r["seconds_b"]) for r in compared]}, f"{a} seconds", f"{b} seconds"
             ),
         ]
     )
+    counts = f"{len(rows)} rows ok in both" + (f", {len(skipped)} not comparable" if skipped else "")
     html = (
-        f"<h2>A/B: {escape(b)} against {escape(a)} ({len(rows)} rows ok in both)</h2>"
+        f"<h2>A/B: {escape(b)} against {escape(a)} ({counts})</h2>"
         f"{table(stat_rows, ['metric', 'rows', 'median', 'mean', 'min', 'max'])}"
         f'<div class="plots">{plots}</div>'
         f"<h3>Largest spectral differences (listen)</h3>{players}"
     )
-    return html, {"variant_a": a, "variant_b": b, "rows": len(rows), "metrics": stats}
+    if skipped:
+        html += f"<h3>Not comparable (first {LISTED_PROBLEMS})</h3>" + table(
+            skipped[:LISTED_PROBLEMS], ["id", "reason"]
+        )
+    not_comparable = [{"id": r["id"], "reason": r["reason"]} for r in skipped]
+    return html, {
+        "variant_a": a,
+        "variant_b": b,
+        "rows": len(rows),
+        "metrics": stats,
+        "not_comparable": not_comparable,
+    }
 
 
 def write_report(job: JobDir) -> Path:

@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from engine.errors import OVBatchError
 from pipeline.atomic import write_wav_atomic
 from pipeline.compare import compare_variants, log_mel_db, mel_filterbank, pair_metrics
 from pipeline.plan import Plan, PlannedRow, Shard
@@ -122,6 +123,45 @@ def test_report_has_tables_plots_and_players(tmp_path: Path):
     assert "A/B: w4a4 against fp16" in page
     ab = json.loads((job.report_dir / "ab.json").read_text())
     assert ab[0]["rows"] == 5 and ab[0]["metrics"]["snr_db"]["median"] > 10
+
+
+def test_rows_that_cannot_be_compared_are_marked_and_the_report_is_still_written(tmp_path: Path):
+    job = _ab_job(tmp_path)
+    write_wav_atomic(job.wav_path("w4a4", "u1"), np.zeros(0, np.float32), SR)  # zero samples
+    write_wav_atomic(job.wav_path("fp16", "u3"), _tone(0.5, 300, np.random.default_rng(9)), 16000)
+    job.wav_path("w4a4", "u4").unlink()
+    rows = {r["id"]: r for r in compare_variants(job, "fp16", "w4a4")}
+    assert sorted(rows) == [f"u{i}" for i in range(5)]
+    assert rows["u1"]["comparable"] is False and "w4a4 wav holds no samples" in rows["u1"]["reason"]
+    assert rows["u3"]["comparable"] is False and "16000 Hz" in rows["u3"]["reason"]
+    assert rows["u4"]["comparable"] is False and "w4a4 wav cannot be read" in rows["u4"]["reason"]
+    for i in ("u1", "u3", "u4"):
+        assert all(rows[i][m] is None for m in ("duration_ratio", "mel_lsd_db", "snr_db", "correlation"))
+    assert rows["u0"]["comparable"] and rows["u0"]["reason"] is None and 10 < rows["u0"]["snr_db"] < 40
+    stored = pq.read_table(job.report_dir / "compare.parquet").to_pylist()
+    assert sorted((r["id"], r["comparable"]) for r in stored) == [(f"u{i}", i in (0, 2)) for i in range(5)]
+
+    page = write_report(job).read_text()
+    assert "3 not comparable" in page and "w4a4 wav holds no samples" in page
+    ab = json.loads((job.report_dir / "ab.json").read_text())[0]
+    assert ab["rows"] == 5 and ab["metrics"]["snr_db"]["rows"] == 2
+    assert math.isfinite(ab["metrics"]["snr_db"]["median"])
+    assert sorted(r["id"] for r in ab["not_comparable"]) == ["u1", "u3", "u4"]
+
+
+def test_a_pair_with_no_comparable_row_still_gets_its_section(tmp_path: Path):
+    job = _ab_job(tmp_path)
+    for i in range(5):
+        write_wav_atomic(job.wav_path("w4a4", f"u{i}"), np.zeros(0, np.float32), SR)
+    page = write_report(job).read_text()
+    assert "A/B: w4a4 against fp16 (5 rows ok in both, 5 not comparable)" in page
+    ab = json.loads((job.report_dir / "ab.json").read_text())[0]
+    assert ab["metrics"]["mel_lsd_db"] == {"rows": 0} and len(ab["not_comparable"]) == 5
+
+
+def test_pair_metrics_refuses_an_empty_waveform_by_name():
+    with pytest.raises(OVBatchError, match="holds no samples"):
+        pair_metrics(np.zeros(0, np.float32), np.ones(10, np.float32), SR)
 
 
 def _single_variant_job(root: Path) -> JobDir:
