@@ -1,4 +1,4 @@
-"""W4A4 linear (activation quantization + INT8-tensor-core GEMM + low-rank branch) against cuBLAS bf16 and
+"""W4A4 linear (activation quantization + wgmma INT8 GEMM + low-rank branch) against cuBLAS bf16 and
 FP8 `torch._scaled_mm`, at OmniVoice's layer shapes, in one run on one GPU.
 
 Every variant is captured in a CUDA graph (what the engine replays) and timed with
@@ -29,10 +29,11 @@ from engine.quant.reference import w4a4_linear_reference  # noqa: E402
 LAYERS = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
 M_VALUES = (512, 2048, 8192, 32768)
 RANK = 32
-# Ceilings measured on an H200 (../shared/anchors/README.md): device-to-device copy (read + write),
-# mma.sync m16n8k32 s8 issue rate, cuBLAS bf16 at 8192^3.
+# Ceilings: device-to-device copy (read + write) and cuBLAS bf16 at 8192^3 measured on an H200
+# (../shared/anchors/README.md); dense INT8 wgmma from NVIDIA's H100/H200 SXM datasheet (the anchors
+# measured mma.sync s8 at 1279.5 TOPS and cuBLAS fp8, the same tensor-core rate, at up to 1155).
 HBM_BYTES_PER_S = 4.3e12
-IMMA_OPS_PER_S = 1279.5e12
+WGMMA_S8_OPS_PER_S = 1979e12
 BF16_FLOPS_PER_S = 790e12
 
 
@@ -106,7 +107,7 @@ def bench_shape(layer: str, m: int, g: torch.Generator) -> dict:
     }
     ops_count = 2.0 * m * n * k
     nbytes = w4a4_bytes(m, n, k)
-    floor_us = 1e6 * max(ops_count / IMMA_OPS_PER_S, nbytes / HBM_BYTES_PER_S)
+    floor_us = 1e6 * max(ops_count / WGMMA_S8_OPS_PER_S, nbytes / HBM_BYTES_PER_S)
     row.update(
         w4a4_tops=round(ops_count / w4a4_us / 1e6, 1),
         w4a4_floor_us=round(floor_us, 2),
@@ -151,7 +152,7 @@ def main() -> int:
         "environment": environment("triton"),
         "ceilings": {
             "hbm_bytes_per_s": HBM_BYTES_PER_S,
-            "imma_s8_ops_per_s": IMMA_OPS_PER_S,
+            "wgmma_s8_ops_per_s": WGMMA_S8_OPS_PER_S,
             "bf16_flops_per_s": BF16_FLOPS_PER_S,
         },
         "notes": "W4A4 = whole linear (quantize + GEMM + low-rank, rank 32, smoothing); fp8 = GEMM only; "

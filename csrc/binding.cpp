@@ -20,12 +20,6 @@ void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "ovbatch_w4a4: ", what, " launch failed: ", cudaGetErrorString(err));
 }
 
-int sm_count(int device) {
-  int n = 0;
-  check_launch(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "multiprocessor count query");
-  return n;
-}
-
 void check_cuda(const Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), "ovbatch_w4a4: ", name, " must be a CUDA tensor, got device ", t.device());
   TORCH_CHECK(t.is_contiguous(), "ovbatch_w4a4: ", name, " must be contiguous");
@@ -135,7 +129,6 @@ Tensor gemm_lora_up(const Tensor& qact, const Tensor& ascales, const Tensor& lor
   a.N_pad = static_cast<int>(N_pad);
   a.K = static_cast<int>(K);
   a.R = static_cast<int>(R);
-  a.num_sms = sm_count(qact.get_device());
   a.bf16 = out_dtype == at::kBFloat16;
   check_launch(w4a4::launch_w4a4_gemm_lora_up(a, c10::cuda::getCurrentCUDAStream()), "w4a4_gemm_lora_up");
   return y;

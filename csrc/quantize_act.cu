@@ -1,8 +1,10 @@
 // Kernel 1: per-token, per-64 int4 activation quantization into the GEMM's packed operand layout,
 // fused with the low-rank down-projection (x @ proj_down) so that x is read from memory once.
 //
-// A block owns 16 rows; its 16 warps take the K groups in turn (warp w: groups w, w + 16, ...), and the
-// low-rank partial sums of the warps are added in shared memory at the end. Lane (gr, t) loads exactly
+// A block owns 16 rows; its warps take the K groups in turn (warp w: groups w, w + W, ...), and the
+// low-rank partial sums of the warps are added in shared memory at the end. W = 16 warps per block while
+// the grid is small (few rows: spread each row's groups over many warps), 4 once there are enough
+// blocks to fill the GPU several times over (more resident blocks hide the loads' latency better). Lane (gr, t) loads exactly
 // the elements its int8 MMA fragments need: rows gr and gr + 8, columns 16c + 4t .. 16c + 4t + 3 of the
 // group for c = 0..3, so the per-row max is a 4-lane shuffle. The low-rank product reuses the same
 // registers as bf16/fp16 MMA fragments by permuting k inside each 16-wide block (lane t's columns 4t,
@@ -19,7 +21,10 @@
 namespace w4a4 {
 namespace {
 
-constexpr int kWarpsPerBlock = 16;
+// Tuning knob (OVBATCH_KERNEL_DEFINES): 4-warp blocks from this many 16-row blocks per SM up.
+#ifndef W4A4_QUANT_SMALL_BLOCKS_FROM
+#define W4A4_QUANT_SMALL_BLOCKS_FROM 2
+#endif
 
 __device__ __forceinline__ float div_rn(float a, float b, float rb) {
   const float q = a * rb;
@@ -27,7 +32,7 @@ __device__ __forceinline__ float div_rn(float a, float b, float rb) {
   return fmaf(r, rb, q);
 }
 
-template <typename T, bool kSmooth, int R>
+template <typename T, bool kSmooth, int R, int kWarpsPerBlock>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     quantize_act_lora_down_kernel(const T* __restrict__ x, const float* __restrict__ smooth,
                                   const float* __restrict__ rsmooth, const T* __restrict__ pd_t,
@@ -145,13 +150,23 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   }
 }
 
+template <typename T, bool kSmooth, int R, int kWarps>
+cudaError_t launch_warps(const QuantizeArgs& a, cudaStream_t stream) {
+  const dim3 grid(a.M_pad / 16);
+  quantize_act_lora_down_kernel<T, kSmooth, R, kWarps><<<grid, kWarps * 32, 0, stream>>>(
+      static_cast<const T*>(a.x), a.smooth, a.smooth == nullptr ? nullptr : a.smooth + a.K,
+      static_cast<const T*>(a.pd_t), static_cast<int4*>(a.qact), a.ascales, a.lora, a.M, a.M_pad, a.K);
+  return cudaGetLastError();
+}
+
 template <typename T, bool kSmooth, int R>
 cudaError_t launch_typed(const QuantizeArgs& a, cudaStream_t stream) {
-  const dim3 grid(a.M_pad / 16);
-  quantize_act_lora_down_kernel<T, kSmooth, R><<<grid, kWarpsPerBlock * 32, 0, stream>>>(
-      static_cast<const T*>(a.x), a.smooth, a.smooth == nullptr ? nullptr : a.smooth + a.K, static_cast<const T*>(a.pd_t), static_cast<int4*>(a.qact),
-      a.ascales, a.lora, a.M, a.M_pad, a.K);
-  return cudaGetLastError();
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  return a.M_pad / 16 >= W4A4_QUANT_SMALL_BLOCKS_FROM * sms ? launch_warps<T, kSmooth, R, 4>(a, stream)
+                                 : launch_warps<T, kSmooth, R, 16>(a, stream);
 }
 
 template <typename T>

@@ -1,12 +1,12 @@
-// Shared pieces of the W4A4 kernels: operand layouts, int4 -> int8 unpacking, MMA wrappers.
+// Shared pieces of the W4A4 kernels: the packed operand layout, int4 -> int8 unpacking, MMA wrappers.
 //
 // Packed operand layout (activations and weights alike): one 16-byte record per lane of a warp for
 // each 16 x 64 tile (16 rows of M or N, one 64-wide K group), records of a tile contiguous (512 bytes).
-// Lane l = 4 * gr + t holds four 32-bit words; word i packs two m16n8k32 int8 fragment registers:
-//   low nibbles  of its 4 bytes = the register of k-step 0 (k  0..31 of the group),
-//   high nibbles of its 4 bytes = the same register of k-step 1 (k 32..63).
-// Activations (A, row-major 16 x 32 per step): word i holds rows gr + 8 * (i & 1), k = 16 * (i >> 1) + 4t + b.
-// Weights (B, 32 x 8 per step, two n8 sub-tiles): word i holds row n = 8 * (i >> 1) + gr, k = 16 * (i & 1) + 4t + b.
+// Lane l = 4 * gr + t holds four 32-bit words; word i holds rows gr + 8 * (i & 1), k = 16 * (i >> 1) + 4t + b
+// (b the byte): low nibbles for k 0..31 of the group, high nibbles for k 32..63. A word's low (high)
+// nibbles are thus exactly the int8 A-fragment register i of an m16n8k32 MMA, or of a wgmma m64nNk32 for
+// the warp's 16 rows, for k-step 0 (1). The weights use it as wgmma A fragments directly; the GEMM
+// unpacks the activations into wgmma's shared-memory layout (csrc/w4a4_gemm.cu).
 // engine/kernels/w4a4.py builds and reads the same layout in torch (tests compare against it).
 #pragma once
 #include <cstdint>
@@ -21,16 +21,6 @@ constexpr int kGroup = 64;
 // Both operands carry the factor 16, so every int32 dot product carries 256 (folded into the weight scale).
 __device__ __forceinline__ uint32_t nibbles_step0(uint32_t w) { return (w << 4) & 0xF0F0F0F0u; }
 __device__ __forceinline__ uint32_t nibbles_step1(uint32_t w) { return w & 0xF0F0F0F0u; }
-
-// D = A * B + C, int8 inputs, int32 accumulators (IMMA.16832.S8.S8 on sm_90).
-__device__ __forceinline__ void mma_s8_16832(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
-                                             int c0, int c1, int c2, int c3) {
-  asm(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%10,%11,%12,%13};\n"
-      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c0), "r"(c1), "r"(c2), "r"(c3));
-}
 
 // D += A * B with bf16 or fp16 inputs and float32 accumulators (m16n8k16).
 template <typename T>
@@ -86,16 +76,10 @@ template <>
 __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
 
 template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+__device__ __forceinline__ T from_float(float v);
 template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
 }  // namespace w4a4

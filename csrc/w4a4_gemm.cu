@@ -1,258 +1,317 @@
-// Kernel 2: W4A4 GEMM on INT8 tensor cores with per-group float32 scaling and the low-rank
-// up-projection fused into the epilogue; one write of the output.
+// Kernel 2: W4A4 GEMM on Hopper's warpgroup INT8 tensor cores (wgmma, sm_90a) with per-group float32
+// scaling and the low-rank up-projection fused into the epilogue; one write of the output.
 //
-// Tiles: a block computes BM x 128 outputs (BM = 64 or 128) with 4 or 8 warps, each warp 64 x 32.
-// Each 64-wide K group streams through shared memory (cp.async, kStages deep): the packed 4-bit A and
-// B tiles, the group's activation scales and weight scales. Per group a warp unpacks the nibbles to
-// int8 (values times 16, two bit operations per register), runs two m16n8k32 IMMA per 16x8 tile into
-// int32 registers pre-loaded with the float bit pattern of 1.5 * 2^23, and folds the group into the
-// float32 accumulators with two FMAs per element:
-//   f = float_bits(0x4B400000 + 256 * dot) = 12582912 + 256 * dot           (exact: |256 dot| <= 2^20)
-//   t = fma(f, ws', -12582912 * ws') = round(dot * wscale)   with ws' = wscale / 256
-//   acc = fma(t, ascale, acc)
-// The product 12582912 * ws' is exact because wscale has at most 22 significant bits (fp16 scales
-// have 11; the loader rounds wider ones to 22 bits).
-// Epilogue: acc += lora[M, R] @ proj_up[N, R]^T with tf32 MMA, + bias, cast, store rows < M, columns < N
-// (weights are padded with zero rows to N_pad, a multiple of 128).
+// Roles: the weights are wgmma's A operand (registers), the activations its B operand (shared memory), so
+// the block computes a transposed tile acc[n, m] (64 weight rows x 128 activation rows) and transposes it
+// through shared memory on the way out. One warpgroup (128 threads) per block, up to 3 blocks per SM; the
+// blocks interleave, so one block's float work runs while another's wgmma uses the tensor cores.
+//
+// Per 64-wide K group (kStages-deep cp.async ring of the packed 4-bit operands and their scales):
+//   1. the block unpacks the 4-bit activation tile into an int8 tile in wgmma's canonical K-major layout
+//      (values times 16: the nibble moved to the high half of each byte, two bit operations per word);
+//   2. each warp unpacks its 16 weight rows straight into wgmma A-fragment registers (same trick);
+//   3. two wgmma m64n128k32 (k 0..31, then k 32..63) give int32 sums 256 * dot per output;
+//   4. three instructions per output fold the group into the float32 accumulators:
+//        f = float_bits(256 * dot + 0x4B400000) = 12582912 + 256 * dot      (exact: |256 dot| <= 2^20)
+//        t = fma(f, ws', -12582912 * ws') = round(dot * wscale)   with ws' = wscale / 256
+//        acc = fma(t, ascale, acc)
+//      12582912 * ws' is exact because wscale has at most 22 significant bits (the loader rounds to 22).
+// Epilogue: acc += proj_up[n, :] . lora[m, :] on tf32 mma.sync (its C fragment matches wgmma's D layout),
+// + bias, cast, transpose through shared memory, 16-byte stores of rows < M.
 #include "w4a4_common.cuh"
 #include "w4a4_launch.h"
 
 namespace w4a4 {
 namespace {
 
-// Tuning knobs (OVBATCH_KERNEL_DEFINES): pipeline depth, blocks per SM the registers are capped for,
-// m16 tiles per IMMA pass.
 #ifndef W4A4_GEMM_STAGES
 #define W4A4_GEMM_STAGES 4
 #endif
 constexpr int kStages = W4A4_GEMM_STAGES;
 static_assert((kStages & (kStages - 1)) == 0, "stage count must be a power of two");
-constexpr int kWarpsN = 4;
-constexpr int kMagic = 0x4B400000;
 #ifndef W4A4_GEMM_MIN_BLOCKS
-#define W4A4_GEMM_MIN_BLOCKS 2
+#define W4A4_GEMM_MIN_BLOCKS 3
 #endif
 constexpr int kMinBlocks = W4A4_GEMM_MIN_BLOCKS;
-#ifndef W4A4_GEMM_PASS
-#define W4A4_GEMM_PASS 2
-#endif
-constexpr int kPass = W4A4_GEMM_PASS;
 
-template <int BM>
-struct Stage {
-  int4 a[BM / 16 * 32];
-  int4 b[kBlockN / 16 * 32];
-  float as[BM];
-  float2 ws[kBlockN];
+constexpr int kThreads = 128;  // one warpgroup
+constexpr int kTileN = 64;     // weight rows per block: wgmma's M
+constexpr int kTileM = 128;    // activation rows per block: wgmma's N
+constexpr int kMagic = 0x4B400000;
+static_assert(kTileM == kMPad, "a block's activation rows are one padded tile");
+
+// The int8 activation tile, K-major in wgmma's canonical no-swizzle layout: 8 x 16-byte core matrices,
+// byte (m, k) at (k / 16) * kCoreK + (m / 8) * 128 + (m % 8) * 16 + k % 16.
+constexpr int kCoreK = kTileM * 16;  // bytes between core matrices adjacent in K (the leading byte offset)
+constexpr int kCoreM = 128;          // bytes between core matrices adjacent in M (the stride byte offset)
+constexpr int kAct8Bytes = kGroup * kTileM;
+
+struct RawStage {
+  int4 act[kTileM / 16 * 32];  // packed 4-bit activations, the layout written by the quantize kernel
+  int4 w[kTileN / 16 * 32];    // packed 4-bit weights in A-fragment layout: one 16-byte record per lane
+  float as[kTileM];
+  float2 ws[kTileN];
 };
 
-template <int WARPS_M, int R, typename OutT>
-__global__ void __launch_bounds__(WARPS_M * kWarpsN * 32, kMinBlocks)
+template <int R>
+struct Smem {
+  RawStage ring[kStages];
+  alignas(128) int8_t act8[2][kAct8Bytes];  // double-buffered: group g + 1 is unpacked while g multiplies
+  float lora[kTileM][R + 4];  // padded rows: the tf32 fragment loads hit 32 different banks
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Shared-memory matrix descriptor, no swizzle: start, leading (K) and stride (M/N) byte offsets, all >> 4.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr >> 4) & 0x3FFF) | (static_cast<uint64_t>(kCoreK >> 4) << 16) |
+         (static_cast<uint64_t>(kCoreM >> 4) << 32);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Pins registers that the asynchronous wgmma reads or writes (accumulators, A fragments) around its
+// fence/wait instructions, so the compiler moves no access to them across.
+template <typename T, int N>
+__device__ __forceinline__ void fence_operands(T (&regs)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(regs[i])::"memory");
+}
+
+// d (+)= a * b: m64n128k32, s8 x s8 -> s32, A from registers (this warp's 16 rows), B from shared memory.
+// scale_d = 0 starts a fresh sum.
+__device__ __forceinline__ void wgmma_s8_rs(int (&d)[64], const uint32_t (&a)[4], uint64_t b_desc, int scale_d) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p;\n"
+      "}\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+        "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
+        "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
+        "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]),
+        "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]),
+        "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]),
+        "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]),
+        "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d)
+      : "memory");
+}
+
+template <int R, typename OutT>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
     w4a4_gemm_lora_up_kernel(const int4* __restrict__ qact, const float* __restrict__ ascales,
                              const int4* __restrict__ qweight, const float2* __restrict__ wscales,
                              const float* __restrict__ lora, const float* __restrict__ proj_up,
                              const float* __restrict__ bias, OutT* __restrict__ y, int M, int M_pad, int N,
                              int N_pad, int K) {
-  constexpr int BM = 64 * WARPS_M;
-  constexpr int kThreads = WARPS_M * kWarpsN * 32;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Stage<BM>* stages = reinterpret_cast<Stage<BM>*>(smem_raw);
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Smem<R>& sm = *reinterpret_cast<Smem<R>*>(smem_raw);
 
   const int G = K / kGroup;
-  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * kBlockN;
+  const int n0 = blockIdx.x * kTileN, m0 = blockIdx.y * kTileM;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wm = warp / kWarpsN, wn = warp % kWarpsN;
   const int gr = lane >> 2, t = lane & 3;
 
-  // Static copy assignment: thread tid copies A record tid, B records tid (+ kThreads), and the first
-  // BM/4 + 64 threads one 16-byte piece of the scales; per group only the base offsets move.
-  constexpr int kBPerThread = kBlockN / 16 * 32 / kThreads;
-  constexpr int kAsChunks = BM / 4, kWsChunks = kBlockN / 2;
-  static_assert(BM / 16 * 32 == kThreads, "one A record per thread");
-  static_assert(kAsChunks + kWsChunks <= kThreads, "scale pieces fit one per thread");
-  const int4* a_src = qact + static_cast<int64_t>(m0 / 16 + (tid >> 5)) * G * 32 + lane;
-  const int4* b_src[kBPerThread];
-#pragma unroll
-  for (int j = 0; j < kBPerThread; ++j) {
-    const int c = tid + j * kThreads;
-    b_src[j] = qweight + static_cast<int64_t>(n0 / 16 + (c >> 5)) * G * 32 + (c & 31);
-  }
-  const bool copies_as = tid < kAsChunks, copies_ws = !copies_as && tid < kAsChunks + kWsChunks;
+  // Static copy assignment: activation records tid and tid + 128, weight record tid (this warp's own
+  // fragment tile), and for threads 0..63 one 16-byte piece of the scales; per group the sources move by
+  // one record tile (32 int4) or one scale row.
+  const int4* a_src = qact + static_cast<int64_t>(m0 / 16 + warp) * G * 32 + lane;
+  const int64_t a_src_hi = static_cast<int64_t>(4) * G * 32;  // activation m16 tiles 4..7
+  const int4* w_src = qweight + static_cast<int64_t>(n0 / 16 + warp) * G * 32 + lane;
+  const bool copies_as = tid < kTileM / 4, copies_ws = !copies_as && tid < kTileM / 4 + kTileN / 2;
   const float* s_src = copies_as ? ascales + m0 + 4 * tid
-                                 : reinterpret_cast<const float*>(wscales + n0 + 2 * (tid - kAsChunks));
+                                 : reinterpret_cast<const float*>(wscales + n0) + 4 * (tid - kTileM / 4);
   const int64_t s_stride = copies_as ? M_pad : 2 * static_cast<int64_t>(N_pad);
 
-  auto load_stage = [&](int g, Stage<BM>& s) {
-    cp_async_16(&s.a[tid], a_src + g * 32);
-#pragma unroll
-    for (int j = 0; j < kBPerThread; ++j) cp_async_16(&s.b[tid + j * kThreads], b_src[j] + g * 32);
+  auto load_stage = [&](int g, RawStage& s) {
+    cp_async_16(&s.act[tid], a_src + g * 32);
+    cp_async_16(&s.act[tid + kThreads], a_src + a_src_hi + g * 32);
+    cp_async_16(&s.w[tid], w_src + g * 32);
     if (copies_as) cp_async_16(&s.as[4 * tid], s_src + g * s_stride);
-    if (copies_ws) cp_async_16(&s.ws[2 * (tid - kAsChunks)], s_src + g * s_stride);
+    if (copies_ws) cp_async_16(&s.ws[2 * (tid - kTileM / 4)], s_src + g * s_stride);
   };
 
-  float acc[4][4][4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
-
+  // The block's low-rank activations ride along with the first stage.
+  for (int c = tid; c < kTileM * R / 4; c += kThreads) {
+    const int row = c / (R / 4), col = 4 * (c % (R / 4));
+    cp_async_16(&sm.lora[row][col], lora + static_cast<int64_t>(m0 + row) * R + col);
+  }
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < G) load_stage(s, stages[s]);
+    if (s < G) load_stage(s, sm.ring[s]);
     cp_async_commit();
   }
+
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  int d[64];
+
+  const uint32_t act8 = smem_addr(sm.act8);
+  const int wrow0 = warp * 16 + gr;  // this thread's weight rows: wrow0 and wrow0 + 8
+
+  // Activations 4 -> 8 bit into an int8 tile. Record word i of lane (gr, t) in m16 tile mt holds rows
+  // 16 mt + gr + 8 (i & 1), k = 16 (i >> 1) + 4t + b (low nibbles) and k + 32 (high nibbles). A thread
+  // unpacks exactly the records it copied, so its own cp.async wait suffices (no barrier before).
+  auto unpack_act = [&](const RawStage& s, uint32_t tile) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int mt = warp + 4 * h;
+      const int4 rec = s.act[tid + h * kThreads];
+      const uint32_t wv[4] = {static_cast<uint32_t>(rec.x), static_cast<uint32_t>(rec.y),
+                              static_cast<uint32_t>(rec.z), static_cast<uint32_t>(rec.w)};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t off = (i >> 1) * kCoreK + (2 * mt + (i & 1)) * kCoreM + 4 * lane;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tile + off), "r"(nibbles_step0(wv[i])));
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tile + off + 2 * kCoreK), "r"(nibbles_step1(wv[i])));
+      }
+    }
+    fence_proxy_async();  // the generic-proxy stores, seen by wgmma's async proxy
+  };
+
+  // Software pipeline, one barrier per group: group g's wgmma runs while the block unpacks group g + 1
+  // into the other int8 tile, then group g is folded. The barrier that ends iteration g publishes that
+  // tile and the group's scales, and frees the ring slot that iteration g + 1 refills.
+  cp_async_wait<kStages - 2>();
+  unpack_act(sm.ring[0], act8);
+  int4 wrec = sm.ring[0].w[tid];  // this thread's packed weight record of the next group
+  __syncthreads();
 
   for (int g = 0; g < G; ++g) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    if (g + kStages - 1 < G) load_stage(g + kStages - 1, stages[(g + kStages - 1) & (kStages - 1)]);
+    const RawStage& s = sm.ring[g & (kStages - 1)];
+    // This warp's weight rows straight into A fragments (k-step 0: low nibbles, k-step 1: high).
+    const uint32_t wv[4] = {static_cast<uint32_t>(wrec.x), static_cast<uint32_t>(wrec.y),
+                            static_cast<uint32_t>(wrec.z), static_cast<uint32_t>(wrec.w)};
+    uint32_t a0[4], a1[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      a0[i] = nibbles_step0(wv[i]);
+      a1[i] = nibbles_step1(wv[i]);
+    }
+    const uint32_t tile = act8 + (g & 1) * kAct8Bytes;
+    fence_operands(a0);
+    fence_operands(a1);
+    fence_operands(d);
+    wgmma_fence();
+    wgmma_s8_rs(d, a0, smem_desc(tile), 0);
+    wgmma_s8_rs(d, a1, smem_desc(tile + 2 * kCoreK), 1);
+    wgmma_commit();
+
+    if (g + kStages - 1 < G) load_stage(g + kStages - 1, sm.ring[(g + kStages - 1) & (kStages - 1)]);
     cp_async_commit();
-
-    const Stage<BM>& s = stages[g & (kStages - 1)];
-    uint32_t blo[4][2], bhi[4][2];
-#pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      const int4 w = s.b[(wn * 2 + p) * 32 + lane];
-      const uint32_t wv[4] = {static_cast<uint32_t>(w.x), static_cast<uint32_t>(w.y), static_cast<uint32_t>(w.z),
-                              static_cast<uint32_t>(w.w)};
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          blo[2 * p + j][r] = nibbles_step0(wv[2 * j + r]);
-          bhi[2 * p + j][r] = nibbles_step1(wv[2 * j + r]);
-        }
+    if (g + 1 < G) {
+      cp_async_wait<kStages - 2>();
+      const RawStage& next = sm.ring[(g + 1) & (kStages - 1)];
+      unpack_act(next, act8 + ((g + 1) & 1) * kAct8Bytes);
+      wrec = next.w[tid];
     }
-    float4 wsc[4];
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-      wsc[nt] = *reinterpret_cast<const float4*>(&s.ws[wn * 32 + nt * 8 + 2 * t]);
+    const float2 ws0 = s.ws[wrow0], ws1 = s.ws[wrow0 + 8];
 
-    // kPass m16 tiles at a time: 4 * kPass independent IMMAs for k-step 0, then the ones that continue
-    // them for k-step 1, then the float folds, so no instruction waits right behind the one it depends on.
+    wgmma_wait_all();
+    fence_operands(d);
+    fence_operands(a0);
+    fence_operands(a1);
+
+    // Fold: d[4j + 2h + c] is weight row wrow0 + 8h, activation row 8j + 2t + c.
 #pragma unroll
-    for (int mp = 0; mp < 4 / kPass; ++mp) {
-      uint32_t alo[kPass][4], ahi[kPass][4];
-      float asr[kPass][2];
-#pragma unroll
-      for (int h = 0; h < kPass; ++h) {
-        const int mt = kPass * mp + h;
-        const int4 w = s.a[(wm * 4 + mt) * 32 + lane];
-        const uint32_t wv[4] = {static_cast<uint32_t>(w.x), static_cast<uint32_t>(w.y),
-                                static_cast<uint32_t>(w.z), static_cast<uint32_t>(w.w)};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          alo[h][i] = nibbles_step0(wv[i]);
-          ahi[h][i] = nibbles_step1(wv[i]);
-        }
-        asr[h][0] = s.as[wm * 64 + mt * 16 + gr];
-        asr[h][1] = s.as[wm * 64 + mt * 16 + gr + 8];
-      }
-      int d[kPass][4][4];
-#pragma unroll
-      for (int h = 0; h < kPass; ++h)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-          mma_s8_16832(d[h][nt], alo[h], blo[nt][0], blo[nt][1], kMagic, kMagic, kMagic, kMagic);
-#pragma unroll
-      for (int h = 0; h < kPass; ++h)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-          mma_s8_16832(d[h][nt], ahi[h], bhi[nt][0], bhi[nt][1], d[h][nt][0], d[h][nt][1], d[h][nt][2],
-                       d[h][nt][3]);
-#pragma unroll
-      for (int h = 0; h < kPass; ++h)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          float* a = acc[kPass * mp + h][nt];
-          a[0] = fmaf(fmaf(__int_as_float(d[h][nt][0]), wsc[nt].x, wsc[nt].y), asr[h][0], a[0]);
-          a[1] = fmaf(fmaf(__int_as_float(d[h][nt][1]), wsc[nt].z, wsc[nt].w), asr[h][0], a[1]);
-          a[2] = fmaf(fmaf(__int_as_float(d[h][nt][2]), wsc[nt].x, wsc[nt].y), asr[h][1], a[2]);
-          a[3] = fmaf(fmaf(__int_as_float(d[h][nt][3]), wsc[nt].z, wsc[nt].w), asr[h][1], a[3]);
-        }
+    for (int j = 0; j < 16; ++j) {
+      const float2 as = *reinterpret_cast<const float2*>(&s.as[8 * j + 2 * t]);
+      float* a = &acc[4 * j];
+      a[0] = fmaf(fmaf(__int_as_float(d[4 * j + 0] + kMagic), ws0.x, ws0.y), as.x, a[0]);
+      a[1] = fmaf(fmaf(__int_as_float(d[4 * j + 1] + kMagic), ws0.x, ws0.y), as.y, a[1]);
+      a[2] = fmaf(fmaf(__int_as_float(d[4 * j + 2] + kMagic), ws1.x, ws1.y), as.x, a[2]);
+      a[3] = fmaf(fmaf(__int_as_float(d[4 * j + 3] + kMagic), ws1.x, ws1.y), as.y, a[3]);
     }
+    __syncthreads();
   }
   cp_async_wait<0>();
+  __syncthreads();
 
-  // Low-rank up-projection: acc += lora[rows, :] @ proj_up[cols, :]^T (tf32 MMA, float32 accumulate).
-  const int row_base = m0 + wm * 64 + gr;
-  const int col_base = n0 + wn * 32;
+  // Low-rank up-projection: acc[n, m] += proj_up[n, :] . lora[m, :] (tf32 MMA, float32 accumulation).
+  const float* pu0 = proj_up + static_cast<int64_t>(n0 + wrow0) * R + t;
+  const float* pu1 = pu0 + 8 * R;
 #pragma unroll
   for (int ks = 0; ks < R / 8; ++ks) {
-    uint32_t b[4][2];
+    const uint32_t a[4] = {to_tf32(pu0[8 * ks]), to_tf32(pu1[8 * ks]), to_tf32(pu0[8 * ks + 4]),
+                           to_tf32(pu1[8 * ks + 4])};
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const float* pu = proj_up + static_cast<int64_t>(col_base + nt * 8 + gr) * R + ks * 8 + t;
-      b[nt][0] = to_tf32(pu[0]);
-      b[nt][1] = to_tf32(pu[4]);
-    }
-#pragma unroll
-    for (int mt = 0; mt < 4; ++mt) {
-      const float* l0 = lora + static_cast<int64_t>(row_base + mt * 16) * R + ks * 8 + t;
-      const float* l1 = l0 + 8 * R;
-      const uint32_t a[4] = {to_tf32(l0[0]), to_tf32(l1[0]), to_tf32(l0[4]), to_tf32(l1[4])};
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) mma_tf32_1688(acc[mt][nt], a, b[nt][0], b[nt][1]);
+    for (int j = 0; j < 16; ++j) {
+      const float* l = &sm.lora[8 * j + gr][8 * ks + t];
+      float(&c)[4] = *reinterpret_cast<float(*)[4]>(&acc[4 * j]);
+      mma_tf32_1688(c, a, to_tf32(l[0]), to_tf32(l[4]));
     }
   }
 
+  // Transpose through shared memory (the ring is free now): ytile[m][n], rows padded by 8 elements.
+  constexpr int kYStride = kTileN + 8;
+  static_assert(sizeof(RawStage) * kStages >= kTileM * kYStride * sizeof(OutT), "ring holds the output tile");
+  OutT* ytile = reinterpret_cast<OutT*>(sm.ring);
+  float b0 = 0.f, b1 = 0.f;
+  if (bias != nullptr) {
+    b0 = bias[n0 + wrow0];
+    b1 = bias[n0 + wrow0 + 8];
+  }
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
-    const int col = col_base + nt * 8 + 2 * t;
-    if (col >= N) continue;  // the padded columns of an N that is a multiple of 64 but not of 128
-    float2 bv = make_float2(0.f, 0.f);
-    if (bias != nullptr) bv = *reinterpret_cast<const float2*>(bias + col);
+  for (int j = 0; j < 16; ++j)
 #pragma unroll
-    for (int mt = 0; mt < 4; ++mt) {
-      const int r0 = row_base + mt * 16, r1 = r0 + 8;
-      if (r0 < M)
-        *reinterpret_cast<uint32_t*>(y + static_cast<int64_t>(r0) * N + col) =
-            pack2<OutT>(acc[mt][nt][0] + bv.x, acc[mt][nt][1] + bv.y);
-      if (r1 < M)
-        *reinterpret_cast<uint32_t*>(y + static_cast<int64_t>(r1) * N + col) =
-            pack2<OutT>(acc[mt][nt][2] + bv.x, acc[mt][nt][3] + bv.y);
+    for (int c = 0; c < 2; ++c) {
+      const int m = 8 * j + 2 * t + c;
+      ytile[m * kYStride + wrow0] = from_float<OutT>(acc[4 * j + c] + b0);
+      ytile[m * kYStride + wrow0 + 8] = from_float<OutT>(acc[4 * j + 2 + c] + b1);
     }
+  __syncthreads();
+  constexpr int kChunksPerRow = kTileN * sizeof(OutT) / 16;
+#pragma unroll
+  for (int i = 0; i < kTileM * kChunksPerRow / kThreads; ++i) {
+    const int c = tid + i * kThreads;
+    const int m = c / kChunksPerRow, col = (c % kChunksPerRow) * (16 / sizeof(OutT));
+    if (m0 + m < M)
+      *reinterpret_cast<int4*>(y + static_cast<int64_t>(m0 + m) * N + n0 + col) =
+          *reinterpret_cast<const int4*>(&ytile[m * kYStride + col]);
   }
 }
 
-template <int WARPS_M, int R, typename OutT>
-cudaError_t launch_tile(const GemmArgs& a, cudaStream_t stream) {
-  constexpr int BM = 64 * WARPS_M;
-  const size_t smem = kStages * sizeof(Stage<BM>);
-  auto kernel = w4a4_gemm_lora_up_kernel<WARPS_M, R, OutT>;
+template <int R, typename OutT>
+cudaError_t launch_typed(const GemmArgs& a, cudaStream_t stream) {
+  const size_t smem = sizeof(Smem<R>);
+  auto kernel = w4a4_gemm_lora_up_kernel<R, OutT>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
-  const dim3 grid(a.N_pad / kBlockN, (a.M + BM - 1) / BM);
-  kernel<<<grid, WARPS_M * kWarpsN * 32, smem, stream>>>(
+  const dim3 grid(a.N / kTileN, (a.M + kTileM - 1) / kTileM);
+  kernel<<<grid, kThreads, smem, stream>>>(
       static_cast<const int4*>(a.qact), a.ascales, static_cast<const int4*>(a.qweight),
       reinterpret_cast<const float2*>(a.wscales), a.lora, a.proj_up, a.bias, static_cast<OutT*>(a.y), a.M,
       a.M_pad, a.N, a.N_pad, a.K);
   return cudaGetLastError();
 }
 
-template <int R, typename OutT>
-cudaError_t launch_rank(const GemmArgs& a, cudaStream_t stream) {
-  // 128-row tiles when they fill the chip, 64-row tiles (twice the blocks) otherwise.
-  const int big_tiles = ((a.M + 127) / 128) * (a.N_pad / kBlockN);
-  return big_tiles >= a.num_sms ? launch_tile<2, R, OutT>(a, stream) : launch_tile<1, R, OutT>(a, stream);
-}
-
 template <typename OutT>
-cudaError_t launch_typed(const GemmArgs& a, cudaStream_t stream) {
-  if (a.R == 16) return launch_rank<16, OutT>(a, stream);
-  if (a.R == 32) return launch_rank<32, OutT>(a, stream);
+cudaError_t launch_rank(const GemmArgs& a, cudaStream_t stream) {
+  if (a.R == 16) return launch_typed<16, OutT>(a, stream);
+  if (a.R == 32) return launch_typed<32, OutT>(a, stream);
   return cudaErrorInvalidValue;
 }
 
 }  // namespace
 
 cudaError_t launch_w4a4_gemm_lora_up(const GemmArgs& a, cudaStream_t stream) {
-  if (a.M_pad % kMPad || a.M > a.M_pad || a.N_pad % kBlockN || a.N > a.N_pad || a.N % 64 || a.K % kGroup)
+  if (a.M_pad % kMPad || a.M > a.M_pad || a.N_pad % kBlockN || a.N > a.N_pad || a.N % kTileN || a.K % kGroup)
     return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
-  return a.bf16 ? launch_typed<__nv_bfloat16>(a, stream) : launch_typed<__half>(a, stream);
+  return a.bf16 ? launch_rank<__nv_bfloat16>(a, stream) : launch_rank<__half>(a, stream);
 }
 
 }  // namespace w4a4

@@ -6,7 +6,7 @@ namespace w4a4 {
 
 // Rows of the packed activation buffers are padded to a multiple of this (the GEMM's largest M tile).
 constexpr int kMPad = 128;
-// The GEMM's N tile: packed weights are padded with zero rows to a multiple of it.
+// Packed weights are padded with zero rows to a multiple of this (N itself must be a multiple of 64).
 constexpr int kBlockN = 128;
 
 struct QuantizeArgs {
@@ -23,14 +23,13 @@ struct QuantizeArgs {
 struct GemmArgs {
   const void* qact;        // as written by the quantize kernel
   const float* ascales;    // [K/64, M_pad]
-  const void* qweight;     // int32 [N_pad/16, K/64, 32, 4] packed int4 operand
+  const void* qweight;     // int32 [N_pad/16, K/64, 32, 4] packed int4, A-fragment layout
   const float* wscales;    // [K/64, N_pad, 2]: (wscale / 256, -12582912 * wscale / 256)
   const float* lora;       // [M_pad, R]
   const float* proj_up;    // [N_pad, R]
   const float* bias;       // [N] or nullptr
   void* y;                 // [M, N] bf16 or fp16
   int M, M_pad, N, N_pad, K, R;
-  int num_sms;
   bool bf16;
 };
 

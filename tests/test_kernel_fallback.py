@@ -73,14 +73,13 @@ def test_cuda_prepare_refuses_cpu_tensors():
         CudaW4A4Backend().prepare(layer)
 
 
-@pytest.mark.parametrize("kind", ["act", "weight"])
-def test_packed_layout_follows_the_mma_fragments(kind):
-    """Each nibble sits where the m16n8k32 s8 fragment of its lane, register and k-step expects it
-    (PTX ISA: A rows gr / gr+8 for registers 0,2 / 1,3, columns 4t (+16 for registers 2,3); B columns 4t
-    (+16 for register 1), row gr of its n8 sub-tile), written out here element by element."""
+def test_packed_layout_follows_the_mma_fragments():
+    """Each nibble sits where the int8 A fragment of its lane, register and k-step expects it (PTX ISA,
+    m16n8k32 and wgmma m64nNk32 alike: rows gr / gr+8 for registers 0,2 / 1,3, columns 4t (+16 for
+    registers 2,3)), written out here element by element."""
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-8, 8, (32, 128), generator=g, dtype=torch.int8)
-    packed = pack_operand(q, kind)
+    packed = pack_operand(q)
     assert packed.shape == (2, 2, 128) and packed.dtype == torch.int32
     raw = packed.view(torch.uint8).reshape(2, 2, 32, 4, 4)  # tile, group, lane, word, byte
     for tile in range(2):
@@ -88,17 +87,14 @@ def test_packed_layout_follows_the_mma_fragments(kind):
             for lane in range(32):
                 gr, t = lane // 4, lane % 4
                 for word in range(4):
-                    if kind == "act":
-                        row, kofs = gr + 8 * (word & 1), 16 * (word >> 1)
-                    else:
-                        row, kofs = 8 * (word >> 1) + gr, 16 * (word & 1)
+                    row, kofs = gr + 8 * (word & 1), 16 * (word >> 1)
                     for b in range(4):
                         byte = int(raw[tile, grp, lane, word, b])
                         for step, nib in ((0, byte & 0xF), (1, byte >> 4)):
                             value = nib - 16 if nib > 7 else nib
                             k = grp * 64 + 32 * step + kofs + 4 * t + b
                             assert value == q[tile * 16 + row, k]
-    assert torch.equal(unpack_operand(packed, kind), q)
+    assert torch.equal(unpack_operand(packed), q)
 
 
 def test_one_fma_recovers_dot_times_scale_exactly():

@@ -4,7 +4,7 @@ Each backend has `name`, `can_use(device) -> (ok, reason)`, `prepare(layer) -> p
 and `forward(x, packed) -> y`.
 
 - `CudaW4A4Backend`: the csrc/ kernels (Hopper, sm_90a): activation quantization + low-rank down in one
-  kernel, INT8-tensor-core GEMM + low-rank up in the other. `prepare` repacks the canonical layout once.
+  kernel, the wgmma INT8 GEMM + low-rank up in the other. `prepare` repacks the canonical layout once.
 - `ReferenceW4A4Backend`: engine/quant/reference.py in plain torch, on any device.
 
 The kernels' packed operand layout is defined here in torch (`pack_operand` / `unpack_operand`) and in
@@ -26,45 +26,39 @@ from engine.quant.reference import ReferenceW4A4Backend, layer_tensors
 
 log = logging.getLogger(__name__)
 
-# int32 accumulators start at the float bits of 1.5 * 2^23 (see csrc/w4a4_gemm.cu); operands carry 16 each.
+# the GEMM reads int32 sums plus the float bits of 1.5 * 2^23 (csrc/w4a4_gemm.cu); operands carry 16 each.
 MAGIC = 12582912.0
 OPERAND_SCALE = 256.0
 
 # reshape of one 16 x 64 tile as (row split, k split) and the permutation to (gr, t, word, byte, step):
-# activations: row = 8 * ri + gr, k = 32 * s + 16 * ki + 4 * t + b, word = 2 * ki + ri
-# weights:     row = 8 * j + gr,  k = 32 * s + 16 * r + 4 * t + b,  word = 2 * j + r
-_ACT_PERM = (0, 3, 2, 6, 5, 1, 7, 4)
-_WEIGHT_PERM = (0, 3, 2, 6, 1, 5, 7, 4)
+# row = 8 * ri + gr, k = 32 * s + 16 * ki + 4 * t + b, word = 2 * ki + ri
+_PERM = (0, 3, 2, 6, 5, 1, 7, 4)
+_INVERSE_PERM = tuple(_PERM.index(i) for i in range(8))
 
 
-def _perm(kind: str) -> tuple[int, ...]:
-    if kind not in ("act", "weight"):
-        raise ValueError(f"operand kind must be 'act' or 'weight', got {kind!r}")
-    return _ACT_PERM if kind == "act" else _WEIGHT_PERM
+def pack_operand(q: torch.Tensor) -> torch.Tensor:
+    """int values in [-8, 7], [rows, K] (rows % 16 == 0, K % 64 == 0) -> int32 [rows/16, K/64, 128].
 
-
-def pack_operand(q: torch.Tensor, kind: str) -> torch.Tensor:
-    """int values in [-8, 7], [rows, K] (rows % 16 == 0, K % 64 == 0) -> int32 [rows/16, K/64, 128]."""
+    The kernels' packed layout for activations and weights alike (csrc/w4a4_common.cuh): per 16 x 64 tile,
+    lane (gr, t) holds the int8 A-fragment registers of both 32-wide k-steps as nibbles.
+    """
     rows, k = q.shape
     if rows % 16 or k % GROUP_SIZE:
         raise QuantError(f"pack_operand needs rows % 16 == 0 and K % 64 == 0, got {tuple(q.shape)}")
     t, g = rows // 16, k // GROUP_SIZE
     nib = (q.to(torch.int16) & 0xF).to(torch.uint8)
-    tiles = nib.reshape(t, 2, 8, g, 2, 2, 4, 4).permute(*_perm(kind)).contiguous()
+    tiles = nib.reshape(t, 2, 8, g, 2, 2, 4, 4).permute(*_PERM).contiguous()
     packed = tiles[..., 0] | (tiles[..., 1] << 4)
     return packed.reshape(t, g, 512).view(torch.int32)
 
 
-def unpack_operand(packed: torch.Tensor, kind: str) -> torch.Tensor:
+def unpack_operand(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of pack_operand: int32 [rows/16, K/64, 128] -> int8 [rows, K]."""
     t, g, _ = packed.shape
     raw = packed.contiguous().view(torch.uint8).reshape(t, g, 8, 4, 2, 2, 4)
     both = torch.stack((raw & 0xF, raw >> 4), dim=-1).to(torch.int8)
     both = torch.where(both > 7, both - 16, both)
-    inverse = [0] * 8
-    for i, p in enumerate(_perm(kind)):
-        inverse[p] = i
-    return both.permute(*inverse).reshape(t * 16, g * GROUP_SIZE)
+    return both.permute(*_INVERSE_PERM).reshape(t * 16, g * GROUP_SIZE)
 
 
 def kernel_weight_scales(wscales: torch.Tensor, n_pad: int) -> torch.Tensor:
@@ -81,7 +75,7 @@ def kernel_weight_scales(wscales: torch.Tensor, n_pad: int) -> torch.Tensor:
 
 @dataclass
 class CudaW4A4Packed:
-    qweight: torch.Tensor  # int32 [N_pad/16, K/64, 128]
+    qweight: torch.Tensor  # int32 [N_pad/16, K/64, 128] (pack_operand: weights are wgmma's A operand)
     wscales: torch.Tensor  # float32 [K/64, N_pad, 2]
     proj_up: torch.Tensor  # float32 [N_pad, r]
     pd_t: dict[torch.dtype, torch.Tensor]  # [r, K] per activation dtype: (proj_down / smooth).T
@@ -132,7 +126,7 @@ class CudaW4A4Backend:
             smooth = torch.stack((s, (torch.ones(s.shape) / s.cpu()).to(s.device))).contiguous()
         pd_t = pd.t().contiguous()
         return CudaW4A4Packed(
-            qweight=pack_operand(q, "weight"),
+            qweight=pack_operand(q),
             wscales=kernel_weight_scales(t.wscales, n_pad),
             proj_up=torch.nn.functional.pad(t.proj_up.float(), (0, 0, 0, n_pad - n)).contiguous(),
             pd_t={dt: pd_t.to(dt) for dt in (torch.bfloat16, torch.float16)},
