@@ -150,14 +150,19 @@ def test_manifest_without_usable_rows(tiny, tmp_path):
     with pytest.raises(QuantError, match="no usable rows.*missing.wav"):
         quantize_mod.main(
             [str(tiny), "--out", str(tmp_path / "z"), "--calib", "m.parquet"],
-            load_manifest=lambda location: EmptyManifest(),
+            load_manifest=lambda location, clip_dir: EmptyManifest(),
         )
     from engine.codec import Codec
     from engine.frontend.text import TextFrontend
 
-    requests = [CalibRequest(text="Hello there.", ref_audio=str(tmp_path / "nope.wav"), ref_text="Hi.")]
+    requests = [
+        CalibRequest(text="Hello there.", ref_audio=str(tmp_path / "nope.wav"), ref_text="Hi."),
+        CalibRequest(text="Hello there.", ref_audio="s3://bucket/anna.wav", ref_text="Hi."),
+    ]
     codec = Codec.from_dir(tiny / "audio_tokenizer")
-    with pytest.raises(QuantError, match="no usable rows.*row 0"):
+    with pytest.raises(
+        QuantError, match="no usable rows.*row 0.*row 1: reference clip s3://bucket/anna.wav is a URI"
+    ):
         manifest_items(TextFrontend(tiny / "tokenizer.json"), codec, requests, "m.parquet")
     assert not (tmp_path / "z").exists()
 
@@ -186,25 +191,71 @@ def test_quantize_on_cuda_bf16(tiny, tmp_path):
     assert sum(isinstance(m, W4A4Linear) for m in model.modules()) == 14
 
 
-def test_calibration_from_a_manifest(tiny, tmp_path):
+def _remote_clips(monkeypatch, served: dict[str, bytes]) -> list[str]:
+    """pipeline.manifest reads s3:// clips from `served` (stands in for pyarrow's S3FileSystem); any other
+    s3:// key is missing. Returns the locations read."""
+    from pipeline import manifest as manifest_mod
+
+    real, reads = manifest_mod.read_bytes, []
+
+    def read(location: str) -> bytes:
+        reads.append(location)
+        if not location.startswith("s3://"):
+            return real(location)
+        if location not in served:
+            raise OSError(
+                f"Path does not exist '{location[5:]}'. Detail: [errno 2] No such file or directory"
+            )
+        return served[location]
+
+    monkeypatch.setattr(manifest_mod, "read_bytes", read)
+    return reads
+
+
+def test_calibration_from_a_manifest(tiny, tmp_path, monkeypatch, caplog):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     data = Path(__file__).parent / "data"
     clips = json.loads((data / "clips.json").read_text())
-    names = ["en_24k_mono.wav", "en_16k_mono.wav"]
+    names = ["en_24k_mono.wav", "en_16k_mono.wav", "en_8k_mono.wav"]
+    remote = "s3://bucket/voices/en_8k_mono.wav"
+    reads = _remote_clips(monkeypatch, {remote: (data / names[2]).read_bytes()})
     rows = {
-        "id": ["a", "b", "gone"],
-        "text": ["Good morning to all of you.", "The river runs past the old mill.", "Hello."],
-        "ref_audio": [str(data / n) for n in names] + [str(data / "missing.wav")],
-        "ref_text": [clips[n]["transcript"] for n in names] + ["Hi."],
+        "id": ["a", "b", "c", "gone", "unreachable"],
+        "text": [
+            "Good morning to all of you.",
+            "The river runs past the old mill.",
+            "We walked home in the rain.",
+            "Hello.",
+            "Hi there.",
+        ],
+        "ref_audio": [str(data / n) for n in names[:2]]
+        + [remote, str(data / "missing.wav"), "s3://bucket/gone.wav"],
+        "ref_text": [clips[n]["transcript"] for n in names] + ["Hi.", "Hello."],
     }
     manifest = tmp_path / "calib.parquet"
     pq.write_table(pa.table(rows), manifest)
     out = tmp_path / "q"
-    with contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()), caplog.at_level("WARNING"):
         quantize_mod.main([str(tiny), "--out", str(out), "--calib", str(manifest), "--eval-requests", "1"])
     report = json.loads((out / "quant_report.json").read_text())
     assert report["settings"]["calibration"] == str(manifest)
-    assert report["settings"]["calib_requests"] == 2  # the row without a clip is not used
+    assert report["settings"]["calib_requests"] == 3  # the remote clip is fetched as submit fetches it
+    assert reads.count(remote) == 1
     assert report["summary"]["mean_error"]["final"] < report["summary"]["mean_error"]["rtn"]
+    warned = caplog.text
+    assert "2 row(s)" in warned and "s3://bucket/gone.wav" in warned and "missing.wav" in warned
+
+
+def test_calibration_manifest_whose_clips_cannot_be_fetched(tiny, tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _remote_clips(monkeypatch, {})
+    manifest = tmp_path / "calib.parquet"
+    table = {"id": ["a"], "text": ["Hello."], "ref_audio": ["s3://bucket/gone.wav"], "ref_text": ["Hi."]}
+    pq.write_table(pa.table(table), manifest)
+    with pytest.raises(QuantError, match=r"no usable rows \(row 0: ref_audio 's3://bucket/gone.wav' .*fix"):
+        quantize_mod.main([str(tiny), "--out", str(tmp_path / "q"), "--calib", str(manifest)])
+    assert not (tmp_path / "q").exists()

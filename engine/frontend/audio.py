@@ -8,6 +8,7 @@ OmniVoice's, so a prepared reference equals the official one sample for sample a
 from __future__ import annotations
 
 import io
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,7 @@ OUTPUT_SILENCE = {"mid_sil": 500, "lead_sil": 100, "trail_sil": 100}
 CROSS_FADE_SILENCE_S = 0.3
 # Bump when reference preparation changes in a way that changes its output (prompt-cache key).
 PREPROCESS_VERSION = 1
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")  # s3://, gs://, file://, https:// ...
 
 
 def clip_name(clip: ClipSource) -> str:
@@ -49,6 +51,11 @@ def read_clip_bytes(clip: ClipSource) -> bytes:
         return clip
     if not isinstance(clip, str | Path):
         raise AudioError(f"reference clip {clip!r} is a {type(clip).__name__}: give a path or the bytes.")
+    if isinstance(clip, str) and _URI.match(clip):
+        raise AudioError(
+            f"reference clip {clip} is a URI, and the engine reads local files: copy it to a local path "
+            "first (`ovbatch submit` and `ovbatch quantize --calib` copy a manifest's remote clips)."
+        )
     try:
         return Path(clip).read_bytes()
     except FileNotFoundError:

@@ -344,10 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _manifest_requests(location: str, load_manifest: Callable | None) -> list[CalibRequest]:
+def _manifest_requests(location: str, load_manifest: Callable | None, clip_dir: Path) -> list[CalibRequest]:
+    """The calibration requests of a manifest, read as `ovbatch submit` reads it: remote clips (s3://, gs://
+    ...) are copied into clip_dir, since the engine reads local files. Rows left out are logged."""
     if load_manifest is None:  # the command-line layer reads manifests with the pipeline's reader
         from pipeline.manifest import load as load_manifest
-    manifest = load_manifest(location)
+    manifest = load_manifest(location, clip_dir=clip_dir)
     requests = [
         CalibRequest(
             text=r.text,
@@ -360,18 +362,26 @@ def _manifest_requests(location: str, load_manifest: Callable | None) -> list[Ca
         for r in manifest.rows
         if r.ref_audio and r.ref_text
     ]
+    reasons = "; ".join(f"row {r.row_index}: {r.reason}" for r in manifest.rejected[:3])
     if not requests:
-        reasons = "; ".join(f"row {r.row_index}: {r.reason}" for r in manifest.rejected[:3]) or "no rows"
         raise QuantError(
-            f"calibration manifest {location} has no usable rows ({reasons}). Fix the rows or leave --calib "
-            "out to calibrate on generated prompts."
+            f"calibration manifest {location} has no usable rows ({reasons or 'no rows'}). Fix the rows or "
+            "leave --calib out to calibrate on generated prompts."
+        )
+    if manifest.rejected:
+        log.warning(
+            "calibration manifest %s: %d row(s) left out (%s%s)",
+            location,
+            len(manifest.rejected),
+            reasons,
+            "; ..." if len(manifest.rejected) > 3 else "",
         )
     return requests
 
 
 def main(argv: list[str] | None = None, load_manifest: Callable | None = None) -> int:
-    """Entry of `ovbatch quantize`; load_manifest(location) -> manifest with .rows/.rejected (default:
-    pipeline.manifest.load)."""
+    """Entry of `ovbatch quantize`; load_manifest(location, clip_dir=...) -> manifest with .rows/.rejected
+    (default: pipeline.manifest.load)."""
     args = build_parser().parse_args(argv)
     if args.samples < 1 or args.eval_requests < 1:
         raise QuantError("--samples and --eval-requests must be at least 1.")
@@ -386,8 +396,9 @@ def main(argv: list[str] | None = None, load_manifest: Callable | None = None) -
         seed=args.seed,
         stage_report=args.stage_report,
     )
-    requests = _manifest_requests(args.calib, load_manifest) if args.calib else None
-    report = quantize_checkpoint(args.checkpoint, args.out, options, requests, args.calib)
+    with tempfile.TemporaryDirectory(prefix="ovbatch-calib-clips-") as clip_dir:
+        requests = _manifest_requests(args.calib, load_manifest, Path(clip_dir)) if args.calib else None
+        report = quantize_checkpoint(args.checkpoint, args.out, options, requests, args.calib)
     print(format_report(report))
     return 0
 
