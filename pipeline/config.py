@@ -26,8 +26,10 @@ _VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 @dataclass
 class RayConfig:
     address: str | None = None  # None: RAY_ADDRESS when set, else a local Ray started for the job
-    num_actors: int | None = None  # None: one per GPU in the cluster, else `cpu_actors`
-    cpu_actors: int = 2  # actors when the cluster has no GPU and num_actors is unset
+    # Actors follow each variant's device: GPU actors for variants on cuda (or auto where the cluster has
+    # GPUs), CPU actors for the others. num_actors of each kind; None: one per GPU, and cpu_actors.
+    num_actors: int | None = None
+    cpu_actors: int = 2  # CPU actors when num_actors is unset
     gpus_per_actor: float = 1.0
     cpus_per_actor: float = 1.0
     inflight_per_actor: int = 2  # shards queued on one actor at once (backpressure bound)

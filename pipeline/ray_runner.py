@@ -1,6 +1,7 @@
-"""Shards on Ray: a pool of actors (one GPU each, or CPU actors where the cluster has no GPU), each
-loading the engine once, fed with backpressure (at most `inflight_per_actor` shards queued per actor,
-results collected with ray.wait).
+"""Shards on Ray: a pool of actors, each loading an engine once per variant, fed with backpressure (at most
+`inflight_per_actor` shards queued per actor, results collected with ray.wait). Actors follow the devices
+of the variants: a variant on the CPU (device cpu, or auto where the cluster has no GPU) runs on CPU
+actors, any other on GPU actors (one GPU each by default), so an A/B job may hold both kinds.
 
 An actor that dies (process killed, node lost) costs an attempt to the shard it was running (calls run in
 submission order, so that is its oldest call); shards merely queued behind it go back to the queue as
@@ -61,9 +62,44 @@ def died(e: BaseException) -> bool:
 
 
 @dataclass
+class ActorGroup:
+    """Actors of one kind (GPU or CPU) and the variants whose shards they run."""
+
+    gpu: bool
+    variants: list[str]
+    size: int
+    resources: dict[str, float]
+
+
+def actor_groups(cfg: JobConfig, cluster: dict[str, float]) -> list[ActorGroup]:
+    """One group per device kind the variants need. A group has ray.num_actors actors when set, else one
+    per GPU (gpus_per_actor each) for GPU variants and ray.cpu_actors for CPU variants."""
+    gpus = cluster.get("GPU", 0.0)
+    kinds: dict[bool, list[str]] = {}
+    for variant in cfg.variant_names():
+        device = cfg.engine_config(variant).device
+        on_cpu = device.split(":")[0] == "cpu" or (device == "auto" and gpus == 0)
+        kinds.setdefault(not on_cpu, []).append(variant)
+    groups = []
+    for gpu, variants in kinds.items():
+        if cfg.ray.num_actors is not None:
+            size = cfg.ray.num_actors
+        elif gpu:
+            size = max(1, int(gpus // cfg.ray.gpus_per_actor))
+        else:
+            size = cfg.ray.cpu_actors
+        resources = {"num_cpus": cfg.ray.cpus_per_actor}
+        if gpu:
+            resources["num_gpus"] = cfg.ray.gpus_per_actor
+        groups.append(ActorGroup(gpu, variants, size, resources))
+    return groups
+
+
+@dataclass
 class _Slot:
     actor: Any
     name: str
+    group: ActorGroup
     inflight: deque = field(default_factory=deque)  # object refs, oldest first
 
 
@@ -74,55 +110,57 @@ class ActorPool:
         self.started_ray = started_ray  # shut Ray down with the pool when the job started it
         self.job_path = job_path
         self.cfg = cfg
-        gpus = ray.cluster_resources().get("GPU", 0.0)
-        self.use_gpu = gpus > 0 and cfg.engine.device != "cpu"
-        if cfg.ray.num_actors is not None:
-            self.size = cfg.ray.num_actors
-        elif self.use_gpu:
-            self.size = max(1, int(gpus // cfg.ray.gpus_per_actor))
-        else:
-            self.size = cfg.ray.cpu_actors
-        self.resources = {"num_cpus": cfg.ray.cpus_per_actor}
-        if self.use_gpu:
-            self.resources["num_gpus"] = cfg.ray.gpus_per_actor
-        self._check_fits(ray.cluster_resources())
+        cluster = ray.cluster_resources()
+        self.groups = actor_groups(cfg, cluster)
+        self._check_fits(cluster)
         self.actor_cls = ray.remote(ShardActor)
         self.prefix = f"ovbatch-{uuid.uuid4().hex[:8]}"
         self.spawned = 0
-        self.slots = [self._spawn() for _ in range(self.size)]
+        self.slots = [self._spawn(group) for group in self.groups for _ in range(group.size)]
 
     def _check_fits(self, cluster: dict[str, float]) -> None:
         """Actors that can never be placed leave a job waiting forever: on the local Ray started for the
         job, refuse up front; on a cluster (which may be autoscaling) warn."""
-        for key, per_actor in self.resources.items():
-            have = cluster.get("CPU" if key == "num_cpus" else "GPU", 0.0)
-            if self.size * per_actor <= have:
+        for key, resource in (("num_cpus", "CPU"), ("num_gpus", "GPU")):
+            using = [g for g in self.groups if key in g.resources]
+            actors = sum(g.size for g in using)
+            need = sum(g.size * g.resources[key] for g in using)
+            have = cluster.get(resource, 0.0)
+            if need <= have:
                 continue
+            variants = [v for g in using for v in g.variants]
+            fix = "set their device to cpu, " if key == "num_gpus" else ""
+            per_actor = using[0].resources[key]
             message = (
-                f"{self.size} actors x {key}={per_actor:g} need {self.size * per_actor:g}, Ray has "
-                f"{have:g}: lower ray.num_actors or ray.{key[4:]}_per_actor, or add nodes."
+                f"{actors} actors x {key}={per_actor:g} need {need:g}, Ray has {have:g} (actors for "
+                f"variant(s) {variants}): lower ray.num_actors or ray.{key[4:]}_per_actor, {fix}or add nodes."
             )
             if self.started_ray:
                 raise OVBatchError(message)
             log.warning("%s Actors wait until the cluster grows.", message)
 
-    def _spawn(self) -> _Slot:
+    def _spawn(self, group: ActorGroup) -> _Slot:
         name = f"{self.prefix}-actor-{self.spawned}"
         self.spawned += 1
-        threads = None if self.use_gpu else max(1, int(self.cfg.ray.cpus_per_actor))
-        actor = self.actor_cls.options(name=name, **self.resources).remote(self.job_path, self.cfg, threads)
-        return _Slot(actor, name)
+        threads = None if group.gpu else max(1, int(self.cfg.ray.cpus_per_actor))
+        actor = self.actor_cls.options(name=name, **group.resources).remote(self.job_path, self.cfg, threads)
+        return _Slot(actor, name, group)
 
     def run(self, tasks: list[ShardTask]) -> Iterator[tuple[ShardTask, list[dict[str, Any]]]]:
         import ray
 
-        queue = deque(tasks)
+        # one queue per actor group (GPU, CPU): a shard waits for an actor of its variant's device kind
+        gpu_variant = {v: g.gpu for g in self.groups for v in g.variants}
+        queues: dict[bool, deque] = {g.gpu: deque() for g in self.groups}
+        for task in tasks:
+            queues[gpu_variant[task.variant]].append(task)
         owner: dict[Any, tuple[_Slot, ShardTask]] = {}
         max_attempts = self.cfg.ray.max_shard_attempts
-        while queue or owner:
+        while any(queues.values()) or owner:
             for i, slot in enumerate(self.slots):
+                queue = queues[slot.group.gpu]
                 if queue and slot.actor is None:  # its actor died: a fresh one, now that there is work
-                    slot = self.slots[i] = self._spawn()
+                    slot = self.slots[i] = self._spawn(slot.group)
                 while queue and len(slot.inflight) < self.cfg.ray.inflight_per_actor:
                     task = queue.popleft()
                     ref = slot.actor.run_shard.remote(task)
@@ -146,7 +184,7 @@ class ActorPool:
                         raise OVBatchError(
                             f"the shard actor could not start on a worker: {_last_line(e)}"
                         ) from e
-                    done.extend(self._replace_dead(slot, owner, queue, max_attempts, e))
+                    done.extend(self._replace_dead(slot, owner, queues[slot.group.gpu], max_attempts, e))
                     continue
                 slot.inflight.remove(ref)
                 del owner[ref]
