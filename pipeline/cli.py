@@ -18,16 +18,17 @@ EXIT_FAILED_ROWS = 1
 EXIT_ERROR = 2
 
 
-def _job_overrides(args: argparse.Namespace) -> list[str]:
-    """Flags that are shorthands for config keys, then the free key=value overrides (which win)."""
-    out = []
+def _flag_settings(args: argparse.Namespace, **given: Any) -> dict[str, Any]:
+    """Config keys set by flags and positional arguments (`given`), taken literally: a path holding `${`
+    or `#` stays that path. The free key=value overrides win over them."""
+    out = dict(given)
     if getattr(args, "checkpoint", None):
-        out.append(f"engine.checkpoint={args.checkpoint}")
+        out["engine.checkpoint"] = args.checkpoint
     if getattr(args, "local", False):
-        out.append("local=true")
+        out["local"] = True
     if getattr(args, "address", None):
-        out.append(f"ray.address={args.address}")
-    return out + list(args.overrides)
+        out["ray.address"] = args.address
+    return out
 
 
 def _print_outcome(outcome: Any) -> int:
@@ -57,14 +58,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from pipeline.job import submit
     from pipeline.sizing import engine_sizer
 
-    cfg = load_job_config(args.config, [f"manifest={args.manifest}", *_job_overrides(args)])
+    cfg = load_job_config(args.config, args.overrides, _flag_settings(args, manifest=args.manifest))
     return _print_outcome(submit(cfg, args.out, engine_sizer))
 
 
 def cmd_rerun(args: argparse.Namespace) -> int:
     from pipeline.job import rerun
 
-    return _print_outcome(rerun(args.job, _job_overrides(args)))
+    return _print_outcome(rerun(args.job, args.overrides, _flag_settings(args)))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -114,7 +115,7 @@ def cmd_manifest_check(args: argparse.Namespace) -> int:
     from pipeline.job import check_manifest
     from pipeline.sizing import engine_sizer
 
-    cfg = load_job_config(args.config, [f"manifest={args.file}", *_job_overrides(args)])
+    cfg = load_job_config(args.config, args.overrides, _flag_settings(args, manifest=args.file))
     report = check_manifest(cfg, engine_sizer)
     print(
         f"manifest {report['source']}: {report['rows']} rows, {report['accepted']} accepted, "
@@ -132,7 +133,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     from pipeline.atomic import write_wav_atomic
     from pipeline.config import load_job_config
 
-    cfg = load_job_config(None, _job_overrides(args))
+    cfg = load_job_config(None, args.overrides, _flag_settings(args))
     engine = Engine(cfg.engine)
     req = SynthRequest(
         text=args.text,

@@ -1,4 +1,8 @@
-"""Job configuration: dataclass defaults < YAML file < `key=value` overrides (omegaconf).
+r"""Job configuration: dataclass defaults < YAML file < literal settings < `key=value` overrides (omegaconf).
+
+Literal settings are values taken as they are (the paths and addresses given to command-line flags): a
+`${`, `#` or `: ` in them means nothing to omegaconf or YAML. `key=value` overrides keep omegaconf's
+meaning (YAML values, `${...}` interpolation; `\${` for a literal one).
 
 The engine settings (`engine:`) are the engine's own EngineConfig; `variants:` maps a variant name to
 overrides of those settings (an A/B job has two, e.g. fp16 and w4a4). A job with no variants runs one,
@@ -8,7 +12,8 @@ named `default`.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +25,7 @@ from engine.errors import InputError
 from pipeline.messages import first_line
 
 DEFAULT_VARIANT = "default"
+_INTERPOLATION = re.compile(r"(\\*)\$\{")
 _VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -59,9 +65,9 @@ class JobConfig:
         overrides = self.variants.get(variant, {}) if self.variants else {}
         if variant not in self.variant_names():
             raise InputError(f"variant {variant!r} is not in this job (variants: {self.variant_names()}).")
-        base = OmegaConf.structured(self.engine)
         try:
-            merged = OmegaConf.merge(base, OmegaConf.create(overrides or {}))
+            values = [as_literal(asdict(self.engine)), as_literal(overrides or {})]
+            merged = OmegaConf.merge(OmegaConf.structured(EngineConfig), *values)
             return OmegaConf.to_object(merged)
         except OmegaConfBaseException as e:
             raise InputError(
@@ -69,10 +75,25 @@ class JobConfig:
             ) from None
 
 
+def as_literal(value: Any) -> Any:
+    """`value` (a string, or dicts and lists holding strings) as omegaconf must store it to give it back
+    unchanged: every `${` escaped, with the backslashes before it doubled."""
+    if isinstance(value, str):
+        return _INTERPOLATION.sub(lambda m: m.group(1) * 2 + "\\${", value)
+    if isinstance(value, Mapping):
+        return {k: as_literal(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [as_literal(v) for v in value]
+    return value
+
+
 def load_job_config(
-    config_file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+    config_file: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    literal: Mapping[str, Any] | None = None,
 ) -> JobConfig:
-    """Defaults, then the YAML file, then `key=value` overrides; validated into a JobConfig."""
+    """Defaults, then the YAML file, then `literal` (dotted key -> value, taken as it is), then `key=value`
+    overrides; validated into a JobConfig."""
     layers: list[DictConfig] = [OmegaConf.structured(JobConfig)]
     if config_file is not None:
         path = Path(config_file)
@@ -85,8 +106,11 @@ def load_job_config(
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise InputError(f"override {bad[0]!r} is not key=value (e.g. engine.precision=fp16).")
-    layers.append(OmegaConf.from_dotlist(list(overrides)))
     try:
+        given = OmegaConf.create()
+        for key, value in (literal or {}).items():
+            OmegaConf.update(given, key, as_literal(value), merge=True)
+        layers += [given, OmegaConf.from_dotlist(list(overrides))]
         cfg: JobConfig = OmegaConf.to_object(OmegaConf.merge(*layers))
     except OmegaConfBaseException as e:
         raise InputError(f"job config: {first_line(e)}") from None
@@ -126,4 +150,5 @@ def validate(cfg: JobConfig) -> None:
 
 
 def to_yaml(cfg: JobConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The resolved config as YAML that load_job_config reads back to an equal JobConfig."""
+    return OmegaConf.to_yaml(OmegaConf.create(as_literal(asdict(cfg))))

@@ -76,14 +76,14 @@ def tiny_w4a4_checkpoint(checkpoint: Path) -> Path:
     return target
 
 
-def ab_overrides(checkpoint: Path) -> list[str]:
+def ab_settings(checkpoint: Path) -> dict[str, str]:
     """Two variants over the same rows and seeds: float32 and W4A4."""
-    return [
-        f"variants.fp32.checkpoint={checkpoint}",
-        "variants.fp32.precision=fp32",
-        f"variants.w4a4.checkpoint={tiny_w4a4_checkpoint(checkpoint)}",
-        "variants.w4a4.precision=w4a4",
-    ]
+    return {
+        "variants.fp32.checkpoint": str(checkpoint),
+        "variants.fp32.precision": "fp32",
+        "variants.w4a4.checkpoint": str(tiny_w4a4_checkpoint(checkpoint)),
+        "variants.w4a4.precision": "w4a4",
+    }
 
 
 def run_demo(out: str | Path, local: bool = False, overrides: list[str] | None = None, ab: bool = False):
@@ -95,16 +95,11 @@ def run_demo(out: str | Path, local: bool = False, overrides: list[str] | None =
     out = Path(out).absolute()
     checkpoint = ensure_tiny_checkpoint()
     manifest = write_demo_manifest(out.parent / f"{out.name}-manifest.parquet")
+    paths = {"manifest": str(manifest), "engine.checkpoint": str(checkpoint)}  # taken literally
     cfg = load_job_config(
         None,
-        [
-            f"manifest={manifest}",
-            f"engine.checkpoint={checkpoint}",
-            *DEMO_OVERRIDES,
-            f"local={str(local).lower()}",
-            *(ab_overrides(checkpoint) if ab else []),
-            *(overrides or []),
-        ],
+        [*DEMO_OVERRIDES, *(overrides or [])],
+        {**paths, "local": local, **(ab_settings(checkpoint) if ab else {})},
     )
     print(f"demo: tiny checkpoint {checkpoint}; manifest {manifest} ({DEMO_ROWS} rows)")
     return submit(cfg, out, engine_sizer)

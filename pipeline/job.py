@@ -151,11 +151,14 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: Callable[[JobConfig], Si
     return execute(job, cfg, plan, todo, kind, engines, t0)
 
 
-def rerun(job_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobOutcome:
-    """Run the shards that are missing a result file or hold failed rows; only their failed rows run."""
+def rerun(
+    job_path: str | Path, overrides: list[str] | tuple[str, ...] = (), literal: dict[str, Any] | None = None
+) -> JobOutcome:
+    """Run the shards that are missing a result file or hold failed rows; only their failed rows run.
+    overrides and literal settings go on top of the job's stored config (see load_job_config)."""
     job = JobDir(job_path)
     job.require()
-    cfg = load_job_config(job.config_path, overrides)
+    cfg = load_job_config(job.config_path, overrides, literal)
     plan = job.read_plan()
     changed = [
         v

@@ -196,3 +196,59 @@ def test_ray_job_entrypoint_runs_from_any_folder(tmp_path: Path):
     proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == EXIT_ERROR, proc.stderr
     assert proc.stderr.startswith("ovbatch: error: manifest") and "not found" in proc.stderr
+
+
+# A folder name OmegaConf's key=value parsing would mangle: an interpolation, a YAML comment, a mapping and a
+# flow list if it were read as YAML.
+ODD = "odd ${x} #1: [dir]"
+
+
+def test_paths_on_the_command_line_are_taken_literally(tmp_path: Path, capsys, fast):
+    import shutil
+
+    from engine.tiny import ensure_tiny_checkpoint
+    from pipeline.config import load_job_config
+
+    root = tmp_path / ODD
+    checkpoint = root / "ckpt ${y"
+    shutil.copytree(ensure_tiny_checkpoint(), checkpoint)
+    manifest = root / "m ${z}.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "id": ["a", "b"],
+                "text": ["Hello.", "Thank you."],
+                "ref_audio": [str(DATA / CLIP)] * 2,
+                "ref_text": [CLIPS[CLIP]["transcript"]] * 2,
+            }
+        ),
+        manifest,
+    )
+    assert main(["manifest", "check", str(manifest), "--checkpoint", str(checkpoint), *fast]) == 0
+    assert "2 rows, 2 accepted" in capsys.readouterr().out
+    job = root / "job ${w}"
+    flags = ["--local", "--checkpoint", str(checkpoint)]
+    assert main(["submit", str(manifest), "--out", str(job), *flags, "progress=false", *fast]) == 0
+    assert "2 ok, 0 failed" in capsys.readouterr().out
+    stored = load_job_config(job / "config.yaml")  # what rerun reads back
+    assert stored.manifest == str(manifest) and stored.engine.checkpoint == str(checkpoint)
+    assert stored.engine_config("default").checkpoint == str(checkpoint)
+    assert main(["rerun", str(job), "--local", "--checkpoint", str(checkpoint), "progress=false"]) == 0
+    assert main(["status", str(job)]) == 0
+    assert "2 ok, 0 failed" in capsys.readouterr().out
+
+
+def test_literal_settings_sit_between_the_config_file_and_the_overrides(tmp_path: Path):
+    from pipeline.config import load_job_config, to_yaml
+
+    literal = {"manifest": f"/m/{ODD}.parquet", "engine.checkpoint": "/c/${x}", "local": True}
+    cfg = load_job_config(None, ["variants.b.checkpoint=/v/\\${y}", "variants.a.precision=fp32"], literal)
+    assert cfg.manifest == f"/m/{ODD}.parquet" and cfg.local is True
+    assert cfg.engine_config("a").checkpoint == "/c/${x}" and cfg.engine_config("b").checkpoint == "/v/${y}"
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    assert load_job_config(tmp_path / "config.yaml") == cfg
+    # key=value overrides still win over the flags, and keep their interpolation
+    cfg = load_job_config(
+        None, ["engine.checkpoint=${manifest}.d"], {"manifest": "/m", "engine.checkpoint": "/c"}
+    )
+    assert cfg.engine.checkpoint == "/m.d"
