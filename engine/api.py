@@ -8,7 +8,6 @@ batches, then post-processes each waveform as upstream does.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.checkpoint import load_model, read_config, resolve_checkpoint, weight_files
+from engine.checkpoint import checkpoint_fingerprint, load_model, read_config, resolve_checkpoint
 from engine.codec import Codec
 from engine.config import DTYPES, EngineConfig, resolve_device
 from engine.errors import AudioError, CheckpointError, InputError
@@ -94,15 +93,6 @@ def resolve_precision(precision: str, device: torch.device, quantized: bool) -> 
     return precision, DTYPES[precision]
 
 
-def checkpoint_id(ckpt_dir: Path, name: str) -> str:
-    """<name>@<sha256 of config.json and the weight files, 12 hex digits>."""
-    digest = hashlib.sha256()
-    for path in [ckpt_dir / "config.json", *weight_files(ckpt_dir)]:
-        with open(path, "rb") as f:
-            digest.update(hashlib.file_digest(f, "sha256").digest())
-    return f"{name}@{digest.hexdigest()[:12]}"
-
-
 def _chunk_seed(seed: int, index: int) -> int:
     """Seed of chunk `index` of a request: chunk 0 uses the request's seed (so a text's first chunk and
     an unchunked text draw alike), later chunks a fixed derivation of it."""
@@ -127,7 +117,7 @@ class Engine:
             cfg.precision, self.device, "quantization" in raw_config
         )
         self.model_config, self.model = load_model(ckpt_dir, self.device, self.dtype, attention=cfg.attention)
-        self.model_id = checkpoint_id(ckpt_dir, name)
+        self.model_id = f"{name}@{checkpoint_fingerprint(ckpt_dir)[:12]}"
         self.text = TextFrontend(ckpt_dir / "tokenizer.json")
         self.codec = Codec.from_dir(ckpt_dir / "audio_tokenizer", device=self.device)
         if self.codec.num_codebooks != self.model_config.num_audio_codebook:

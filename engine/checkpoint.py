@@ -7,6 +7,7 @@ fetched into the Hugging Face cache first. Only safetensors are read: pickles ca
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -117,6 +118,21 @@ def weight_files(ckpt_dir: Path) -> list[Path]:
             f"{WEIGHTS}."
         )
     raise CheckpointError(f"{ckpt_dir} has neither {WEIGHTS} nor {WEIGHTS_INDEX}.")
+
+
+def checkpoint_fingerprint(ckpt_dir: str | os.PathLike) -> str:
+    """The identity of a checkpoint's weights: sha256 over the sha256 of config.json and of each weight
+    file, in weight_files order (64 hex digits). Engine.model_id shows its first 12 digits; a W4A4
+    checkpoint records its source's fingerprint as quantization.source_hash."""
+    ckpt_dir = Path(ckpt_dir)
+    config = ckpt_dir / "config.json"
+    if not config.is_file():
+        raise CheckpointError(f"{config} not found: a checkpoint directory needs config.json.")
+    digest = hashlib.sha256()
+    for path in [config, *weight_files(ckpt_dir)]:
+        with path.open("rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()
 
 
 def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:

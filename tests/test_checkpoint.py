@@ -1,5 +1,7 @@
-"""Checkpoint reading: the tiny checkpoint round-trips; every malformed checkpoint is refused by name."""
+"""Checkpoint reading: the tiny checkpoint round-trips; every malformed checkpoint is refused by name;
+the checkpoint fingerprint."""
 
+import hashlib
 import json
 import shutil
 import time
@@ -163,3 +165,48 @@ def test_repo_id_offline_fails_fast(monkeypatch, tmp_path):
     with pytest.raises(CheckpointError, match="--checkpoint"):
         resolve_checkpoint("k2-fsa/OmniVoice")
     assert time.monotonic() - start < 10
+
+
+def test_one_fingerprint_names_a_checkpoint_by_config_and_weights(tiny, broken):
+    from engine.api import Engine
+    from engine.checkpoint import checkpoint_fingerprint
+    from engine.config import EngineConfig
+
+    # sha256 over the sha256 of config.json and of each weight file: the scheme model ids have always used
+    outer = hashlib.sha256()
+    for path in (tiny / "config.json", tiny / "model.safetensors"):
+        outer.update(hashlib.sha256(path.read_bytes()).digest())
+    fingerprint = checkpoint_fingerprint(tiny)
+    assert fingerprint == outer.hexdigest()
+    assert checkpoint_fingerprint(broken) == fingerprint  # a copy: the same checkpoint
+    engine = Engine(EngineConfig(checkpoint=str(tiny), device="cpu"))
+    assert engine.model_id == f"{tiny.name}@{fingerprint[:12]}"
+
+    (broken / "tokenizer_config.json").write_text("{}")  # not part of the weights or their config
+    assert checkpoint_fingerprint(broken) == fingerprint
+    rewrite_weights(broken, lambda sd: sd["llm.norm.weight"].add_(1))
+    changed_weights = checkpoint_fingerprint(broken)
+    assert changed_weights != fingerprint
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "note": 1}))
+    assert checkpoint_fingerprint(broken) not in (fingerprint, changed_weights)
+    (broken / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json"):
+        checkpoint_fingerprint(broken)
+
+
+def test_fingerprint_of_a_sharded_checkpoint_covers_every_shard(broken):
+    from engine.checkpoint import checkpoint_fingerprint
+
+    sd = load_file(broken / "model.safetensors")
+    names = sorted(sd)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in halves.items():
+        save_file({k: sd[k] for k in keys}, str(broken / shard))
+    index = {"weight_map": {k: shard for shard, keys in halves.items() for k in keys}}
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    (broken / "model.safetensors").unlink()
+    before = checkpoint_fingerprint(broken)
+    second = broken / "model-00002-of-00002.safetensors"
+    save_file({k: sd[k] * 2 for k in halves[second.name]}, str(second))
+    assert checkpoint_fingerprint(broken) != before

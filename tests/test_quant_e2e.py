@@ -1,6 +1,7 @@
 """`ovbatch quantize` on the tiny checkpoint: the written checkpoint loads, tracks FP, refuses bad input."""
 
 import contextlib
+import dataclasses
 import io
 import json
 import shutil
@@ -9,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoint import load_model
+from engine.checkpoint import checkpoint_fingerprint, load_model
 from engine.errors import QuantError
 from engine.quant import quantize as quantize_mod
 from engine.quant.calibrate import CalibRequest, manifest_items
-from engine.quant.format import checkpoint_source_hash
+from engine.quant.format import FORMAT_VERSION, read_w4a4_safetensors, write_w4a4_safetensors
 from engine.quant.linear import W4A4Linear
 from engine.quant.load import build_w4a4_model
 from engine.tiny import ensure_tiny_checkpoint
@@ -65,7 +66,7 @@ def test_report_and_end_to_end_thresholds(tiny, quantized):
     assert e2e["logits_cosine_mean"] >= MIN_LOGITS_COSINE
     assert e2e["token_agreement"] >= MIN_TOKEN_AGREEMENT
     assert "llm.layers.1.mlp.down_proj" in printed and "token agreement" in printed
-    assert report["source_hash"] == checkpoint_source_hash(tiny)
+    assert report["source_hash"] == checkpoint_fingerprint(tiny)
 
 
 def test_written_checkpoint_loads_as_w4a4(tiny, quantized):
@@ -87,7 +88,7 @@ def test_source_hash_and_version_mismatch(quantized, tmp_path):
     out, _ = quantized
     cfg, _ = load_model(out)
     with pytest.raises(QuantError, match="quantized from source"):
-        build_w4a4_model(out, cfg, expected_source_hash="0" * 32)
+        build_w4a4_model(out, cfg, expected_source_hash="0" * 64)
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
     raw = json.loads((bad / "config.json").read_text())
@@ -95,6 +96,30 @@ def test_source_hash_and_version_mismatch(quantized, tmp_path):
     (bad / "config.json").write_text(json.dumps(raw))
     with pytest.raises(QuantError, match="version 99"):
         load_model(bad)
+
+
+def test_the_source_hash_is_the_checkpoint_fingerprint(tiny, quantized):
+    out, _ = quantized
+    cfg, _ = load_model(out)
+    assert json.loads((out / "config.json").read_text())["quantization"]["version"] == FORMAT_VERSION == 2
+    model = build_w4a4_model(out, cfg, expected_source_hash=checkpoint_fingerprint(tiny))
+    assert sum(isinstance(m, W4A4Linear) for m in model.modules()) == 14
+
+
+def test_a_version_1_checkpoint_loads_but_its_source_cannot_be_checked(tiny, quantized, tmp_path):
+    """Version 1 recorded a blake2b source hash; the tensors are the same, so it still loads."""
+    out, _ = quantized
+    old = tmp_path / "v1"
+    shutil.copytree(out, old)
+    tensors, meta = read_w4a4_safetensors(old / "model.safetensors")
+    v1 = dataclasses.replace(meta, version=1, source_hash="3f" * 16)
+    write_w4a4_safetensors(old / "model.safetensors", tensors, v1)
+    raw = json.loads((old / "config.json").read_text())
+    (old / "config.json").write_text(json.dumps({**raw, "quantization": v1.to_dict()}))
+    cfg, model = load_model(old)
+    assert sum(isinstance(m, W4A4Linear) for m in model.modules()) == 14
+    with pytest.raises(QuantError, match=r"format version 1.*re-quantize"):
+        build_w4a4_model(old, cfg, expected_source_hash=checkpoint_fingerprint(tiny))
 
 
 def test_truncated_w4a4_file_is_refused(quantized, tmp_path):

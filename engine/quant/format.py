@@ -30,7 +30,10 @@ from safetensors.torch import save_file
 from engine.errors import QuantError
 
 FORMAT_NAME = "ovbatch-w4a4"
-FORMAT_VERSION = 1
+# Version 2: source_hash is engine.checkpoint.checkpoint_fingerprint (sha256) of the source checkpoint.
+# Version 1 recorded a blake2b hash there; its tensors are the same, so it is still read.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 GROUP_SIZE = 64
 QMIN, QMAX = -8, 7
 # Storage dtype of scales and the low-rank/smoothing tensors. Quantizers round scales to it *before*
@@ -198,10 +201,10 @@ class QuantMeta:
                 f"{where}: quantization format {d.get('format')!r} is not {FORMAT_NAME!r}; this engine only "
                 "loads checkpoints written by `ovbatch quantize`."
             )
-        if d.get("version") != FORMAT_VERSION:
+        if d.get("version") not in READABLE_VERSIONS:
             raise QuantError(
-                f"{where}: W4A4 format version {d.get('version')!r}, this engine reads version "
-                f"{FORMAT_VERSION}; "
+                f"{where}: W4A4 format version {d.get('version')!r}, this engine reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}; "
                 "re-quantize the source checkpoint with this version (`ovbatch quantize SOURCE --out DIR`)."
             )
         if d.get("group_size") != GROUP_SIZE:
@@ -221,21 +224,6 @@ class QuantMeta:
             layers=tuple(d.get("layers", ())),
             settings=dict(d.get("settings", {})),
         )
-
-
-def checkpoint_source_hash(checkpoint_dir: str | Path) -> str:
-    """Identity of a source (unquantized) checkpoint: blake2b of config.json and its weight files."""
-    root = Path(checkpoint_dir)
-    files = [root / "config.json", *sorted(root.glob("*.safetensors"))]
-    h = hashlib.blake2b(digest_size=16)
-    for path in files:
-        if not path.is_file():
-            raise QuantError(f"{path} not found: the source checkpoint needs config.json and *.safetensors.")
-        h.update(path.name.encode() + b"\0")
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def tensors_checksum(tensors: Mapping[str, torch.Tensor]) -> str:

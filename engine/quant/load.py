@@ -17,7 +17,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.errors import QuantError
 from engine.model import OmniVoiceModel, default_linear
-from engine.quant.format import QuantMeta, W4A4Tensors, read_w4a4_safetensors
+from engine.quant.format import FORMAT_VERSION, QuantMeta, W4A4Tensors, read_w4a4_safetensors
 from engine.quant.linear import W4A4Linear
 
 log = logging.getLogger(__name__)
@@ -43,10 +43,16 @@ def build_w4a4_model(
     """An OmniVoiceModel on `device` whose quantized Linears are W4A4Linear; other floats in `dtype`.
 
     expected_source_hash: when given, the checkpoint must have been quantized from that source
-    (engine.quant.format.checkpoint_source_hash of the FP checkpoint), else QuantError.
+    (engine.checkpoint.checkpoint_fingerprint of the FP checkpoint), else QuantError.
     """
     ckpt_dir = Path(ckpt_dir)
     meta = read_quant_meta(ckpt_dir)
+    if expected_source_hash is not None and meta.version < FORMAT_VERSION:
+        raise QuantError(
+            f"{ckpt_dir} has W4A4 format version {meta.version}, whose source hash is not a checkpoint "
+            f"fingerprint, so it cannot be checked against {expected_source_hash}: re-quantize the source "
+            "(`ovbatch quantize`) to check where it came from (the checkpoint loads without the check)."
+        )
     if expected_source_hash is not None and meta.source_hash != expected_source_hash:
         raise QuantError(
             f"{ckpt_dir} was quantized from source {meta.source_hash}, not from the expected "

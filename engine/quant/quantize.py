@@ -26,7 +26,14 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from engine.checkpoint import load_model, read_config, read_tensors, resolve_checkpoint, weight_files
+from engine.checkpoint import (
+    checkpoint_fingerprint,
+    load_model,
+    read_config,
+    read_tensors,
+    resolve_checkpoint,
+    weight_files,
+)
 from engine.config import DTYPES, EngineConfig, GenerationConfig, resolve_device
 from engine.errors import InputError, QuantError
 from engine.frontend.text import TextFrontend
@@ -46,7 +53,6 @@ from engine.quant.format import (
     QuantMeta,
     W4A4Tensors,
     check_group_multiple,
-    checkpoint_source_hash,
     write_w4a4_safetensors,
 )
 from engine.quant.gptq import GPTQConfig
@@ -210,7 +216,7 @@ def quantize_checkpoint(
     src, out = resolve_checkpoint(source), Path(out)
     raw, _ = check_source(src, out, options.rank)
     device, dtype = device_and_dtype(options.device, options.dtype)
-    source_hash = checkpoint_source_hash(src)
+    source_hash = checkpoint_fingerprint(src)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
