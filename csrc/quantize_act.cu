@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 #pragma unroll
     for (int w = 0; w < kWarpsPerBlock; ++w) sum += partial[w][ne][l];
     const int row = mtile * 16 + (l >> 2) + 8 * (e >> 1), col = nt * 8 + 2 * (l & 3) + (e & 1);
-    lora[static_cast<int64_t>(row) * R + col] = sum;
+    lora[static_cast<int64_t>(row) * R + lora_position(col)] = __uint_as_float(to_tf32(sum));
   }
 }
 
@@ -161,9 +161,8 @@ cudaError_t launch_warps(const QuantizeArgs& a, cudaStream_t stream) {
 
 template <typename T, bool kSmooth, int R>
 cudaError_t launch_typed(const QuantizeArgs& a, cudaStream_t stream) {
-  int device = 0, sms = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  int sms = 0;
+  const cudaError_t err = sm_count(&sms);
   if (err != cudaSuccess) return err;
   return a.M_pad / 16 >= W4A4_QUANT_SMALL_BLOCKS_FROM * sms ? launch_warps<T, kSmooth, R, 4>(a, stream)
                                  : launch_warps<T, kSmooth, R, 16>(a, stream);

@@ -51,6 +51,10 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
   return r;
 }
 
+// The low-rank activations [M_pad, R] are stored tf32-rounded (their one consumer is the GEMM's tf32 MMA)
+// with columns k and k + 4 of each 8-wide block side by side, so one 8-byte load is an MMA B fragment.
+__host__ __device__ constexpr int lora_position(int col) { return (col & ~7) + 2 * (col & 3) + ((col >> 2) & 1); }
+
 // D += A * B in tf32 with float32 accumulators (m16n8k8).
 __device__ __forceinline__ void mma_tf32_1688(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm(
@@ -60,9 +64,12 @@ __device__ __forceinline__ void mma_tf32_1688(float (&d)[4], const uint32_t (&a)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async_16(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

@@ -2,15 +2,16 @@
 // scaling and the low-rank up-projection fused into the epilogue; one write of the output.
 //
 // Roles: the weights are wgmma's A operand (registers), the activations its B operand (shared memory), so
-// the block computes a transposed tile acc[n, m] (64 weight rows x 128 activation rows) and transposes it
-// through shared memory on the way out. One warpgroup (128 threads) per block, up to 3 blocks per SM; the
-// blocks interleave, so one block's float work runs while another's wgmma uses the tensor cores.
+// the block computes a transposed tile acc[n, m] (64 weight rows x BM activation rows, BM = 64 or 128) and
+// transposes it through shared memory on the way out. One warpgroup (128 threads) per block, 3 or 4
+// blocks per SM; the blocks interleave, so one block's float work runs while another's wgmma uses the
+// tensor cores.
 //
 // Per 64-wide K group (kStages-deep cp.async ring of the packed 4-bit operands and their scales):
 //   1. the block unpacks the 4-bit activation tile into an int8 tile in wgmma's canonical K-major layout
 //      (values times 16: the nibble moved to the high half of each byte, two bit operations per word);
 //   2. each warp unpacks its 16 weight rows straight into wgmma A-fragment registers (same trick);
-//   3. two wgmma m64n128k32 (k 0..31, then k 32..63) give int32 sums 256 * dot per output;
+//   3. two wgmma m64nBMk32 (k 0..31, then k 32..63) give int32 sums 256 * dot per output;
 //   4. three instructions per output fold the group into the float32 accumulators:
 //        f = float_bits(256 * dot + 0x4B400000) = 12582912 + 256 * dot      (exact: |256 dot| <= 2^20)
 //        t = fma(f, ws', -12582912 * ws') = round(dot * wscale)   with ws' = wscale / 256
@@ -21,54 +22,56 @@
 #include "w4a4_common.cuh"
 #include "w4a4_launch.h"
 
+#include <cstddef>
+
 namespace w4a4 {
 namespace {
 
+// Tuning knob (OVBATCH_KERNEL_DEFINES): ring depth.
 #ifndef W4A4_GEMM_STAGES
 #define W4A4_GEMM_STAGES 4
 #endif
 constexpr int kStages = W4A4_GEMM_STAGES;
 static_assert((kStages & (kStages - 1)) == 0, "stage count must be a power of two");
-#ifndef W4A4_GEMM_MIN_BLOCKS
-#define W4A4_GEMM_MIN_BLOCKS 3
-#endif
-constexpr int kMinBlocks = W4A4_GEMM_MIN_BLOCKS;
 
 constexpr int kThreads = 128;  // one warpgroup
 constexpr int kTileN = 64;     // weight rows per block: wgmma's M
-constexpr int kTileM = 128;    // activation rows per block: wgmma's N
 constexpr int kMagic = 0x4B400000;
-static_assert(kTileM == kMPad, "a block's activation rows are one padded tile");
 
-// The int8 activation tile, K-major in wgmma's canonical no-swizzle layout: 8 x 16-byte core matrices,
-// byte (m, k) at (k / 16) * kCoreK + (m / 8) * 128 + (m % 8) * 16 + k % 16.
-constexpr int kCoreK = kTileM * 16;  // bytes between core matrices adjacent in K (the leading byte offset)
-constexpr int kCoreM = 128;          // bytes between core matrices adjacent in M (the stride byte offset)
-constexpr int kAct8Bytes = kGroup * kTileM;
+// Per activation-tile height BM (wgmma's N). 128 rows is faster wherever the grid fills the GPU (fewer
+// instructions per output); 64-row tiles (half the registers, twice the blocks) win on small grids.
+template <int BM>
+struct Tile {
+  static_assert(BM == 64 || BM == 128, "activation tiles of 64 or 128 rows");
+  static_assert(kMPad % BM == 0, "padded activations hold whole tiles");
+  static constexpr int kMinBlocks = BM == 64 ? 4 : 3;  // register budget: 128 or 168 per thread
+  // The int8 activation tile, K-major in wgmma's canonical no-swizzle layout: 8 x 16-byte core matrices,
+  // byte (m, k) at (k / 16) * kCoreK + (m / 8) * kCoreM + (m % 8) * 16 + k % 16.
+  static constexpr int kCoreK = BM * 16;  // bytes between core matrices adjacent in K (leading byte offset)
+  static constexpr int kCoreM = 128;      // bytes between core matrices adjacent in M (stride byte offset)
+  static constexpr int kAct8Bytes = kGroup * BM;
+  static constexpr int kActRecordsPerThread = BM / 64;
 
-struct RawStage {
-  int4 act[kTileM / 16 * 32];  // packed 4-bit activations, the layout written by the quantize kernel
-  int4 w[kTileN / 16 * 32];    // packed 4-bit weights in A-fragment layout: one 16-byte record per lane
-  float as[kTileM];
-  float2 ws[kTileN];
+  struct RawStage {
+    int4 act[BM / 16 * 32];  // packed 4-bit activations, the layout written by the quantize kernel
+    int4 w[kTileN / 16 * 32];  // packed 4-bit weights in A-fragment layout: one 16-byte record per lane
+    float as[BM];
+    float2 ws[kTileN];
+  };
+
+  template <int R>
+  struct Smem {
+    RawStage ring[kStages];
+    alignas(128) int8_t act8[2][kAct8Bytes];  // double-buffered: group g + 1 is unpacked while g multiplies
+    float lora[BM][R + 8];  // padded rows: a warp's 8-byte fragment loads fall in distinct banks
+  };
+
+  // Shared-memory matrix descriptor, no swizzle: start, leading (K) and stride (M/N) byte offsets, >> 4.
+  static __device__ __forceinline__ uint64_t desc(uint32_t addr) {
+    return static_cast<uint64_t>((addr >> 4) & 0x3FFF) | (static_cast<uint64_t>(kCoreK >> 4) << 16) |
+           (static_cast<uint64_t>(kCoreM >> 4) << 32);
+  }
 };
-
-template <int R>
-struct Smem {
-  RawStage ring[kStages];
-  alignas(128) int8_t act8[2][kAct8Bytes];  // double-buffered: group g + 1 is unpacked while g multiplies
-  float lora[kTileM][R + 4];  // padded rows: the tf32 fragment loads hit 32 different banks
-};
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// Shared-memory matrix descriptor, no swizzle: start, leading (K) and stride (M/N) byte offsets, all >> 4.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return static_cast<uint64_t>((addr >> 4) & 0x3FFF) | (static_cast<uint64_t>(kCoreK >> 4) << 16) |
-         (static_cast<uint64_t>(kCoreM >> 4) << 32);
-}
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -83,81 +86,96 @@ __device__ __forceinline__ void fence_operands(T (&regs)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(regs[i])::"memory");
 }
 
-// d (+)= a * b: m64n128k32, s8 x s8 -> s32, A from registers (this warp's 16 rows), B from shared memory.
+#define W4A4_D8(i) "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3]), "+r"(d[i + 4]), "+r"(d[i + 5]), \
+                   "+r"(d[i + 6]), "+r"(d[i + 7])
+
+// d (+)= a * b: m64nNk32, s8 x s8 -> s32, A from registers (this warp's 16 rows), B from shared memory;
 // scale_d = 0 starts a fresh sum.
 __device__ __forceinline__ void wgmma_s8_rs(int (&d)[64], const uint32_t (&a)[4], uint64_t b_desc, int scale_d) {
   asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %69, 0;\n"
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p;\n"
-      "}\n"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
-        "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
-        "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
-        "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]),
-        "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]),
-        "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]),
-        "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]),
-        "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+      "{%64, %65, %66, %67}, %68, p;\n}\n"
+      : W4A4_D8(0), W4A4_D8(8), W4A4_D8(16), W4A4_D8(24), W4A4_D8(32), W4A4_D8(40), W4A4_D8(48), W4A4_D8(56)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d)
       : "memory");
 }
 
-template <int R, typename OutT>
-__global__ void __launch_bounds__(kThreads, kMinBlocks)
+__device__ __forceinline__ void wgmma_s8_rs(int (&d)[32], const uint32_t (&a)[4], uint64_t b_desc, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p;\n}\n"
+      : W4A4_D8(0), W4A4_D8(8), W4A4_D8(16), W4A4_D8(24)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d)
+      : "memory");
+}
+#undef W4A4_D8
+
+template <int BM, int R, typename OutT>
+__global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     w4a4_gemm_lora_up_kernel(const int4* __restrict__ qact, const float* __restrict__ ascales,
                              const int4* __restrict__ qweight, const float2* __restrict__ wscales,
                              const float* __restrict__ lora, const float* __restrict__ proj_up,
                              const float* __restrict__ bias, OutT* __restrict__ y, int M, int M_pad, int N,
                              int N_pad, int K) {
+  using T = Tile<BM>;
+  using RawStage = typename T::RawStage;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  Smem<R>& sm = *reinterpret_cast<Smem<R>*>(smem_raw);
+  auto& sm = *reinterpret_cast<typename T::template Smem<R>*>(smem_raw);
 
   const int G = K / kGroup;
-  const int n0 = blockIdx.x * kTileN, m0 = blockIdx.y * kTileM;
+  const int n0 = blockIdx.x * kTileN, m0 = blockIdx.y * BM;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gr = lane >> 2, t = lane & 3;
 
-  // Static copy assignment: activation records tid and tid + 128, weight record tid (this warp's own
-  // fragment tile), and for threads 0..63 one 16-byte piece of the scales; per group the sources move by
-  // one record tile (32 int4) or one scale row.
-  const int4* a_src = qact + static_cast<int64_t>(m0 / 16 + warp) * G * 32 + lane;
-  const int64_t a_src_hi = static_cast<int64_t>(4) * G * 32;  // activation m16 tiles 4..7
+  // Static copy plan: activation records tid (and tid + 128 for 128-row tiles), weight record tid (this
+  // warp's own fragment tile), and for the first BM/4 + 32 threads one 16-byte piece of the scales
+  // (activation scales, then weight scales, which land back to back in the stage). Stages are loaded in
+  // group order, so the sources just advance.
+  static_assert(offsetof(RawStage, ws) == offsetof(RawStage, as) + sizeof(float) * BM, "scales adjoin");
+  const int4* act_src = qact + static_cast<int64_t>(m0 / 16 + warp) * G * 32 + lane;
+  const int64_t act_next = static_cast<int64_t>(4) * G * 32;  // 4 m16 tiles further
   const int4* w_src = qweight + static_cast<int64_t>(n0 / 16 + warp) * G * 32 + lane;
-  const bool copies_as = tid < kTileM / 4, copies_ws = !copies_as && tid < kTileM / 4 + kTileN / 2;
-  const float* s_src = copies_as ? ascales + m0 + 4 * tid
-                                 : reinterpret_cast<const float*>(wscales + n0) + 4 * (tid - kTileM / 4);
-  const int64_t s_stride = copies_as ? M_pad : 2 * static_cast<int64_t>(N_pad);
+  const bool copies_scales = tid < BM / 4 + kTileN / 2, act_scales = tid < BM / 4;
+  const float* s_src = act_scales ? ascales + m0 + 4 * tid
+                                  : reinterpret_cast<const float*>(wscales + n0) + 4 * (tid - BM / 4);
+  const int s_stride = act_scales ? M_pad : 2 * N_pad;
+  const uint32_t ring = smem_addr(sm.ring);
 
-  auto load_stage = [&](int g, RawStage& s) {
-    cp_async_16(&s.act[tid], a_src + g * 32);
-    cp_async_16(&s.act[tid + kThreads], a_src + a_src_hi + g * 32);
-    cp_async_16(&s.w[tid], w_src + g * 32);
-    if (copies_as) cp_async_16(&s.as[4 * tid], s_src + g * s_stride);
-    if (copies_ws) cp_async_16(&s.ws[2 * (tid - kTileM / 4)], s_src + g * s_stride);
+  auto load_next_stage = [&](int g) {
+    const uint32_t slot = ring + (g & (kStages - 1)) * static_cast<uint32_t>(sizeof(RawStage)) + 16 * tid;
+#pragma unroll
+    for (int h = 0; h < T::kActRecordsPerThread; ++h)
+      cp_async_16(slot + offsetof(RawStage, act) + 16 * kThreads * h, act_src + act_next * h);
+    cp_async_16(slot + offsetof(RawStage, w), w_src);
+    if (copies_scales) cp_async_16(slot + offsetof(RawStage, as), s_src);
+    act_src += 32;
+    w_src += 32;
+    s_src += s_stride;
   };
 
   // The block's low-rank activations ride along with the first stage.
-  for (int c = tid; c < kTileM * R / 4; c += kThreads) {
+  for (int c = tid; c < BM * R / 4; c += kThreads) {
     const int row = c / (R / 4), col = 4 * (c % (R / 4));
-    cp_async_16(&sm.lora[row][col], lora + static_cast<int64_t>(m0 + row) * R + col);
+    cp_async_16(smem_addr(&sm.lora[row][col]), lora + static_cast<int64_t>(m0 + row) * R + col);
   }
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < G) load_stage(s, sm.ring[s]);
+    if (s < G) load_next_stage(s);
     cp_async_commit();
   }
 
-  float acc[64];
+  float acc[BM / 2];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-  int d[64];
+  for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
+  int d[BM / 2];
 
   const uint32_t act8 = smem_addr(sm.act8);
   const int wrow0 = warp * 16 + gr;  // this thread's weight rows: wrow0 and wrow0 + 8
@@ -167,16 +185,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // unpacks exactly the records it copied, so its own cp.async wait suffices (no barrier before).
   auto unpack_act = [&](const RawStage& s, uint32_t tile) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < T::kActRecordsPerThread; ++h) {
       const int mt = warp + 4 * h;
       const int4 rec = s.act[tid + h * kThreads];
       const uint32_t wv[4] = {static_cast<uint32_t>(rec.x), static_cast<uint32_t>(rec.y),
                               static_cast<uint32_t>(rec.z), static_cast<uint32_t>(rec.w)};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const uint32_t off = (i >> 1) * kCoreK + (2 * mt + (i & 1)) * kCoreM + 4 * lane;
+        const uint32_t off = (i >> 1) * T::kCoreK + (2 * mt + (i & 1)) * T::kCoreM + 4 * lane;
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tile + off), "r"(nibbles_step0(wv[i])));
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tile + off + 2 * kCoreK), "r"(nibbles_step1(wv[i])));
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tile + off + 2 * T::kCoreK), "r"(nibbles_step1(wv[i])));
       }
     }
     fence_proxy_async();  // the generic-proxy stores, seen by wgmma's async proxy
@@ -201,21 +219,21 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       a0[i] = nibbles_step0(wv[i]);
       a1[i] = nibbles_step1(wv[i]);
     }
-    const uint32_t tile = act8 + (g & 1) * kAct8Bytes;
+    const uint32_t tile = act8 + (g & 1) * T::kAct8Bytes;
     fence_operands(a0);
     fence_operands(a1);
     fence_operands(d);
     wgmma_fence();
-    wgmma_s8_rs(d, a0, smem_desc(tile), 0);
-    wgmma_s8_rs(d, a1, smem_desc(tile + 2 * kCoreK), 1);
+    wgmma_s8_rs(d, a0, T::desc(tile), 0);
+    wgmma_s8_rs(d, a1, T::desc(tile + 2 * T::kCoreK), 1);
     wgmma_commit();
 
-    if (g + kStages - 1 < G) load_stage(g + kStages - 1, sm.ring[(g + kStages - 1) & (kStages - 1)]);
+    if (g + kStages - 1 < G) load_next_stage(g + kStages - 1);
     cp_async_commit();
     if (g + 1 < G) {
       cp_async_wait<kStages - 2>();
       const RawStage& next = sm.ring[(g + 1) & (kStages - 1)];
-      unpack_act(next, act8 + ((g + 1) & 1) * kAct8Bytes);
+      unpack_act(next, act8 + ((g + 1) & 1) * T::kAct8Bytes);
       wrec = next.w[tid];
     }
     const float2 ws0 = s.ws[wrow0], ws1 = s.ws[wrow0 + 8];
@@ -227,7 +245,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 
     // Fold: d[4j + 2h + c] is weight row wrow0 + 8h, activation row 8j + 2t + c.
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < BM / 8; ++j) {
       const float2 as = *reinterpret_cast<const float2*>(&s.as[8 * j + 2 * t]);
       float* a = &acc[4 * j];
       a[0] = fmaf(fmaf(__int_as_float(d[4 * j + 0] + kMagic), ws0.x, ws0.y), as.x, a[0]);
@@ -248,16 +266,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     const uint32_t a[4] = {to_tf32(pu0[8 * ks]), to_tf32(pu1[8 * ks]), to_tf32(pu0[8 * ks + 4]),
                            to_tf32(pu1[8 * ks + 4])};
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const float* l = &sm.lora[8 * j + gr][8 * ks + t];
+    for (int j = 0; j < BM / 8; ++j) {
+      const uint2 b = *reinterpret_cast<const uint2*>(&sm.lora[8 * j + gr][lora_position(8 * ks + t)]);
       float(&c)[4] = *reinterpret_cast<float(*)[4]>(&acc[4 * j]);
-      mma_tf32_1688(c, a, to_tf32(l[0]), to_tf32(l[4]));
+      mma_tf32_1688(c, a, b.x, b.y);
     }
   }
 
   // Transpose through shared memory (the ring is free now): ytile[m][n], rows padded by 8 elements.
   constexpr int kYStride = kTileN + 8;
-  static_assert(sizeof(RawStage) * kStages >= kTileM * kYStride * sizeof(OutT), "ring holds the output tile");
+  static_assert(sizeof(RawStage) * kStages >= BM * kYStride * sizeof(OutT), "ring holds the output tile");
   OutT* ytile = reinterpret_cast<OutT*>(sm.ring);
   float b0 = 0.f, b1 = 0.f;
   if (bias != nullptr) {
@@ -265,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     b1 = bias[n0 + wrow0 + 8];
   }
 #pragma unroll
-  for (int j = 0; j < 16; ++j)
+  for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int m = 8 * j + 2 * t + c;
@@ -275,7 +293,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   __syncthreads();
   constexpr int kChunksPerRow = kTileN * sizeof(OutT) / 16;
 #pragma unroll
-  for (int i = 0; i < kTileM * kChunksPerRow / kThreads; ++i) {
+  for (int i = 0; i < BM * kChunksPerRow / kThreads; ++i) {
     const int c = tid + i * kThreads;
     const int m = c / kChunksPerRow, col = (c % kChunksPerRow) * (16 / sizeof(OutT));
     if (m0 + m < M)
@@ -284,18 +302,27 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   }
 }
 
-template <int R, typename OutT>
-cudaError_t launch_typed(const GemmArgs& a, cudaStream_t stream) {
-  const size_t smem = sizeof(Smem<R>);
-  auto kernel = w4a4_gemm_lora_up_kernel<R, OutT>;
+template <int BM, int R, typename OutT>
+cudaError_t launch_tile(const GemmArgs& a, cudaStream_t stream) {
+  const size_t smem = sizeof(typename Tile<BM>::template Smem<R>);
+  auto kernel = w4a4_gemm_lora_up_kernel<BM, R, OutT>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
-  const dim3 grid(a.N / kTileN, (a.M + kTileM - 1) / kTileM);
+  const dim3 grid(a.N / kTileN, (a.M + BM - 1) / BM);
   kernel<<<grid, kThreads, smem, stream>>>(
       static_cast<const int4*>(a.qact), a.ascales, static_cast<const int4*>(a.qweight),
       reinterpret_cast<const float2*>(a.wscales), a.lora, a.proj_up, a.bias, static_cast<OutT*>(a.y), a.M,
       a.M_pad, a.N, a.N_pad, a.K);
   return cudaGetLastError();
+}
+
+template <int R, typename OutT>
+cudaError_t launch_typed(const GemmArgs& a, cudaStream_t stream) {
+  int sms = 0;
+  const cudaError_t err = sm_count(&sms);
+  if (err != cudaSuccess) return err;
+  const int big_tiles = (a.N / kTileN) * ((a.M + 127) / 128);
+  return big_tiles >= sms ? launch_tile<128, R, OutT>(a, stream) : launch_tile<64, R, OutT>(a, stream);
 }
 
 template <typename OutT>

@@ -15,7 +15,7 @@ struct QuantizeArgs {
   const void* pd_t;     // [R, K], x's dtype: proj_down.T / smooth (smoothing folded in)
   void* qact;           // int32 [M_pad/16, K/64, 32, 4] packed int4 operand
   float* ascales;       // [K/64, M_pad]
-  float* lora;          // [M_pad, R] = x_smoothed @ proj_down
+  float* lora;          // [M_pad, R] = x_smoothed @ proj_down, tf32-rounded, columns in lora_position order
   int M, M_pad, K, R;
   bool bf16;
 };
@@ -25,13 +25,20 @@ struct GemmArgs {
   const float* ascales;    // [K/64, M_pad]
   const void* qweight;     // int32 [N_pad/16, K/64, 32, 4] packed int4, A-fragment layout
   const float* wscales;    // [K/64, N_pad, 2]: (wscale / 256, -12582912 * wscale / 256)
-  const float* lora;       // [M_pad, R]
+  const float* lora;       // [M_pad, R] as the quantize kernel writes it
   const float* proj_up;    // [N_pad, R]
   const float* bias;       // [N] or nullptr
   void* y;                 // [M, N] bf16 or fp16
   int M, M_pad, N, N_pad, K, R;
   bool bf16;
 };
+
+// Multiprocessors of the current device (the launchers size their grids by it).
+inline cudaError_t sm_count(int* sms) {
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  return err != cudaSuccess ? err : cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+}
 
 cudaError_t launch_quantize_act_lora_down(const QuantizeArgs& args, cudaStream_t stream);
 cudaError_t launch_w4a4_gemm_lora_up(const GemmArgs& args, cudaStream_t stream);
