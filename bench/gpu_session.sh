@@ -25,11 +25,6 @@ step() {
     pipeline)     $PY bench/pipeline.py --rows ${PIPELINE_ROWS:-512} ;;
     kernels)      $PY bench/kernels.py ;;
     scaling)      $PY bench/scaling.py --gpus ${SCALING_GPUS:-1} ;;
-    scaling)      $PY bench/scaling.py --gpus ${SCALING_GPUS:-1} ;;
-    kernels-nospill)  # the GEMM without the 2-blocks-per-SM register cap: tests, then the bench
-      export OVBATCH_KERNEL_DEFINES=-DW4A4_GEMM_MIN_BLOCKS=1
-      $PY -m pytest -q -m gpu tests/test_kernels.py &&
-        $PY bench/kernels.py --out bench/results/kernels-h200-min-blocks-1.json ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
 }

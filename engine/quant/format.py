@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from engine.checkpoint import checkpoint_fingerprint as checkpoint_source_hash  # noqa: F401
 from engine.errors import QuantError
 
 FORMAT_NAME = "ovbatch-w4a4"
