@@ -13,9 +13,10 @@ import torch
 def _driver() -> str:
     query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
     try:
-        return subprocess.run(query, capture_output=True, text=True, check=True).stdout.strip()
+        out = subprocess.run(query, capture_output=True, text=True, check=True).stdout.split()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return " ".join(dict.fromkeys(out)) or "unknown"  # one line per GPU: each distinct version once
 
 
 def environment(*packages: str) -> dict:

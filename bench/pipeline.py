@@ -117,7 +117,8 @@ class GpuSampler:
 
 
 def run_mode(mode: str, manifest: Path, job_dir: Path, overrides: list[str]) -> dict:
-    cfg = load_job_config(None, [f"manifest={manifest}", f"local={str(mode == 'local').lower()}", *overrides])
+    settings = [f"local={str(mode == 'local').lower()}", *overrides]
+    cfg = load_job_config(None, settings, {"manifest": str(manifest)})
     with GpuSampler() as gpu:
         outcome = submit(cfg, job_dir, engine_sizer)
     s = outcome.summary

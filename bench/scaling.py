@@ -45,9 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.environment import environment  # noqa: E402
 from bench.generate import w4a4_copy  # noqa: E402
 from bench.pipeline import GpuSampler, full_size_checkpoint, run_mode  # noqa: E402
-from engine.checkpoint import load_model, read_config  # noqa: E402
+from engine.checkpoint import checkpoint_fingerprint, load_model, read_config  # noqa: E402
 from engine.errors import InputError  # noqa: E402
-from engine.quant.format import QuantMeta, checkpoint_source_hash  # noqa: E402
+from engine.quant.format import QuantMeta  # noqa: E402
 from engine.quant.linear import W4A4Linear  # noqa: E402
 from engine.quant.quantize import _write_checkpoint  # noqa: E402
 from engine.tiny import ensure_tiny_checkpoint  # noqa: E402
@@ -167,7 +167,7 @@ def rtn_w4a4_checkpoint(source: Path, out: Path) -> Path:
     }
     meta = QuantMeta(
         rank=RANK,
-        source_hash=checkpoint_source_hash(source),
+        source_hash=checkpoint_fingerprint(source),
         layers=tuple(layers),
         settings={"method": f"round-to-nearest + rank-{RANK} low-rank, no calibration (bench speed copy)"},
     )

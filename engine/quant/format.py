@@ -27,9 +27,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-# The fingerprint's former name here, still imported by bench/scaling.py: remove once that script imports
-# engine.checkpoint.checkpoint_fingerprint.
-from engine.checkpoint import checkpoint_fingerprint as checkpoint_source_hash  # noqa: F401
 from engine.errors import QuantError
 
 FORMAT_NAME = "ovbatch-w4a4"
