@@ -35,7 +35,9 @@ def quantize_activations(x: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple
         )
     m, k = x.shape
     xg = x.float().reshape(m, k // group_size, group_size)
-    scales = xg.abs().amax(-1) / QMAX
+    # a 0-d tensor divisor: torch on CUDA multiplies by the reciprocal of a Python scalar divisor, which can
+    # differ from IEEE division by an ulp and flip a rounding tie; tensor / tensor divides on every device
+    scales = xg.abs().amax(-1) / xg.new_full((), QMAX)
     q = quantize_to_grid(xg, scales[..., None])
     return q.to(torch.int8).reshape(m, k), scales
 
