@@ -90,21 +90,31 @@ def write_manifest(path: Path, rows: int) -> Path:
     return path
 
 
+def parse_gpu_utilization(text: str) -> dict[int, float]:
+    """`nvidia-smi --query-gpu=index,utilization.gpu --format=csv,noheader,nounits` -> {index: percent}."""
+    util = {}
+    for line in text.strip().splitlines():
+        index, percent = line.split(",")
+        util[int(index)] = float(percent)
+    return util
+
+
 class GpuSampler:
-    """nvidia-smi utilization.gpu every 0.5 s while a run lasts (empty where nvidia-smi is absent)."""
+    """nvidia-smi utilization.gpu of every GPU every 0.5 s while a run lasts (empty without nvidia-smi)."""
 
     def __init__(self):
-        self.samples: list[float] = []
+        self.by_gpu: dict[int, list[float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        query = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i", "0"]
+        query = ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits"]
         while not self._stop.wait(0.5):
             try:
-                out = subprocess.run(query, capture_output=True, text=True, timeout=5).stdout.strip()
-                self.samples.append(float(out.splitlines()[0]))
-            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+                out = subprocess.run(query, capture_output=True, text=True, timeout=5).stdout
+                for index, percent in parse_gpu_utilization(out).items():
+                    self.by_gpu.setdefault(index, []).append(percent)
+            except (OSError, ValueError, subprocess.TimeoutExpired):
                 return
 
     def __enter__(self) -> GpuSampler:
@@ -116,7 +126,20 @@ class GpuSampler:
         self._thread.join()
 
 
-def run_mode(mode: str, manifest: Path, job_dir: Path, overrides: list[str]) -> dict:
+def gpu_utilization(by_gpu: dict[int, list[float]], used: int) -> dict:
+    """Mean utilisation per GPU, and over the `used` busiest GPUs (which GPUs Ray gave the actors is
+    not recorded; the idle ones of the host read near 0)."""
+    means = {str(i): round(statistics.fmean(s), 1) for i, s in sorted(by_gpu.items()) if s}
+    busiest = sorted(means.values(), reverse=True)[:used]
+    return {
+        "mean_pct_by_gpu": means,
+        "mean_pct_used_gpus": round(statistics.fmean(busiest), 1) if busiest else None,
+        "samples": max((len(s) for s in by_gpu.values()), default=0),
+    }
+
+
+def run_mode(mode: str, manifest: Path, job_dir: Path, overrides: list[str], gpus: int = 1) -> dict:
+    """The job in one mode ("ray" or "local") with its measurements; `gpus`: how many GPUs it uses."""
     settings = [f"local={str(mode == 'local').lower()}", *overrides]
     cfg = load_job_config(None, settings, {"manifest": str(manifest)})
     with GpuSampler() as gpu:
@@ -136,8 +159,7 @@ def run_mode(mode: str, manifest: Path, job_dir: Path, overrides: list[str]) -> 
         "x_realtime_execution": round(s["audio_seconds"] / execution, 3) if execution > 0 else None,
         "engine_x_realtime": s["engine_x_realtime"],
         "engine_busy_fraction": round(s["synth_seconds"] / execution, 4) if execution > 0 else None,
-        "gpu_util_mean_pct": round(statistics.fmean(gpu.samples), 1) if gpu.samples else None,
-        "gpu_util_samples": len(gpu.samples),
+        "gpu_util": gpu_utilization(gpu.by_gpu, gpus),
         "gpu": sorted({r["gpu"] for r in ok}),
         "precision": sorted({r["precision"] for r in ok}),
         "mean_batch_size": round(statistics.fmean(r["batch_size"] for r in ok), 2) if ok else None,

@@ -31,7 +31,6 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.environment import environment  # noqa: E402
 from bench.generate import w4a4_copy  # noqa: E402
-from bench.pipeline import GpuSampler, full_size_checkpoint, run_mode  # noqa: E402
+from bench.pipeline import full_size_checkpoint, run_mode  # noqa: E402
 from engine.checkpoint import checkpoint_fingerprint, load_model, read_config  # noqa: E402
 from engine.errors import InputError  # noqa: E402
 from engine.quant.format import QuantMeta  # noqa: E402
@@ -176,45 +175,6 @@ def rtn_w4a4_checkpoint(source: Path, out: Path) -> Path:
     return out
 
 
-def parse_gpu_utilization(text: str) -> dict[int, float]:
-    """`nvidia-smi --query-gpu=index,utilization.gpu --format=csv,noheader,nounits` -> {index: percent}."""
-    util = {}
-    for line in text.strip().splitlines():
-        index, percent = line.split(",")
-        util[int(index)] = float(percent)
-    return util
-
-
-class AllGpuSampler(GpuSampler):
-    """bench/pipeline.py's sampler over every GPU of the host: utilisation per GPU index."""
-
-    def __init__(self):
-        super().__init__()
-        self.by_gpu: dict[int, list[float]] = {}
-
-    def _run(self) -> None:
-        query = ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits"]
-        while not self._stop.wait(0.5):
-            try:
-                out = subprocess.run(query, capture_output=True, text=True, timeout=5).stdout
-                for index, percent in parse_gpu_utilization(out).items():
-                    self.by_gpu.setdefault(index, []).append(percent)
-            except (OSError, ValueError, subprocess.TimeoutExpired):
-                return
-
-
-def gpu_utilization(by_gpu: dict[int, list[float]], used: int) -> dict:
-    """Mean utilisation per GPU, and over the `used` busiest GPUs (which GPUs Ray gave the actors is
-    not recorded; the idle ones of the host read near 0)."""
-    means = {str(i): round(statistics.fmean(s), 1) for i, s in sorted(by_gpu.items()) if s}
-    busiest = sorted(means.values(), reverse=True)[:used]
-    return {
-        "mean_pct_by_gpu": means,
-        "mean_pct_used_gpus": round(statistics.fmean(busiest), 1) if busiest else None,
-        "samples": max((len(s) for s in by_gpu.values()), default=0),
-    }
-
-
 def _span(rows: list[dict]) -> float:
     start = min(datetime.fromisoformat(r["started_at"]) for r in rows)
     end = max(datetime.fromisoformat(r["finished_at"]) for r in rows)
@@ -263,10 +223,7 @@ def worker_load(shards: list[dict], execution_seconds: float) -> list[dict]:
 
 def run_gpus(gpus: int, manifest: Path, job_dir: Path, overrides: list[str]) -> dict:
     """The whole job on `gpus` Ray actors in a fresh job directory, with its measurements."""
-    with AllGpuSampler() as sampler:
-        run = run_mode("ray", manifest, job_dir, [*overrides, f"ray.num_actors={gpus}"])
-    for gpu0_only in ("gpu_util_mean_pct", "gpu_util_samples"):  # replaced by the per-GPU figures
-        run.pop(gpu0_only)
+    run = run_mode("ray", manifest, job_dir, [*overrides, f"ray.num_actors={gpus}"], gpus)
     results = JobDir(job_dir).read_results().to_pylist()
     shards = shard_timings(results)
     busy = run["engine_busy_fraction"]
@@ -274,7 +231,6 @@ def run_gpus(gpus: int, manifest: Path, job_dir: Path, overrides: list[str]) -> 
         "gpus": gpus,
         **run,
         "engine_busy_fraction_per_gpu": round(busy / gpus, 4) if busy is not None else None,
-        "gpu_util": gpu_utilization(sampler.by_gpu, gpus),
         "audio_seconds_per_row": spread([r["audio_seconds"] for r in results if r["status"] == "ok"]),
         "shards": len(shards),
         "slowest_shard": max(shards, key=lambda s: s["wall_seconds"], default=None),

@@ -10,13 +10,12 @@ import statistics
 
 import pytest
 
+from bench.pipeline import gpu_utilization, parse_gpu_utilization
 from bench.scaling import (
     LENGTHS,
-    gpu_utilization,
     main,
     manifest_texts,
     merge_reports,
-    parse_gpu_utilization,
     parse_gpus,
     shard_timings,
     speech_seconds,
