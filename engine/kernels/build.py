@@ -28,7 +28,7 @@ CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = ("binding.cpp", "quantize_act.cu", "w4a4_gemm.cu")
 HEADERS = ("w4a4_common.cuh", "w4a4_launch.h")
 EXTENSION_NAME = "ovbatch_w4a4"
-# wgmma-free code, but sm_90a keeps the door open for it; the kernels use mma.sync and cp.async.
+# sm_90a: the GEMM uses wgmma (Hopper only); the rest is mma.sync and cp.async.
 CUDA_FLAGS = ("-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-Xptxas=-warn-spills")
 
 
