@@ -178,6 +178,7 @@ def main() -> None:
     args = p.parse_args()
 
     work = Path(args.work or tempfile.mkdtemp(prefix="ovbatch-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
     try:
         t0 = time.perf_counter()
         ckpt = full_size_checkpoint(work / "ckpt") if args.size == "full" else ensure_tiny_checkpoint()
@@ -208,7 +209,7 @@ def main() -> None:
                 "execution_seconds",
                 "x_realtime",
                 "engine_busy_fraction",
-                "gpu_util_mean_pct",
+                "gpu_util",
             )
             print(json.dumps({k: result[k] for k in shown}), flush=True)
         out = Path(args.out)
