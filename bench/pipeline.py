@@ -33,7 +33,7 @@ from engine.codec import Codec  # noqa: E402
 from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG, read_codec_config  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.tiny import ensure_tiny_checkpoint, tiny_state_dict  # noqa: E402
-from engine.tiny_codec import _preprocessor_config, _random_weights  # noqa: E402
+from engine.tiny_codec import preprocessor_config, random_codec_weights  # noqa: E402
 from pipeline.config import load_job_config  # noqa: E402
 from pipeline.demo import CLIPS_DIR, demo_clips  # noqa: E402
 from pipeline.job import submit  # noqa: E402
@@ -63,10 +63,10 @@ def full_size_checkpoint(out: Path) -> Path:
     (codec_dir / "config.json").write_text(json.dumps(OMNIVOICE_CODEC_CONFIG, indent=2) + "\n")
     codec_cfg = read_codec_config(codec_dir / "config.json")
     (codec_dir / "preprocessor_config.json").write_text(
-        json.dumps(_preprocessor_config(codec_cfg.hop_length, codec_cfg.sample_rate), indent=2) + "\n"
+        json.dumps(preprocessor_config(codec_cfg.hop_length, codec_cfg.sample_rate), indent=2) + "\n"
     )
     torch.manual_seed(0)
-    save_file(_random_weights(Codec(codec_cfg), codec_cfg), str(codec_dir / "model.safetensors"))
+    save_file(random_codec_weights(Codec(codec_cfg), codec_cfg), str(codec_dir / "model.safetensors"))
     return out
 
 

@@ -48,7 +48,7 @@ from engine.checkpoint import checkpoint_fingerprint, load_model, read_config  #
 from engine.errors import InputError  # noqa: E402
 from engine.quant.format import QuantMeta  # noqa: E402
 from engine.quant.linear import W4A4Linear  # noqa: E402
-from engine.quant.quantize import _write_checkpoint  # noqa: E402
+from engine.quant.quantize import write_w4a4_checkpoint  # noqa: E402
 from engine.tiny import ensure_tiny_checkpoint  # noqa: E402
 from pipeline.demo import CLIPS_DIR, demo_clips  # noqa: E402
 from pipeline.store import JobDir  # noqa: E402
@@ -171,7 +171,7 @@ def rtn_w4a4_checkpoint(source: Path, out: Path) -> Path:
         settings={"method": f"round-to-nearest + rank-{RANK} low-rank, no calibration (bench speed copy)"},
     )
     out.mkdir(parents=True)
-    _write_checkpoint(out, source, raw, layers, meta)
+    write_w4a4_checkpoint(out, source, raw, layers, meta)
     return out
 
 

@@ -49,7 +49,7 @@ TINY_CODEC_CONFIG = {
 }
 
 
-def _preprocessor_config(hop_length: int, sample_rate: int) -> dict:
+def preprocessor_config(hop_length: int, sample_rate: int) -> dict:
     return {
         "feature_extractor_type": "DacFeatureExtractor",
         "feature_size": 1,
@@ -61,7 +61,7 @@ def _preprocessor_config(hop_length: int, sample_rate: int) -> dict:
     }
 
 
-def _random_weights(codec: Codec, cfg) -> dict[str, torch.Tensor]:
+def random_codec_weights(codec: Codec, cfg) -> dict[str, torch.Tensor]:
     """Weights under which the output follows the input: PyTorch's default init lets the signal fade
     through the DAC stacks until the biases alone set the audio. Matrices and kernels are drawn with
     std WEIGHT_GAIN / sqrt(fan_in), biases are zero (norm layers and snake alphas keep their init), the
@@ -92,13 +92,13 @@ def write_tiny_codec(out_dir: Path) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     (target / "config.json").write_text(json.dumps(TINY_CODEC_CONFIG, indent=2, sort_keys=True) + "\n")
     cfg = read_codec_config(target / "config.json")
-    preprocessor = _preprocessor_config(cfg.hop_length, cfg.sample_rate)
+    preprocessor = preprocessor_config(cfg.hop_length, cfg.sample_rate)
     (target / "preprocessor_config.json").write_text(
         json.dumps(preprocessor, indent=2, sort_keys=True) + "\n"
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
         codec = Codec(cfg)
-        tensors = _random_weights(codec, cfg)
+        tensors = random_codec_weights(codec, cfg)
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
     return target

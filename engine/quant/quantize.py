@@ -178,9 +178,11 @@ def compare_models(
     }
 
 
-def _write_checkpoint(
+def write_w4a4_checkpoint(
     tmp: Path, src: Path, raw: dict, quantized: dict[str, W4A4Tensors], meta: QuantMeta
 ) -> None:
+    """Into `tmp`: `src` with the `quantized` Linears' weights replaced by their W4A4 tensors, config.json
+    (`raw` plus the quantization metadata) and the source's other files (tokenizer, codec)."""
     state = read_tensors(weight_files(src))
     for name, t in quantized.items():
         state.pop(f"{name}.weight")
@@ -266,7 +268,7 @@ def quantize_checkpoint(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        _write_checkpoint(tmp, src, raw, quantizer.tensors, meta)
+        write_w4a4_checkpoint(tmp, src, raw, quantizer.tensors, meta)
         _, fp = load_model(src, device=device, dtype=dtype)
         _, q = load_model(tmp, device=device, dtype=dtype)
         end_to_end = compare_models(fp, q, eval_items, device, dtype, options.max_batch_tokens)
