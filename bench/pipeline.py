@@ -70,16 +70,18 @@ def full_size_checkpoint(out: Path) -> Path:
     return out
 
 
-def write_manifest(path: Path, rows: int) -> Path:
+def write_clip_manifest(path: Path, texts: list[str], id_prefix: str) -> Path:
+    """A manifest with one row per text, cycling over the repo's speech clips as references."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     clips = sorted(demo_clips().items())
+    rows = len(texts)
     pq.write_table(
         pa.table(
             {
-                "id": [f"b{i:05d}" for i in range(rows)],
-                "text": [TEXTS[i % len(TEXTS)] for i in range(rows)],
+                "id": [f"{id_prefix}{i:05d}" for i in range(rows)],
+                "text": texts,
                 "ref_audio": [str(CLIPS_DIR / clips[i % len(clips)][0]) for i in range(rows)],
                 "ref_text": [clips[i % len(clips)][1] for i in range(rows)],
                 "language": ["en"] * rows,
@@ -88,6 +90,10 @@ def write_manifest(path: Path, rows: int) -> Path:
         path,
     )
     return path
+
+
+def write_manifest(path: Path, rows: int) -> Path:
+    return write_clip_manifest(path, [TEXTS[i % len(TEXTS)] for i in range(rows)], "b")
 
 
 def parse_gpu_utilization(text: str) -> dict[int, float]:

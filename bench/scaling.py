@@ -43,14 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.environment import environment  # noqa: E402
 from bench.generate import w4a4_copy  # noqa: E402
-from bench.pipeline import full_size_checkpoint, run_mode  # noqa: E402
+from bench.pipeline import full_size_checkpoint, run_mode, write_clip_manifest  # noqa: E402
 from engine.checkpoint import checkpoint_fingerprint, load_model, read_config  # noqa: E402
 from engine.errors import InputError  # noqa: E402
 from engine.quant.format import QuantMeta  # noqa: E402
 from engine.quant.linear import W4A4Linear  # noqa: E402
 from engine.quant.quantize import write_w4a4_checkpoint  # noqa: E402
 from engine.tiny import ensure_tiny_checkpoint  # noqa: E402
-from pipeline.demo import CLIPS_DIR, demo_clips  # noqa: E402
 from pipeline.store import JobDir  # noqa: E402
 
 RANK = 16
@@ -128,23 +127,8 @@ def spread(values: list[float]) -> dict[str, float]:
 
 def write_manifest(path: Path, rows: int, seed: int) -> dict:
     """The manifest (clips cycled as in bench/pipeline.py); returns the drawn length distribution."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     texts, seconds = manifest_texts(rows, seed)
-    clips = sorted(demo_clips().items())
-    pq.write_table(
-        pa.table(
-            {
-                "id": [f"s{i:05d}" for i in range(rows)],
-                "text": texts,
-                "ref_audio": [str(CLIPS_DIR / clips[i % len(clips)][0]) for i in range(rows)],
-                "ref_text": [clips[i % len(clips)][1] for i in range(rows)],
-                "language": ["en"] * rows,
-            }
-        ),
-        path,
-    )
+    write_clip_manifest(path, texts, "s")
     return {
         "kind": "log-normal speech seconds, clipped",
         **LENGTHS,
