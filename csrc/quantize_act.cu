@@ -3,8 +3,8 @@
 //
 // A block owns 16 rows; its warps take the K groups in turn (warp w: groups w, w + W, ...), and the
 // low-rank partial sums of the warps are added in shared memory at the end. W = 16 warps per block while
-// the grid is small (few rows: spread each row's groups over many warps), 4 once there are enough
-// blocks to fill the GPU several times over (more resident blocks hide the loads' latency better). Lane (gr, t) loads exactly
+// the grid is small (few rows: spread each row's groups over many warps), 4 once there are 2+ blocks per
+// SM (measured 1.15-1.25x faster from M = 8192, docs/kernels.md). Lane (gr, t) loads exactly
 // the elements its int8 MMA fragments need: rows gr and gr + 8, columns 16c + 4t .. 16c + 4t + 3 of the
 // group for c = 0..3, so the per-row max is a 4-lane shuffle. The low-rank product reuses the same
 // registers as bf16/fp16 MMA fragments by permuting k inside each 16-wide block (lane t's columns 4t,

@@ -33,11 +33,20 @@ struct GemmArgs {
   bool bf16;
 };
 
-// Multiprocessors of the current device (the launchers size their grids by it).
+// Multiprocessors of the current device (the launchers size their grids by it), queried once per device.
 inline cudaError_t sm_count(int* sms) {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};  // 0: not queried yet; concurrent first calls store the same value
   int device = 0;
-  const cudaError_t err = cudaGetDevice(&device);
-  return err != cudaSuccess ? err : cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < kMaxDevices && cached[device] > 0) {
+    *sms = cached[device];
+    return cudaSuccess;
+  }
+  err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess && device < kMaxDevices) cached[device] = *sms;
+  return err;
 }
 
 cudaError_t launch_quantize_act_lora_down(const QuantizeArgs& args, cudaStream_t stream);

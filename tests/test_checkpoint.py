@@ -77,15 +77,22 @@ def test_tiny_checkpoint_loads_with_the_weights_it_was_made_from(tiny):
     assert json.loads((tiny / "config.json").read_text())["model_type"] == "omnivoice"
 
 
-def test_sharded_checkpoint_loads(broken):
-    sd = load_file(broken / "model.safetensors")
+def shard_checkpoint(path):
+    """Split path/model.safetensors into two shards with an index (as large checkpoints ship); returns
+    the original tensors."""
+    sd = load_file(path / "model.safetensors")
     names = sorted(sd)
     halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
     for shard, keys in halves.items():
-        save_file({k: sd[k] for k in keys}, str(broken / shard))
+        save_file({k: sd[k] for k in keys}, str(path / shard))
     index = {"weight_map": {k: shard for shard, keys in halves.items() for k in keys}}
-    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
-    (broken / "model.safetensors").unlink()
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (path / "model.safetensors").unlink()
+    return sd
+
+
+def test_sharded_checkpoint_loads(broken):
+    sd = shard_checkpoint(broken)
     _, model = load_model(broken)
     torch.testing.assert_close(model.state_dict()["audio_heads.weight"], sd["audio_heads.weight"])
 
@@ -198,15 +205,8 @@ def test_one_fingerprint_names_a_checkpoint_by_config_and_weights(tiny, broken):
 def test_fingerprint_of_a_sharded_checkpoint_covers_every_shard(broken):
     from engine.checkpoint import checkpoint_fingerprint
 
-    sd = load_file(broken / "model.safetensors")
-    names = sorted(sd)
-    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
-    for shard, keys in halves.items():
-        save_file({k: sd[k] for k in keys}, str(broken / shard))
-    index = {"weight_map": {k: shard for shard, keys in halves.items() for k in keys}}
-    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
-    (broken / "model.safetensors").unlink()
+    shard_checkpoint(broken)
     before = checkpoint_fingerprint(broken)
     second = broken / "model-00002-of-00002.safetensors"
-    save_file({k: sd[k] * 2 for k in halves[second.name]}, str(second))
+    save_file({k: v * 2 for k, v in load_file(second).items()}, str(second))
     assert checkpoint_fingerprint(broken) != before

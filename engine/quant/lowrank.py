@@ -60,9 +60,9 @@ def lowrank_factors(m: torch.Tensor, rank: int, power_iters: int = 4) -> tuple[t
     """Rank-r approximation of m [N, K] as (proj_up [N, r], proj_down [K, r]) in the stored dtype.
 
     Randomized SVD (range finder with 2r columns and `power_iters` power iterations, seeded, so results
-    are reproducible): within ~0.1% of the exact truncated SVD's error on weight residuals, and 30x faster
-    than a full SVD at 3072 x 1024. The singular values are split evenly (sqrt on each side) so both
-    factors have moderate magnitudes.
+    are reproducible): within 0.1% of the exact truncated SVD's error on residual-like matrices
+    (tests/test_quant_method.py), without a full SVD of the weight. The singular values are split evenly
+    (sqrt on each side) so both factors have moderate magnitudes.
     """
     m = m.float()
     q = min(2 * rank, *m.shape)
