@@ -4,7 +4,9 @@ Full-size model (real dimensions, random weights), 32 steps, guidance 2.0, refer
 target 6 s (150 frames) or varied, as in ../shared/anchors (official_baseline.py): B=1, B=8 with equal
 lengths, B=16 and B=32 with varied lengths. The official model runs its `_generate_iterative` in fp16
 with SDPA (eager, padded batch), as the anchor did; ours runs bf16 on the fastest attention backend,
-eagerly and with CUDA graphs, and in W4A4 (backbone Linears on the W4A4 kernels) with CUDA graphs.
+eagerly and with CUDA graphs, and in W4A4 (backbone Linears on the W4A4 kernels) with CUDA graphs; the
+`_unfused` variants run with the fused kernels off (OVBATCH_FUSED_KERNELS=0: torch's RMSNorm, SiLU*up and
+q/k norm + RoPE around the Linears), which is what they save.
 Medians of the repetitions; RTF = wall time / audio time.
 
     python bench/generate.py [--out bench/results/generate-h200.json] [--reps 5]
@@ -13,8 +15,9 @@ Medians of the repetitions; RTF = wall time / audio time.
 from __future__ import annotations
 
 import argparse
-import copy
+import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -35,10 +38,7 @@ from bench.parity import (  # noqa: E402
 )
 from engine.checkpoint import load_model  # noqa: E402
 from engine.config import EngineConfig, GenerationConfig  # noqa: E402
-from engine.quant.format import STORE_DTYPE, W4A4Tensors, pack_int4  # noqa: E402
-from engine.quant.gptq import quantize_rtn  # noqa: E402
-from engine.quant.linear import W4A4Linear  # noqa: E402
-from engine.quant.lowrank import lowrank_factors  # noqa: E402
+from engine.quant.rtn import w4a4_copy  # noqa: E402
 from engine.runner import Runner  # noqa: E402
 
 FRAME_RATE = 25
@@ -56,21 +56,18 @@ def requests(batch: int, vary: bool) -> list[Request]:
     return [Request(TEXTS[0], REF_FRAMES, n) for n in lens]
 
 
-def w4a4_copy(model: torch.nn.Module, rank: int = 16) -> torch.nn.Module:
-    """The model with its backbone Linears in W4A4 (round-to-nearest + rank-16 low-rank branch).
-
-    Speed only: the layers run the same kernels as a GPTQ checkpoint's; their quality is not measured here.
-    """
-    quantized = copy.deepcopy(model)
-    for name, module in list(quantized.named_modules()):
-        if isinstance(module, torch.nn.Linear) and name.startswith("llm.layers."):
-            w = module.weight.detach().float()
-            up, down = lowrank_factors(w, rank)
-            q, scales = quantize_rtn(w - up.float() @ down.float().T)
-            layer = W4A4Linear.from_tensors(W4A4Tensors(pack_int4(q), scales.to(STORE_DTYPE), down, up))
-            parent, child = name.rsplit(".", 1)
-            setattr(quantized.get_submodule(parent), child, layer.to(w.device))
-    return quantized
+@contextlib.contextmanager
+def fused_kernels(enabled: bool):
+    """Run (and capture) with the fused kernels on or off (engine/kernels/fused.py)."""
+    before = os.environ.get("OVBATCH_FUSED_KERNELS")
+    os.environ["OVBATCH_FUSED_KERNELS"] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["OVBATCH_FUSED_KERNELS"]
+        else:
+            os.environ["OVBATCH_FUSED_KERNELS"] = before
 
 
 def median_seconds(reps: int, fn, *args) -> float:
@@ -117,10 +114,16 @@ def main() -> None:
         "ours_bf16_graphs": Runner(
             ours, EngineConfig(cuda_graphs=True, buckets=BUCKETS), "cuda", torch.bfloat16
         ),
-        "ours_w4a4_graphs": Runner(
-            w4a4_copy(ours), EngineConfig(cuda_graphs=True, buckets=BUCKETS), "cuda", torch.bfloat16
-        ),
     }
+    w4a4 = w4a4_copy(ours)
+    for label, model in (
+        ("ours_w4a4_graphs", w4a4),
+        ("ours_bf16_graphs_unfused", ours),
+        ("ours_w4a4_graphs_unfused", w4a4),
+    ):
+        runners[label] = Runner(
+            model, EngineConfig(cuda_graphs=True, buckets=BUCKETS), "cuda", torch.bfloat16
+        )
     gen = GenerationConfig()
     official_gen = OmniVoiceGenerationConfig()
     results = {}
@@ -134,7 +137,8 @@ def main() -> None:
             official_s = median_seconds(reps, official._generate_iterative, task, official_gen)
             row["official_fp16_eager"] = timing(official_s, audio_s)
             for label, runner in runners.items():
-                row[label] = timing(median_seconds(reps, runner.generate, items, gen), audio_s)
+                with fused_kernels(not label.endswith("_unfused")):
+                    row[label] = timing(median_seconds(reps, runner.generate, items, gen), audio_s)
             for label in runners:
                 row[f"speedup_{label}"] = round(row["official_fp16_eager"]["ms"] / row[label]["ms"], 2)
             print(name, json.dumps(row), flush=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call, many steps: GPU tests and benchmarks, each under its own time limit.
 # Usage on the GPU machine (repo root):  bash bench/gpu_session.sh STEP[:SECONDS] ...
-# Steps: tests official parity generate codec-parity codec quantize pipeline kernels scaling
+# Steps: tests official parity generate codec-parity codec quantize pipeline kernels fused scaling
 # (GPU_TESTS narrows the test paths, PIPELINE_ROWS the pipeline bench's rows, SCALING_GPUS the GPU counts
 # of the scaling bench, one per call: it merges into bench/results/scaling-h200.json.)
 # Logs and bench/results/*.json come back bundled as $OUT/logs.tgz and $OUT/results.tgz.
@@ -24,6 +24,7 @@ step() {
     quantize)     $PY bench/quantize.py ;;
     pipeline)     $PY bench/pipeline.py --rows ${PIPELINE_ROWS:-512} ;;
     kernels)      $PY bench/kernels.py ;;
+    fused)        $PY bench/fused.py ;;
     scaling)      $PY bench/scaling.py --gpus ${SCALING_GPUS:-1} ;;
     *) echo "unknown step $1"; return 2 ;;
   esac

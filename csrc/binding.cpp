@@ -31,15 +31,29 @@ void check_dtype(const Tensor& t, at::ScalarType want, const char* name) {
   TORCH_CHECK(t.scalar_type() == want, "ovbatch_w4a4: ", name, " must be ", want, ", got ", t.scalar_type());
 }
 
-// x [M, K] bf16/fp16 -> (qact int32 [M_pad/16, K/64, 128], ascales f32 [K/64, M_pad], lora f32 [M_pad, R]).
-std::tuple<Tensor, Tensor, Tensor> quantize_act_lora_down(const Tensor& x, const std::optional<Tensor>& smooth,
-                                                          const Tensor& pd_t) {
-  check_cuda(x, "x");
+void check_half(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, "ovbatch_w4a4: ", name,
+              " must be bfloat16 or float16, got ", t.scalar_type());
+}
+
+// A [M, K] input whose rows may be `ld` elements apart (a slice of a wider output), unit column stride.
+void check_rows(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "ovbatch_w4a4: ", name, " must be a CUDA tensor, got device ", t.device());
+  TORCH_CHECK(t.dim() == 2 && t.size(1) % kGroup == 0, "ovbatch_w4a4: ", name,
+              " must be [M, K] with K a multiple of 64, got ", t.sizes());
+  TORCH_CHECK(t.stride(1) == 1 && (t.size(0) <= 1 || t.stride(0) % 4 == 0) &&
+                  reinterpret_cast<uintptr_t>(t.data_ptr()) % 8 == 0,
+              "ovbatch_w4a4: ", name, " needs unit column stride, a row stride that is a multiple of 4 and ",
+              "8-byte alignment, got strides ", t.strides(), " (pass a contiguous tensor)");
+  check_half(t, name);
+}
+
+// Activation quantization + low-rank down-projection of the input `a` describes (x, or a prologue of it):
+// -> (qact int32 [M_pad/16, K/64, 128], ascales f32 [K/64, M_pad], lora f32 [M_pad, R]).
+std::tuple<Tensor, Tensor, Tensor> quantize_input(const Tensor& x, const std::optional<Tensor>& smooth,
+                                                  const Tensor& pd_t, w4a4::QuantizeArgs a) {
+  check_rows(x, "x");
   check_cuda(pd_t, "pd_t");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0, "ovbatch_w4a4: x must be [M, K] with K a multiple of 64, got ",
-              x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
-              "ovbatch_w4a4: x must be bfloat16 or float16, got ", x.scalar_type());
   check_dtype(pd_t, x.scalar_type(), "pd_t");
   const int64_t M = x.size(0), K = x.size(1), R = pd_t.size(0);
   TORCH_CHECK(pd_t.dim() == 2 && pd_t.size(1) == K && (R == 16 || R == 32),
@@ -57,8 +71,8 @@ std::tuple<Tensor, Tensor, Tensor> quantize_act_lora_down(const Tensor& x, const
   Tensor qact = torch::empty({M_pad / 16, K / kGroup, 128}, i32);
   Tensor ascales = torch::empty({K / kGroup, M_pad}, f32);
   Tensor lora = torch::empty({M_pad, R}, f32);
-  w4a4::QuantizeArgs a{};
   a.x = x.data_ptr();
+  a.ldx = static_cast<int>(M > 1 ? x.stride(0) : K);
   a.smooth = smooth ? smooth->data_ptr<float>() : nullptr;
   a.pd_t = pd_t.data_ptr();
   a.qact = qact.data_ptr();
@@ -71,6 +85,110 @@ std::tuple<Tensor, Tensor, Tensor> quantize_act_lora_down(const Tensor& x, const
   a.bf16 = x.scalar_type() == at::kBFloat16;
   check_launch(w4a4::launch_quantize_act_lora_down(a, c10::cuda::getCurrentCUDAStream()), "quantize_act_lora_down");
   return {qact, ascales, lora};
+}
+
+std::tuple<Tensor, Tensor, Tensor> quantize_act_lora_down(const Tensor& x, const std::optional<Tensor>& smooth,
+                                                          const Tensor& pd_t) {
+  return quantize_input(x, smooth, pd_t, w4a4::QuantizeArgs{});
+}
+
+// The same on RMSNorm(x) with weight `norm_weight` [K], computed in the kernel.
+std::tuple<Tensor, Tensor, Tensor> rmsnorm_quantize_act_lora_down(const Tensor& x, const Tensor& norm_weight,
+                                                                  double eps, const std::optional<Tensor>& smooth,
+                                                                  const Tensor& pd_t) {
+  check_cuda(norm_weight, "norm_weight");
+  check_dtype(norm_weight, x.scalar_type(), "norm_weight");
+  TORCH_CHECK(norm_weight.dim() == 1 && norm_weight.size(0) == x.size(-1), "ovbatch_w4a4: norm_weight must be [",
+              x.size(-1), "], got ", norm_weight.sizes());
+  w4a4::QuantizeArgs a{};
+  a.norm_weight = norm_weight.data_ptr();
+  a.eps = static_cast<float>(eps);
+  return quantize_input(x, smooth, pd_t, a);
+}
+
+// The same on silu(gate) * up, computed in the kernel (gate and up: [M, K] with the same row stride).
+std::tuple<Tensor, Tensor, Tensor> swiglu_quantize_act_lora_down(const Tensor& gate, const Tensor& up,
+                                                                 const std::optional<Tensor>& smooth,
+                                                                 const Tensor& pd_t) {
+  check_rows(up, "up");
+  TORCH_CHECK(up.sizes() == gate.sizes() && up.scalar_type() == gate.scalar_type() &&
+                  (gate.size(0) <= 1 || up.stride(0) == gate.stride(0)),
+              "ovbatch_w4a4: gate and up must have the same shape, dtype and row stride, got ", gate.sizes(), " ",
+              gate.strides(), " and ", up.sizes(), " ", up.strides());
+  w4a4::QuantizeArgs a{};
+  a.x2 = up.data_ptr();
+  return quantize_input(gate, smooth, pd_t, a);
+}
+
+// q [T, Hq, D], k [T, Hk, D] (token rows may be strided) -> normed and rotated, contiguous.
+std::tuple<Tensor, Tensor> qk_norm_rope(const Tensor& q, const Tensor& k, const Tensor& q_weight,
+                                        const Tensor& k_weight, const Tensor& cos, const Tensor& sin, double eps) {
+  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}}) {
+    TORCH_CHECK(t->is_cuda() && t->dim() == 3, "ovbatch_w4a4: ", name, " must be a CUDA [tokens, heads, D], got ",
+                t->sizes(), " on ", t->device());
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "ovbatch_w4a4: ", name,
+                " must have contiguous heads (strides [*, D, 1]), got ", t->strides());
+    check_half(*t, name);
+  }
+  const int64_t T = q.size(0), D = q.size(2);
+  TORCH_CHECK(k.size(0) == T && k.size(2) == D && k.scalar_type() == q.scalar_type(),
+              "ovbatch_w4a4: k ", k.sizes(), " does not match q ", q.sizes());
+  TORCH_CHECK(D % 2 == 0 && D <= w4a4::kMaxHeadDim, "ovbatch_w4a4: head dim ", D, " must be even and at most ",
+              w4a4::kMaxHeadDim);
+  for (auto [t, name, want] : {std::tuple{&q_weight, "q_weight", std::vector<int64_t>{D}},
+                               {&k_weight, "k_weight", std::vector<int64_t>{D}}, {&cos, "cos", std::vector<int64_t>{T, D}},
+                               {&sin, "sin", std::vector<int64_t>{T, D}}}) {
+    check_cuda(*t, name);
+    check_dtype(*t, q.scalar_type(), name);
+    TORCH_CHECK(t->sizes() == torch::IntArrayRef(want), "ovbatch_w4a4: ", name, " must be ",
+                torch::IntArrayRef(want), ", got ", t->sizes());
+  }
+  const c10::cuda::CUDAGuard guard(q.device());
+  Tensor q_out = torch::empty(q.sizes(), q.options());
+  Tensor k_out = torch::empty(k.sizes(), k.options());
+  w4a4::QkNormRopeArgs a{};
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.q_weight = q_weight.data_ptr();
+  a.k_weight = k_weight.data_ptr();
+  a.cos = cos.data_ptr();
+  a.sin = sin.data_ptr();
+  a.q_out = q_out.data_ptr();
+  a.k_out = k_out.data_ptr();
+  a.q_stride = q.stride(0);
+  a.k_stride = k.stride(0);
+  a.tokens = static_cast<int>(T);
+  a.q_heads = static_cast<int>(q.size(1));
+  a.k_heads = static_cast<int>(k.size(1));
+  a.D = static_cast<int>(D);
+  a.eps = static_cast<float>(eps);
+  a.bf16 = q.scalar_type() == at::kBFloat16;
+  check_launch(w4a4::launch_qk_norm_rope(a, c10::cuda::getCurrentCUDAStream()), "qk_norm_rope");
+  return {q_out, k_out};
+}
+
+// x [rows, K] -> RMSNorm(x) with weight [K] (K a multiple of 8).
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  check_cuda(x, "x");
+  check_cuda(weight, "weight");
+  check_half(x, "x");
+  check_dtype(weight, x.scalar_type(), "weight");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 8 == 0, "ovbatch_w4a4: x must be [rows, K] with K a multiple of 8, got ",
+              x.sizes());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), "ovbatch_w4a4: weight must be [", x.size(1),
+              "], got ", weight.sizes());
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor y = torch::empty_like(x);
+  w4a4::RmsNormArgs a{};
+  a.x = x.data_ptr();
+  a.weight = weight.data_ptr();
+  a.y = y.data_ptr();
+  a.rows = static_cast<int>(x.size(0));
+  a.K = static_cast<int>(x.size(1));
+  a.eps = static_cast<float>(eps);
+  a.bf16 = x.scalar_type() == at::kBFloat16;
+  check_launch(w4a4::launch_rms_norm(a, c10::cuda::getCurrentCUDAStream()), "rms_norm");
+  return y;
 }
 
 // Packed activations of M real rows times packed weights of N real columns -> y [M, N] in out_dtype.
@@ -146,6 +264,16 @@ Tensor w4a4_linear(const Tensor& x, const std::optional<Tensor>& smooth, const T
 TORCH_LIBRARY(ovbatch_w4a4, m) {
   m.def("quantize_act_lora_down(Tensor x, Tensor? smooth, Tensor pd_t) -> (Tensor, Tensor, Tensor)");
   m.def(
+      "rmsnorm_quantize_act_lora_down(Tensor x, Tensor norm_weight, float eps, Tensor? smooth, Tensor pd_t) -> "
+      "(Tensor, Tensor, Tensor)");
+  m.def(
+      "swiglu_quantize_act_lora_down(Tensor gate, Tensor up, Tensor? smooth, Tensor pd_t) -> (Tensor, Tensor, "
+      "Tensor)");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor cos, Tensor sin, float eps) -> "
+      "(Tensor, Tensor)");
+  m.def(
       "gemm_lora_up(Tensor qact, Tensor ascales, Tensor lora, Tensor qweight, Tensor wscales, Tensor proj_up, "
       "Tensor? bias, int M, int N, ScalarType out_dtype) -> Tensor");
   m.def(
@@ -155,6 +283,10 @@ TORCH_LIBRARY(ovbatch_w4a4, m) {
 
 TORCH_LIBRARY_IMPL(ovbatch_w4a4, CUDA, m) {
   m.impl("quantize_act_lora_down", &quantize_act_lora_down);
+  m.impl("rmsnorm_quantize_act_lora_down", &rmsnorm_quantize_act_lora_down);
+  m.impl("swiglu_quantize_act_lora_down", &swiglu_quantize_act_lora_down);
+  m.impl("qk_norm_rope", &qk_norm_rope);
+  m.impl("rms_norm", &rms_norm);
   m.impl("gemm_lora_up", &gemm_lora_up);
   m.impl("w4a4_linear", &w4a4_linear);
 }

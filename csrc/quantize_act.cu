@@ -15,6 +15,12 @@
 // division instruction: with y = RN(1/b) (1/smooth precomputed at load, 1/scale once per row),
 // q = RN(a * y), r = fma(-q, b, a) (exact) and RN(q + r * y) = RN(a / b) (Markstein), barring
 // overflow/underflow, which int4 quantization of finite activations does not reach.
+//
+// Fused producers (Prologue): the kernel can compute its input instead of reading it, so the producer's
+// output never goes through memory. kRmsNorm: x is the residual stream and the input is
+// T(w * T(x * rsqrt(mean(x^2) + eps))), Qwen3's RMSNorm with its roundings (the block sums each row's
+// squares in a pre-pass over the same elements). kSwiGLU: x is gate, x2 is up and the input is
+// T(T(silu(gate)) * up). Everything downstream sees exactly what the unfused kernel would read.
 #include "w4a4_common.cuh"
 #include "w4a4_launch.h"
 
@@ -32,9 +38,85 @@ __device__ __forceinline__ float div_rn(float a, float b, float rb) {
   return fmaf(r, rb, q);
 }
 
-template <typename T, bool kSmooth, int R, int kWarpsPerBlock>
+enum class Prologue { kNone, kRmsNorm, kSwiGLU };
+
+__device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
+
+// Four consecutive input elements of one row as T values (8 bytes), the prologue applied.
+template <typename T, Prologue P>
+__device__ __forceinline__ uint2 load_input(const T* x, const T* x2, const T* norm_w, int64_t off, int col,
+                                            float rstd) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(x + off);
+  if (P == Prologue::kNone) return raw;
+  const T* v = reinterpret_cast<const T*>(&raw);
+  uint2 out;
+  T* o = reinterpret_cast<T*>(&out);
+  if (P == Prologue::kRmsNorm) {
+    const uint2 wraw = *reinterpret_cast<const uint2*>(norm_w + col);
+    const T* w = reinterpret_cast<const T*>(&wraw);
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const float normed = to_float<T>(from_float<T>(to_float<T>(v[b]) * rstd));
+      o[b] = from_float<T>(to_float<T>(w[b]) * normed);
+    }
+  } else {
+    const uint2 uraw = *reinterpret_cast<const uint2*>(x2 + off);
+    const T* u = reinterpret_cast<const T*>(&uraw);
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const float gated = to_float<T>(from_float<T>(silu(to_float<T>(v[b]))));
+      o[b] = from_float<T>(gated * to_float<T>(u[b]));
+    }
+  }
+  return out;
+}
+
+// 1 / sqrt(mean(x^2) + eps) of rows gr and gr + 8 of the block's 16 (kRmsNorm's pre-pass): each warp sums
+// the squares of the elements it will quantize, the warps' sums meet in shared memory.
+template <typename T, int kWarpsPerBlock>
+__device__ __forceinline__ void row_rstd(const T* x0, const T* x1, bool ok0, bool ok1, int G, int K, float eps,
+                                         float (&rstd)[2]) {
+  __shared__ float sumsq[kWarpsPerBlock][16];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float ss[2] = {0.f, 0.f};
+  for (int g = warp; g < G; g += kWarpsPerBlock) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int off = g * kGroup + 16 * c;
+      const uint2 raw[2] = {ok0 ? *reinterpret_cast<const uint2*>(x0 + off) : make_uint2(0, 0),
+                            ok1 ? *reinterpret_cast<const uint2*>(x1 + off) : make_uint2(0, 0)};
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const T* v = reinterpret_cast<const T*>(&raw[r]);
+#pragma unroll
+        for (int b = 0; b < 4; ++b) ss[r] = fmaf(to_float<T>(v[b]), to_float<T>(v[b]), ss[r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    ss[r] += __shfl_xor_sync(0xffffffffu, ss[r], 1);
+    ss[r] += __shfl_xor_sync(0xffffffffu, ss[r], 2);
+  }
+  const int gr = lane >> 2;
+  if ((lane & 3) == 0) {
+    sumsq[warp][gr] = ss[0];
+    sumsq[warp][gr + 8] = ss[1];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarpsPerBlock; ++w) total += sumsq[w][gr + 8 * r];
+    rstd[r] = rsqrtf(total * (1.0f / static_cast<float>(K)) + eps);
+  }
+}
+
+template <typename T, Prologue P, bool kSmooth, int R, int kWarpsPerBlock>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    quantize_act_lora_down_kernel(const T* __restrict__ x, const float* __restrict__ smooth,
+    quantize_act_lora_down_kernel(const T* __restrict__ x, const T* __restrict__ x2, const T* __restrict__ norm_w,
+                                  float eps, int ldx, const float* __restrict__ smooth,
                                   const float* __restrict__ rsmooth, const T* __restrict__ pd_t,
                                   int4* __restrict__ qact, float* __restrict__ ascales, float* __restrict__ lora,
                                   int M, int M_pad, int K) {
@@ -45,8 +127,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   const int row0 = mtile * 16 + gr, row1 = row0 + 8;
   const bool ok0 = row0 < M, ok1 = row1 < M;
   const int G = K / kGroup;
-  const T* x0 = x + static_cast<int64_t>(row0) * K + 4 * t;
-  const T* x1 = x + static_cast<int64_t>(row1) * K + 4 * t;
+  const int64_t off0 = static_cast<int64_t>(row0) * ldx + 4 * t, off1 = static_cast<int64_t>(row1) * ldx + 4 * t;
+
+  float rstd[2] = {1.f, 1.f};
+  if (P == Prologue::kRmsNorm) row_rstd<T, kWarpsPerBlock>(x + off0, x + off1, ok0, ok1, G, K, eps, rstd);
 
   float lacc[R / 8][4];
 #pragma unroll
@@ -55,13 +139,13 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     for (int e = 0; e < 4; ++e) lacc[nt][e] = 0.f;
 
   for (int g = warp; g < G; g += kWarpsPerBlock) {
-    // raw[row][c]: 4 consecutive elements (8 bytes) of block c of this group.
+    // raw[row][c]: 4 consecutive input elements (8 bytes) of block c of this group.
     uint2 raw[2][4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int off = g * kGroup + 16 * c;
-      raw[0][c] = ok0 ? *reinterpret_cast<const uint2*>(x0 + off) : make_uint2(0, 0);
-      raw[1][c] = ok1 ? *reinterpret_cast<const uint2*>(x1 + off) : make_uint2(0, 0);
+      raw[0][c] = ok0 ? load_input<T, P>(x, x2, norm_w, off0 + off, off + 4 * t, rstd[0]) : make_uint2(0, 0);
+      raw[1][c] = ok1 ? load_input<T, P>(x, x2, norm_w, off1 + off, off + 4 * t, rstd[1]) : make_uint2(0, 0);
     }
 
     // Smoothed float32 values and the per-row max |x|.
@@ -120,7 +204,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
         make_int4(static_cast<int>(words[0]), static_cast<int>(words[1]), static_cast<int>(words[2]),
                   static_cast<int>(words[3]));
 
-    // Low-rank down-projection on the raw (unsmoothed) x; smoothing is folded into pd_t at load.
+    // Low-rank down-projection on the unsmoothed input; smoothing is folded into pd_t at load.
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const uint32_t a[4] = {raw[0][c].x, raw[1][c].x, raw[0][c].y, raw[1][c].y};
@@ -150,38 +234,47 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   }
 }
 
-template <typename T, bool kSmooth, int R, int kWarps>
+template <typename T, Prologue P, bool kSmooth, int R, int kWarps>
 cudaError_t launch_warps(const QuantizeArgs& a, cudaStream_t stream) {
   const dim3 grid(a.M_pad / 16);
-  quantize_act_lora_down_kernel<T, kSmooth, R, kWarps><<<grid, kWarps * 32, 0, stream>>>(
-      static_cast<const T*>(a.x), a.smooth, a.smooth == nullptr ? nullptr : a.smooth + a.K,
-      static_cast<const T*>(a.pd_t), static_cast<int4*>(a.qact), a.ascales, a.lora, a.M, a.M_pad, a.K);
+  quantize_act_lora_down_kernel<T, P, kSmooth, R, kWarps><<<grid, kWarps * 32, 0, stream>>>(
+      static_cast<const T*>(a.x), static_cast<const T*>(a.x2), static_cast<const T*>(a.norm_weight), a.eps, a.ldx,
+      a.smooth, a.smooth == nullptr ? nullptr : a.smooth + a.K, static_cast<const T*>(a.pd_t),
+      static_cast<int4*>(a.qact), a.ascales, a.lora, a.M, a.M_pad, a.K);
   return cudaGetLastError();
 }
 
-template <typename T, bool kSmooth, int R>
+template <typename T, Prologue P, bool kSmooth, int R>
 cudaError_t launch_typed(const QuantizeArgs& a, cudaStream_t stream) {
   int sms = 0;
   const cudaError_t err = sm_count(&sms);
   if (err != cudaSuccess) return err;
-  return a.M_pad / 16 >= W4A4_QUANT_SMALL_BLOCKS_FROM * sms ? launch_warps<T, kSmooth, R, 4>(a, stream)
-                                 : launch_warps<T, kSmooth, R, 16>(a, stream);
+  return a.M_pad / 16 >= W4A4_QUANT_SMALL_BLOCKS_FROM * sms ? launch_warps<T, P, kSmooth, R, 4>(a, stream)
+                                                             : launch_warps<T, P, kSmooth, R, 16>(a, stream);
+}
+
+template <typename T, Prologue P>
+cudaError_t launch_rank(const QuantizeArgs& a, cudaStream_t stream) {
+  const bool s = a.smooth != nullptr;
+  if (a.R == 16) return s ? launch_typed<T, P, true, 16>(a, stream) : launch_typed<T, P, false, 16>(a, stream);
+  if (a.R == 32) return s ? launch_typed<T, P, true, 32>(a, stream) : launch_typed<T, P, false, 32>(a, stream);
+  return cudaErrorInvalidValue;
 }
 
 template <typename T>
-cudaError_t launch_rank(const QuantizeArgs& a, cudaStream_t stream) {
-  const bool s = a.smooth != nullptr;
-  if (a.R == 16) return s ? launch_typed<T, true, 16>(a, stream) : launch_typed<T, false, 16>(a, stream);
-  if (a.R == 32) return s ? launch_typed<T, true, 32>(a, stream) : launch_typed<T, false, 32>(a, stream);
-  return cudaErrorInvalidValue;
+cudaError_t launch_prologue(const QuantizeArgs& a, cudaStream_t stream) {
+  if (a.norm_weight != nullptr) return launch_rank<T, Prologue::kRmsNorm>(a, stream);
+  if (a.x2 != nullptr) return launch_rank<T, Prologue::kSwiGLU>(a, stream);
+  return launch_rank<T, Prologue::kNone>(a, stream);
 }
 
 }  // namespace
 
 cudaError_t launch_quantize_act_lora_down(const QuantizeArgs& a, cudaStream_t stream) {
-  if (a.M_pad % kMPad || a.K % kGroup) return cudaErrorInvalidValue;
+  if (a.M_pad % kMPad || a.K % kGroup || a.ldx % 4 || (a.norm_weight != nullptr && a.x2 != nullptr))
+    return cudaErrorInvalidValue;
   if (a.M_pad == 0) return cudaSuccess;
-  return a.bf16 ? launch_rank<__nv_bfloat16>(a, stream) : launch_rank<__half>(a, stream);
+  return a.bf16 ? launch_prologue<__nv_bfloat16>(a, stream) : launch_prologue<__half>(a, stream);
 }
 
 }  // namespace w4a4

@@ -2,6 +2,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 namespace w4a4 {
 
 // Rows of the packed activation buffers are padded to a multiple of this (the GEMM's largest M tile).
@@ -10,7 +12,11 @@ constexpr int kMPad = 128;
 constexpr int kBlockN = 128;
 
 struct QuantizeArgs {
-  const void* x;        // [M, K] bf16 or fp16, row-major
+  const void* x;        // [M, K] bf16 or fp16, rows ldx elements apart (gate for the SwiGLU prologue)
+  const void* x2;       // up [M, K] (rows ldx apart) for the SwiGLU prologue, else nullptr
+  const void* norm_weight;  // [K] x's dtype for the RMSNorm prologue, else nullptr
+  float eps;            // the RMSNorm's epsilon
+  int ldx;              // row stride of x and x2 in elements, a multiple of 4
   const float* smooth;  // [2, K]: smooth and its correctly rounded reciprocal, or nullptr
   const void* pd_t;     // [R, K], x's dtype: proj_down.T / smooth (smoothing folded in)
   void* qact;           // int32 [M_pad/16, K/64, 32, 4] packed int4 operand
@@ -33,6 +39,34 @@ struct GemmArgs {
   bool bf16;
 };
 
+// Qwen3's q/k head norm + RoPE (csrc/qk_norm_rope.cu). Head dimensions up to this (even) are supported.
+constexpr int kMaxHeadDim = 256;
+
+struct QkNormRopeArgs {
+  const void* q;         // [tokens, q_heads, D], heads contiguous, tokens q_stride elements apart
+  const void* k;         // [tokens, k_heads, D], tokens k_stride elements apart
+  const void* q_weight;  // [D] the norms' weights
+  const void* k_weight;
+  const void* cos;       // [tokens, D] the rotary tables, contiguous
+  const void* sin;
+  void* q_out;           // [tokens, q_heads, D] contiguous
+  void* k_out;           // [tokens, k_heads, D] contiguous
+  int64_t q_stride, k_stride;
+  int tokens, q_heads, k_heads, D;
+  float eps;
+  bool bf16;  // else fp16; every tensor has this dtype
+};
+
+// Row RMSNorm (csrc/rms_norm.cu): K a multiple of 8, every pointer 16-byte aligned.
+struct RmsNormArgs {
+  const void* x;       // [rows, K] contiguous
+  const void* weight;  // [K]
+  void* y;             // [rows, K] contiguous
+  int rows, K;
+  float eps;
+  bool bf16;  // else fp16; every tensor has this dtype
+};
+
 // Multiprocessors of the current device (the launchers size their grids by it), queried once per device.
 inline cudaError_t sm_count(int* sms) {
   constexpr int kMaxDevices = 64;
@@ -51,5 +85,7 @@ inline cudaError_t sm_count(int* sms) {
 
 cudaError_t launch_quantize_act_lora_down(const QuantizeArgs& args, cudaStream_t stream);
 cudaError_t launch_w4a4_gemm_lora_up(const GemmArgs& args, cudaStream_t stream);
+cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& args, cudaStream_t stream);
+cudaError_t launch_rms_norm(const RmsNormArgs& args, cudaStream_t stream);
 
 }  // namespace w4a4

@@ -88,6 +88,7 @@ class CudaW4A4Packed:
 
 class CudaW4A4Backend:
     name = "cuda-sm90"
+    fuses_producers = True  # forward_rmsnorm and forward_swiglu run fused kernels
 
     def can_use(self, device) -> tuple[bool, str]:
         device = torch.device(device)
@@ -138,7 +139,32 @@ class CudaW4A4Backend:
         )
 
     def forward(self, x: torch.Tensor, packed: CudaW4A4Packed) -> torch.Tensor:
-        k, n = packed.in_features, packed.out_features
+        x2 = self._rows(x, packed)
+        p = packed
+        y = ops.load().w4a4_linear(
+            x2, p.smooth, p.pd_t[x.dtype], p.qweight, p.wscales, p.proj_up, p.bias, p.kernel_out_features
+        )
+        return self._output(y, x.shape[:-1], packed)
+
+    def forward_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, packed: CudaW4A4Packed):
+        """forward(RMSNorm(x)) with the norm computed inside the activation quantization kernel."""
+        x2 = self._rows(x, packed)
+        quantized = ops.load().rmsnorm_quantize_act_lora_down(
+            x2, weight, eps, packed.smooth, packed.pd_t[x.dtype]
+        )
+        return self._gemm(quantized, x2.shape[0], x.shape[:-1], x.dtype, packed)
+
+    def forward_swiglu(self, gate: torch.Tensor, up: torch.Tensor, packed: CudaW4A4Packed):
+        """forward(silu(gate) * up) with the product computed inside the activation quantization kernel."""
+        gate2, up2 = self._rows(gate, packed), self._rows(up, packed)
+        quantized = ops.load().swiglu_quantize_act_lora_down(
+            gate2, up2, packed.smooth, packed.pd_t[gate.dtype]
+        )
+        return self._gemm(quantized, gate2.shape[0], gate.shape[:-1], gate.dtype, packed)
+
+    def _rows(self, x: torch.Tensor, packed: CudaW4A4Packed) -> torch.Tensor:
+        """x as [M, K] rows the kernels can read."""
+        k = packed.in_features
         if x.shape[-1] != k:
             raise QuantError(f"W4A4 layer expects inputs with last dimension {k}, got {tuple(x.shape)}.")
         if x.dtype not in packed.pd_t:
@@ -146,15 +172,23 @@ class CudaW4A4Backend:
                 f"{self.name} takes bfloat16 or float16 activations, got {x.dtype}; run the model in "
                 "bf16/fp16 or choose the reference backend."
             )
-        lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
         if not x2.is_contiguous() or x2.data_ptr() % 16:
             x2 = x2.clone(memory_format=torch.contiguous_format)
+        return x2
+
+    def _gemm(self, quantized, m: int, lead, dtype, packed: CudaW4A4Packed) -> torch.Tensor:
+        qact, ascales, lora = quantized
         p = packed
-        y = ops.load().w4a4_linear(
-            x2, p.smooth, p.pd_t[x.dtype], p.qweight, p.wscales, p.proj_up, p.bias, p.kernel_out_features
+        y = ops.load().gemm_lora_up(
+            qact, ascales, lora, p.qweight, p.wscales, p.proj_up, p.bias, m, p.kernel_out_features, dtype
         )
-        if p.kernel_out_features != n:  # layers narrower than 64 rows (the tiny model's k/v projections)
+        return self._output(y, lead, packed)
+
+    @staticmethod
+    def _output(y: torch.Tensor, lead, packed: CudaW4A4Packed) -> torch.Tensor:
+        n = packed.out_features
+        if packed.kernel_out_features != n:  # layers narrower than 64 rows (the tiny model's k/v projections)
             y = y[:, :n]
         return y.reshape(*lead, n)
 

@@ -3,6 +3,11 @@
 Numerics follow Qwen3 as transformers implements it (the official OmniVoice runs that code), so the
 same weights give the same activations: RMSNorm in float32 then cast back, rotate-half RoPE with
 cos/sin computed in float32 and cast to the activation dtype.
+
+Fused kernels (engine/kernels/fused.py) take over where they can, with the same roundings: RMSNorm
+and the q/k head norm + RoPE as one kernel each, and a Linear that offers `fuses_producers(x)`
+(W4A4Linear on the CUDA kernels) computes its input's RMSNorm or SiLU(gate) * up inside its activation
+quantization.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from engine.kernels.fused import fused_ops
 
 LinearFactory = Callable[[str, int, int], nn.Module]  # (qualified name, in_features, out_features)
 
@@ -28,9 +35,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        k = x.shape[-1]
+        ops = fused_ops(x)
+        if ops is None or k % 8 or self.weight.dtype != x.dtype or not x.is_contiguous() or x.data_ptr() % 16:
+            return rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x.view(-1, k), self.weight, self.eps).view(x.shape)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm in torch: float32 statistics, the normed x cast back before the weight multiplies it."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 def rope_cos_sin(
@@ -51,8 +67,31 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def qk_norm_rope(
+    q: Tensor, k: Tensor, q_norm: RMSNorm, k_norm: RMSNorm, cos: Tensor, sin: Tensor
+) -> tuple[Tensor, Tensor]:
+    """apply_rope(q_norm(q)) and apply_rope(k_norm(k)) for q [T, Hq, D], k [T, Hk, D]."""
+    ops = fused_ops(q) if q_norm.eps == k_norm.eps else None
+    if ops is None:
+        return apply_rope(q_norm(q), cos, sin), apply_rope(k_norm(k), cos, sin)
+    return ops.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, cos, sin, q_norm.eps)
+
+
+def _fuses_producers(linear: nn.Module, x: Tensor) -> bool:
+    fuses = getattr(linear, "fuses_producers", None)
+    return fuses is not None and fuses(x)
+
+
+def normed_projections(x: Tensor, norm: RMSNorm, linears: tuple[nn.Module, ...]) -> list[Tensor]:
+    """[linear(norm(x)) for each linear], the norm fused into each linear's input where all can."""
+    if all(_fuses_producers(linear, x) for linear in linears):
+        return [linear.forward_rmsnorm(x, norm) for linear in linears]
+    h = norm(x)
+    return [linear(h) for linear in linears]
+
+
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)), x given as the residual stream and its norm."""
 
     def __init__(self, prefix: str, hidden: int, intermediate: int, linear_factory: LinearFactory) -> None:
         super().__init__()
@@ -60,5 +99,8 @@ class SwiGLU(nn.Module):
         self.up_proj = linear_factory(f"{prefix}.up_proj", hidden, intermediate)
         self.down_proj = linear_factory(f"{prefix}.down_proj", intermediate, hidden)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: Tensor, norm: RMSNorm) -> Tensor:
+        gate, up = normed_projections(x, norm, (self.gate_proj, self.up_proj))
+        if _fuses_producers(self.down_proj, gate):
+            return self.down_proj.forward_swiglu(gate, up)
+        return self.down_proj(F.silu(gate) * up)

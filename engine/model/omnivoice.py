@@ -16,7 +16,15 @@ from torch import Tensor, nn
 
 from engine.config import LLMConfig, ModelConfig
 from engine.model.attention import choose_attention
-from engine.model.layers import LinearFactory, RMSNorm, SwiGLU, apply_rope, default_linear, rope_cos_sin
+from engine.model.layers import (
+    LinearFactory,
+    RMSNorm,
+    SwiGLU,
+    default_linear,
+    normed_projections,
+    qk_norm_rope,
+    rope_cos_sin,
+)
 
 
 @dataclass
@@ -49,12 +57,16 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, attend) -> Tensor:
-        t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    def forward(
+        self, x: Tensor, norm: RMSNorm, cos: Tensor, sin: Tensor, batch: PackedBatch, attend
+    ) -> Tensor:
+        """Attention over norm(x)."""
+        t, d = x.shape[0], self.head_dim
+        q, k, v = normed_projections(x, norm, (self.q_proj, self.k_proj, self.v_proj))
+        q, k = qk_norm_rope(
+            q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), self.q_norm, self.k_norm, cos, sin
+        )
+        v = v.view(t, self.num_kv_heads, d)
         out = attend(q, k, v, batch.cu_seqlens, batch.max_seqlen)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -69,8 +81,8 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(f"{prefix}.mlp", cfg.hidden_size, cfg.intermediate_size, linear_factory)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, attend) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(x, self.input_layernorm, cos, sin, batch, attend)
+        return x + self.mlp(x, self.post_attention_layernorm)
 
 
 class Qwen3Backbone(nn.Module):

@@ -82,11 +82,37 @@ class W4A4Linear(nn.Module):
         self._packed = None
         return super()._load_from_state_dict(*args, **kwargs)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        backend = backend_for(x.device)
+    def _prepared(self, device: torch.device):
+        backend = backend_for(device)
         if self._packed is None or self._packed_for is not backend:
             self._packed, self._packed_for = backend.prepare(self), backend
-        return backend.forward(x, self._packed)
+        return backend, self._packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        backend, packed = self._prepared(x.device)
+        return backend.forward(x, packed)
+
+    def fuses_producers(self, x: torch.Tensor) -> bool:
+        """Whether forward_rmsnorm / forward_swiglu on inputs like x run fused kernels (else they compose)."""
+        if not backend_for(x.device).fuses_producers:
+            return False
+        from engine.kernels.fused import fused_ops  # importable: the backend came from engine.kernels
+
+        return fused_ops(x) is not None
+
+    def forward_rmsnorm(self, x: torch.Tensor, norm) -> torch.Tensor:
+        """self(norm(x)) for an RMSNorm module `norm`."""
+        backend, packed = self._prepared(x.device)
+        if not self.fuses_producers(x):
+            return backend.forward(norm(x), packed)
+        return backend.forward_rmsnorm(x, norm.weight, norm.eps, packed)
+
+    def forward_swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up)."""
+        backend, packed = self._prepared(gate.device)
+        if not self.fuses_producers(gate):
+            return backend.forward(torch.nn.functional.silu(gate) * up, packed)
+        return backend.forward_swiglu(gate, up, packed)
 
     def extra_repr(self) -> str:
         smooth = ", smooth" if self.smooth is not None else ""

@@ -1,0 +1,135 @@
+"""The fused kernels against what they replace, at OmniVoice's shapes, in one run on one GPU.
+
+- rms_norm: RMSNorm of [M, 1024] rows, torch (float32 intermediates) against the kernel.
+- norm_qkv: RMSNorm(x) -> the q/k/v projection (N 4096, K 1024). bf16: the RMSNorm kernel + cuBLAS;
+  W4A4 unfused: the RMSNorm kernel + the W4A4 linear; W4A4 fused: the norm inside activation quantization.
+- swiglu_down: silu(gate) * up -> down_proj (N 1024, K 3072): bf16 and W4A4 unfused on torch's SiLU and
+  product, W4A4 fused computing them inside activation quantization.
+- qk_norm_rope: q/k head RMSNorm + RoPE on the q/k/v output (16 + 8 heads of 128): torch against the kernel.
+
+CUDA-graph replays timed like bench/kernels.py (do_bench medians, L2 cleared).
+
+    python bench/fused.py [--out bench/results/fused-h200.json] [--m 512 2048 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.environment import environment  # noqa: E402
+from bench.kernels import M_VALUES, graph_time_us, random_layer  # noqa: E402
+from engine.kernels import CudaW4A4Backend  # noqa: E402
+from engine.kernels import ops as kops  # noqa: E402
+from engine.model.layers import RMSNorm, apply_rope, rms_norm, rope_cos_sin  # noqa: E402
+
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 1024, 3072, 16, 8, 128
+
+
+def rel_err(a, b) -> float:
+    """Relative Frobenius error of a against b (tensors, or tuples of tensors taken together)."""
+    a, b = (torch.cat([t.flatten() for t in v]) if isinstance(v, tuple) else v for v in (a, b))
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def timed(variants: dict, check: tuple[str, str]) -> dict:
+    """Median us per variant, ratios to the first one, and the relative error between the `check` pair."""
+    row = {f"{name}_us": round(graph_time_us(fn), 2) for name, fn in variants.items()}
+    base = next(iter(variants))
+    for name in list(variants)[1:]:
+        row[f"speedup_{name}_vs_{base}"] = round(row[f"{base}_us"] / row[f"{name}_us"], 3)
+    a, b = (variants[name]() for name in check)
+    row[f"rel_err_{check[0]}_vs_{check[1]}"] = rel_err(a, b)
+    return row
+
+
+def rms_norm_row(m: int, g: torch.Generator) -> dict:
+    x = torch.randn(m, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+    norm = RMSNorm(HIDDEN, 1e-6).to("cuda", torch.bfloat16)
+    ops = kops.load()
+    variants = {
+        "torch": lambda: rms_norm(x, norm.weight, norm.eps),
+        "fused": lambda: ops.rms_norm(x, norm.weight, norm.eps),
+    }
+    return {"M": m, "case": "rms_norm", **timed(variants, ("fused", "torch"))}
+
+
+def norm_qkv(m: int, g: torch.Generator) -> dict:
+    n, k = HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM, HIDDEN
+    backend = CudaW4A4Backend()
+    packed = backend.prepare(random_layer(n, k, g))
+    norm = RMSNorm(k, 1e-6).to("cuda", torch.bfloat16)
+    x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    variants = {
+        "bf16": lambda: norm(x) @ w.t(),
+        "w4a4_unfused": lambda: backend.forward(norm(x), packed),
+        "w4a4_fused": lambda: backend.forward_rmsnorm(x, norm.weight, norm.eps, packed),
+    }
+    return {"M": m, "case": "norm_qkv", "N": n, "K": k, **timed(variants, ("w4a4_fused", "w4a4_unfused"))}
+
+
+def swiglu_down(m: int, g: torch.Generator) -> dict:
+    n, k = HIDDEN, INTERMEDIATE
+    backend = CudaW4A4Backend()
+    packed = backend.prepare(random_layer(n, k, g))
+    gate, up = (torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+    w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    variants = {
+        "bf16": lambda: (F.silu(gate) * up) @ w.t(),
+        "w4a4_unfused": lambda: backend.forward(F.silu(gate) * up, packed),
+        "w4a4_fused": lambda: backend.forward_swiglu(gate, up, packed),
+    }
+    return {"M": m, "case": "swiglu_down", "N": n, "K": k, **timed(variants, ("w4a4_fused", "w4a4_unfused"))}
+
+
+def qk_norm_rope(m: int, g: torch.Generator) -> dict:
+    qkv = torch.randn(m, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=g, device="cuda").to(torch.bfloat16)
+    q = qkv[:, : HEADS * HEAD_DIM].view(m, HEADS, HEAD_DIM)
+    k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(m, KV_HEADS, HEAD_DIM)
+    q_norm, k_norm = (RMSNorm(HEAD_DIM, 1e-6).to("cuda", torch.bfloat16) for _ in range(2))
+    cos, sin = rope_cos_sin(torch.arange(m, device="cuda"), HEAD_DIM, 1e6, torch.bfloat16)
+    ops = kops.load()
+    variants = {
+        "torch": lambda: (apply_rope(q_norm(q), cos, sin), apply_rope(k_norm(k), cos, sin)),
+        "fused": lambda: ops.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, cos, sin, 1e-6),
+    }
+    return {"M": m, "case": "qk_norm_rope", **timed(variants, ("fused", "torch"))}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench/results/fused-h200.json"))
+    parser.add_argument("--m", type=int, nargs="+", default=list(M_VALUES))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/fused.py needs a CUDA GPU", file=sys.stderr)
+        return 1
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for m in args.m:
+        for case in (rms_norm_row, norm_qkv, swiglu_down, qk_norm_rope):
+            rows.append(case(m, g))
+            print(json.dumps(rows[-1]), flush=True)
+    result = {
+        "environment": environment("triton"),
+        "notes": "CUDA-graph replays, do_bench medians with L2 cleared; W4A4 rank 32 with smoothing.",
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

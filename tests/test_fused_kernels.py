@@ -1,0 +1,162 @@
+"""The fused kernels against the unfused torch path they replace (GPU only; `pytest -m gpu`).
+
+RMSNorm -> quantize, SiLU(gate) * up -> quantize, RMSNorm and the q/k head norm + RoPE on fresh random inputs,
+odd M, poisoned outputs; then whole models with the fused paths on and off (OVBATCH_FUSED_KERNELS=0).
+The elementwise SwiGLU prologue is exact. The two norms sum squares in another order than torch's
+reduction, so rstd may differ in its last bit and, rarely, a bf16 rounding of a normed value flips.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_kernels import (
+    DEV,
+    ODD_M,
+    fresh_generator,
+    poison,
+    random_activations,
+    random_layer,
+    rel_err,
+)
+from test_runner import C, make_items
+
+from engine.checkpoint import load_model
+from engine.kernels import CudaW4A4Backend
+from engine.kernels import ops as kops
+from engine.model.layers import RMSNorm, apply_rope, rms_norm, rope_cos_sin
+from engine.packing import pack_items
+from engine.quant.rtn import w4a4_copy
+from engine.runner import choose_layout
+from engine.tiny import ensure_tiny_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+def quantize_outputs_poisoned(m, k, rank):
+    m_pad, groups = kops.padded_rows(m), k // 64
+    poison(
+        ((m_pad // 16, groups, 128), torch.int32),
+        ((groups, m_pad), torch.float32),
+        ((m_pad, rank), torch.float32),
+    )
+
+
+def assert_quantized_close(fused, unfused, m, max_flips):
+    """Quantized values, scales and low-rank activations of the fused kernel against the unfused one."""
+    (qf, sf, lf), (qu, su, lu) = fused, unfused
+    differ = (qf != qu).sum().item()
+    assert differ <= max_flips, f"{differ} packed words differ"
+    assert torch.isfinite(sf).all() and torch.isfinite(lf).all()
+    assert rel_err(sf[:, :m], su[:, :m]) < 1e-3 and rel_err(lf[:m], lu[:m]) < 1e-3
+
+
+def random_norm(k, dtype, g) -> RMSNorm:
+    norm = RMSNorm(k, 1e-6).to(DEV)
+    norm.weight.data = (torch.rand(k, generator=g, device=DEV) + 0.5).to(dtype)
+    return norm
+
+
+def residual_stream(m, k, dtype, g):
+    """Rows of very different magnitudes, as a residual stream has."""
+    x = random_activations(m, k, torch.float32, g)
+    return (x * torch.exp(torch.randn(m, 1, generator=g, device=DEV))).to(dtype)  # finite in fp16
+
+
+@pytest.mark.parametrize("m", (*ODD_M, 17001))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("smooth", (False, True))
+def test_rmsnorm_quantize_matches_norm_then_quantize(m, dtype, smooth):
+    g = fresh_generator()
+    k = 1024
+    packed = CudaW4A4Backend().prepare(random_layer(2048, k, 32, smooth=smooth, bias=False, g=g))
+    x, norm = residual_stream(m, k, dtype, g), random_norm(k, dtype, g)
+    ops = kops.load()
+    unfused = ops.quantize_act_lora_down(norm(x), packed.smooth, packed.pd_t[dtype])
+    quantize_outputs_poisoned(m, k, 32)
+    fused = ops.rmsnorm_quantize_act_lora_down(x, norm.weight, norm.eps, packed.smooth, packed.pd_t[dtype])
+    torch.cuda.synchronize()
+    # a flipped rounding changes a group's max at worst: allow one word in 2000 to differ
+    assert_quantized_close(fused, unfused, m, max_flips=max(2, fused[0].numel() // 2000))
+
+
+@pytest.mark.parametrize("m", (*ODD_M, 17001))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("strided", (False, True))
+def test_swiglu_quantize_equals_product_then_quantize(m, dtype, strided):
+    g = fresh_generator()
+    k = 3072
+    packed = CudaW4A4Backend().prepare(random_layer(1024, k, 16, smooth=not strided, bias=False, g=g))
+    gate_up = random_activations(m, 2 * k, dtype, g) * 0.3
+    gate, up = gate_up[:, :k], gate_up[:, k:]  # the rows of a fused gate/up output: strided
+    if not strided:
+        gate, up = gate.contiguous(), up.contiguous()
+    ops = kops.load()
+    unfused = ops.quantize_act_lora_down((F.silu(gate) * up).contiguous(), packed.smooth, packed.pd_t[dtype])
+    quantize_outputs_poisoned(m, k, 16)
+    fused = ops.swiglu_quantize_act_lora_down(gate, up, packed.smooth, packed.pd_t[dtype])
+    torch.cuda.synchronize()
+    assert_quantized_close(fused, unfused, m, max_flips=0)
+    assert torch.equal(fused[1], unfused[1]) and torch.equal(fused[2], unfused[2])
+
+
+@pytest.mark.parametrize("tokens", (*ODD_M, 17001))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,d", ((16, 8, 128), (4, 2, 16), (3, 1, 64)))
+def test_qk_norm_rope_matches_torch(tokens, dtype, heads, kv_heads, d):
+    g = fresh_generator()
+    qkv = residual_stream(tokens, (heads + 2 * kv_heads) * d, dtype, g)
+    q = qkv[:, : heads * d].view(tokens, heads, d)  # views into the fused projection output
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(tokens, kv_heads, d)
+    q_norm, k_norm = random_norm(d, dtype, g), random_norm(d, dtype, g)
+    positions = torch.randint(0, 4096, (tokens,), generator=g, device=DEV)
+    cos, sin = rope_cos_sin(positions, d, 1e6, dtype)
+    want_q, want_k = apply_rope(q_norm(q), cos, sin), apply_rope(k_norm(k), cos, sin)
+    poison(((tokens, heads, d), dtype), ((tokens, kv_heads, d), dtype))
+    got_q, got_k = kops.load().qk_norm_rope(q, k, q_norm.weight, k_norm.weight, cos, sin, q_norm.eps)
+    torch.cuda.synchronize()
+    for got, want in ((got_q, want_q), (got_k, want_k)):
+        assert got.shape == want.shape and got.is_contiguous() and torch.isfinite(got).all()
+        assert (got != want).float().mean().item() < 1e-3, "more than 1 in 1000 values differ"
+        assert rel_err(got, want) < 1e-3
+
+
+@pytest.mark.parametrize("m", (*ODD_M, 17001))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", (64, 1024, 1032))
+def test_rms_norm_matches_torch(m, dtype, k):
+    g = fresh_generator()
+    x, norm = residual_stream(m, k, dtype, g), random_norm(k, dtype, g)
+    want = rms_norm(x, norm.weight, norm.eps)
+    poison(((m, k), dtype))
+    got = kops.load().rms_norm(x, norm.weight, norm.eps)
+    torch.cuda.synchronize()
+    assert torch.isfinite(got).all()
+    assert (got != want).float().mean().item() < 1e-3, "more than 1 in 1000 values differ"
+    assert rel_err(got, want) < 1e-3
+
+
+def test_qk_norm_rope_rejects_bad_input():
+    q = torch.randn(4, 2, 130, device=DEV, dtype=torch.bfloat16)[..., :128]
+    w = torch.ones(128, device=DEV, dtype=torch.bfloat16)
+    cos = torch.ones(4, 128, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="contiguous heads"):
+        kops.load().qk_norm_rope(q, q.contiguous(), w, w, cos, cos, 1e-6)
+    with pytest.raises(RuntimeError, match=r"cos must be \[4, 128\]"):
+        kops.load().qk_norm_rope(q.contiguous(), q.contiguous(), w, w, cos[:3], cos, 1e-6)
+
+
+@pytest.mark.parametrize("quantized", (False, True))
+def test_model_with_fused_kernels_matches_unfused(quantized, monkeypatch, tmp_path):
+    _, model = load_model(ensure_tiny_checkpoint(tmp_path), device="cuda", dtype=torch.bfloat16)
+    if quantized:
+        model = w4a4_copy(model)
+    items = make_items([(9, 14, 12), (5, 0, 7), (12, 6, 16)], seed=3)
+    batch = pack_items(items, C, 1024, choose_layout(items, (256,))).to("cuda")
+    with torch.inference_mode():
+        fused = model(batch)
+        monkeypatch.setenv("OVBATCH_FUSED_KERNELS", "0")
+        unfused = model(batch)
+    assert torch.isfinite(fused).all()
+    assert rel_err(fused, unfused) < 2e-2
