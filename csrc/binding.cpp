@@ -191,6 +191,26 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   return y;
 }
 
+// silu(gate) * up for gate and up of one shape (numel a multiple of 8).
+Tensor silu_mul(const Tensor& gate, const Tensor& up) {
+  check_cuda(gate, "gate");
+  check_cuda(up, "up");
+  check_half(gate, "gate");
+  check_dtype(up, gate.scalar_type(), "up");
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.numel() % 8 == 0, "ovbatch_w4a4: gate ", gate.sizes(), " and up ",
+              up.sizes(), " must have one shape with a multiple of 8 elements");
+  const c10::cuda::CUDAGuard guard(gate.device());
+  Tensor out = torch::empty_like(gate);
+  w4a4::SiluMulArgs a{};
+  a.gate = gate.data_ptr();
+  a.up = up.data_ptr();
+  a.out = out.data_ptr();
+  a.numel = gate.numel();
+  a.bf16 = gate.scalar_type() == at::kBFloat16;
+  check_launch(w4a4::launch_silu_mul(a, c10::cuda::getCurrentCUDAStream()), "silu_mul");
+  return out;
+}
+
 // Packed activations of M real rows times packed weights of N real columns -> y [M, N] in out_dtype.
 Tensor gemm_lora_up(const Tensor& qact, const Tensor& ascales, const Tensor& lora, const Tensor& qweight,
                     const Tensor& wscales, const Tensor& proj_up, const std::optional<Tensor>& bias, int64_t M,
@@ -270,6 +290,7 @@ TORCH_LIBRARY(ovbatch_w4a4, m) {
       "swiglu_quantize_act_lora_down(Tensor gate, Tensor up, Tensor? smooth, Tensor pd_t) -> (Tensor, Tensor, "
       "Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def(
       "qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor cos, Tensor sin, float eps) -> "
       "(Tensor, Tensor)");
@@ -287,6 +308,7 @@ TORCH_LIBRARY_IMPL(ovbatch_w4a4, CUDA, m) {
   m.impl("swiglu_quantize_act_lora_down", &swiglu_quantize_act_lora_down);
   m.impl("qk_norm_rope", &qk_norm_rope);
   m.impl("rms_norm", &rms_norm);
+  m.impl("silu_mul", &silu_mul);
   m.impl("gemm_lora_up", &gemm_lora_up);
   m.impl("w4a4_linear", &w4a4_linear);
 }

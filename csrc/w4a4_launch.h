@@ -67,6 +67,15 @@ struct RmsNormArgs {
   bool bf16;  // else fp16; every tensor has this dtype
 };
 
+// silu(gate) * up elementwise (csrc/silu_mul.cu): numel a multiple of 8, every pointer 16-byte aligned.
+struct SiluMulArgs {
+  const void* gate;  // contiguous, numel elements
+  const void* up;
+  void* out;
+  int64_t numel;
+  bool bf16;  // else fp16; every tensor has this dtype
+};
+
 // Multiprocessors of the current device (the launchers size their grids by it), queried once per device.
 inline cudaError_t sm_count(int* sms) {
   constexpr int kMaxDevices = 64;
@@ -87,5 +96,6 @@ cudaError_t launch_quantize_act_lora_down(const QuantizeArgs& args, cudaStream_t
 cudaError_t launch_w4a4_gemm_lora_up(const GemmArgs& args, cudaStream_t stream);
 cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& args, cudaStream_t stream);
 cudaError_t launch_rms_norm(const RmsNormArgs& args, cudaStream_t stream);
+cudaError_t launch_silu_mul(const SiluMulArgs& args, cudaStream_t stream);
 
 }  // namespace w4a4

@@ -1,9 +1,10 @@
 """The fused kernels against the unfused torch path they replace (GPU only; `pytest -m gpu`).
 
-RMSNorm -> quantize, SiLU(gate) * up -> quantize, RMSNorm and the q/k head norm + RoPE on fresh random inputs,
-odd M, poisoned outputs; then whole models with the fused paths on and off (OVBATCH_FUSED_KERNELS=0).
-The elementwise SwiGLU prologue is exact. The two norms sum squares in another order than torch's
-reduction, so rstd may differ in its last bit and, rarely, a bf16 rounding of a normed value flips.
+RMSNorm -> quantize, SiLU(gate) * up -> quantize, RMSNorm, SiLU(gate) * up and the q/k head norm + RoPE
+on fresh random inputs, odd M, poisoned outputs; then whole models with the fused paths on and off
+(OVBATCH_FUSED_KERNELS=0). The elementwise SiLU(gate) * up paths are exact. The norms sum squares in
+another order than torch's reduction, so rstd may differ in its last bit and, rarely, a bf16 rounding of
+a normed value flips.
 """
 
 import pytest
@@ -135,6 +136,18 @@ def test_rms_norm_matches_torch(m, dtype, k):
     assert torch.isfinite(got).all()
     assert (got != want).float().mean().item() < 1e-3, "more than 1 in 1000 values differ"
     assert rel_err(got, want) < 1e-3
+
+
+@pytest.mark.parametrize("m", (*ODD_M, 17001))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_equals_torch(m, dtype):
+    g = fresh_generator()
+    gate, up = (random_activations(m, 3072, dtype, g) * 0.3 for _ in range(2))
+    want = F.silu(gate) * up
+    poison(((m, 3072), dtype))
+    got = kops.load().silu_mul(gate, up)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
 
 
 def test_qk_norm_rope_rejects_bad_input():

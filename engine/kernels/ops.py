@@ -65,6 +65,7 @@ def load() -> object:
     torch.library.register_fake("ovbatch_w4a4::swiglu_quantize_act_lora_down")(_fake_swiglu_quantize)
     torch.library.register_fake("ovbatch_w4a4::qk_norm_rope")(_fake_qk_norm_rope)
     torch.library.register_fake("ovbatch_w4a4::rms_norm")(lambda x, weight, eps: x.new_empty(x.shape))
+    torch.library.register_fake("ovbatch_w4a4::silu_mul")(lambda gate, up: gate.new_empty(gate.shape))
     torch.library.register_fake("ovbatch_w4a4::gemm_lora_up")(_fake_gemm)
     torch.library.register_fake("ovbatch_w4a4::w4a4_linear")(_fake_linear)
     return torch.ops.ovbatch_w4a4

@@ -4,8 +4,8 @@ Numerics follow Qwen3 as transformers implements it (the official OmniVoice runs
 same weights give the same activations: RMSNorm in float32 then cast back, rotate-half RoPE with
 cos/sin computed in float32 and cast to the activation dtype.
 
-Fused kernels (engine/kernels/fused.py) take over where they can, with the same roundings: RMSNorm
-and the q/k head norm + RoPE as one kernel each, and a Linear that offers `fuses_producers(x)`
+Fused kernels (engine/kernels/fused.py) take over where they can, with the same roundings: RMSNorm,
+SiLU(gate) * up and the q/k head norm + RoPE as one kernel each, and a Linear that offers `fuses_producers(x)`
 (W4A4Linear on the CUDA kernels) computes its input's RMSNorm or SiLU(gate) * up inside its activation
 quantization.
 """
@@ -77,6 +77,15 @@ def qk_norm_rope(
     return ops.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, cos, sin, q_norm.eps)
 
 
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up."""
+    ops = fused_ops(gate)
+    aligned = all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (gate, up))
+    if ops is None or not aligned or gate.shape != up.shape or gate.numel() % 8:
+        return F.silu(gate) * up
+    return ops.silu_mul(gate, up)
+
+
 def _fuses_producers(linear: nn.Module, x: Tensor) -> bool:
     fuses = getattr(linear, "fuses_producers", None)
     return fuses is not None and fuses(x)
@@ -103,4 +112,4 @@ class SwiGLU(nn.Module):
         gate, up = normed_projections(x, norm, (self.gate_proj, self.up_proj))
         if _fuses_producers(self.down_proj, gate):
             return self.down_proj.forward_swiglu(gate, up)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(gate, up))

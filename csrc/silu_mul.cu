@@ -1,0 +1,55 @@
+// silu(gate) * up for the SwiGLU MLP when its consumer is not a W4A4 linear (the bf16 engine): torch runs
+// two kernels and writes silu(gate) to memory in between; this reads gate and up once and writes once,
+// with torch's roundings, T(T(silu(g)) * u), and its silu (g / (1 + expf(-g)) in float32, IEEE division).
+#include <algorithm>
+
+#include "w4a4_common.cuh"
+#include "w4a4_launch.h"
+
+namespace w4a4 {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kVec = 8;  // elements per 16-byte access
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    silu_mul_kernel(const T* __restrict__ gate, const T* __restrict__ up, T* __restrict__ out, int64_t vectors) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < vectors;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const uint4 graw = reinterpret_cast<const uint4*>(gate)[i];
+    const uint4 uraw = reinterpret_cast<const uint4*>(up)[i];
+    const T* g = reinterpret_cast<const T*>(&graw);
+    const T* u = reinterpret_cast<const T*>(&uraw);
+    uint4 res;
+    T* o = reinterpret_cast<T*>(&res);
+#pragma unroll
+    for (int b = 0; b < kVec; ++b) {
+      const float gf = to_float<T>(g[b]);
+      o[b] = from_float<T>(to_float<T>(from_float<T>(gf / (1.0f + expf(-gf)))) * to_float<T>(u[b]));
+    }
+    reinterpret_cast<uint4*>(out)[i] = res;
+  }
+}
+
+template <typename T>
+cudaError_t launch_typed(const SiluMulArgs& a, cudaStream_t stream) {
+  int sms = 0;
+  const cudaError_t err = sm_count(&sms);
+  if (err != cudaSuccess) return err;
+  const int64_t vectors = a.numel / kVec;
+  const int64_t blocks = std::min<int64_t>((vectors + kThreads - 1) / kThreads, 8LL * sms);
+  silu_mul_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      static_cast<const T*>(a.gate), static_cast<const T*>(a.up), static_cast<T*>(a.out), vectors);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_silu_mul(const SiluMulArgs& a, cudaStream_t stream) {
+  if (a.numel % kVec) return cudaErrorInvalidValue;
+  if (a.numel == 0) return cudaSuccess;
+  return a.bf16 ? launch_typed<__nv_bfloat16>(a, stream) : launch_typed<__half>(a, stream);
+}
+
+}  // namespace w4a4
