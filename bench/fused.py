@@ -4,8 +4,6 @@
 - norm_qkv: RMSNorm(x) -> the q/k/v projection (N 4096, K 1024). bf16: the RMSNorm kernel + cuBLAS;
   W4A4 unfused: the RMSNorm kernel + the W4A4 linear; W4A4 fused: the norm inside activation quantization.
 - silu_mul: silu(gate) * up of [M, 3072], torch (two kernels) against the kernel.
-- swiglu_down: silu(gate) * up -> down_proj (N 1024, K 3072): bf16 and W4A4 unfused on the silu_mul
-  kernel, W4A4 fused computing it inside activation quantization.
 - qk_norm_rope: q/k head RMSNorm + RoPE on the q/k/v output (16 + 8 heads of 128): torch against the kernel.
 
 CUDA-graph replays timed like bench/kernels.py (do_bench medians, L2 cleared).
@@ -29,7 +27,7 @@ from bench.environment import environment  # noqa: E402
 from bench.kernels import M_VALUES, graph_time_us, random_layer  # noqa: E402
 from engine.kernels import CudaW4A4Backend  # noqa: E402
 from engine.kernels import ops as kops  # noqa: E402
-from engine.model.layers import RMSNorm, apply_rope, rms_norm, rope_cos_sin, silu_mul  # noqa: E402
+from engine.model.layers import RMSNorm, apply_rope, rms_norm, rope_cos_sin  # noqa: E402
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 1024, 3072, 16, 8, 128
 
@@ -84,20 +82,6 @@ def norm_qkv(m: int, g: torch.Generator) -> dict:
     return {"M": m, "case": "norm_qkv", "N": n, "K": k, **timed(variants, ("w4a4_fused", "w4a4_unfused"))}
 
 
-def swiglu_down(m: int, g: torch.Generator) -> dict:
-    n, k = HIDDEN, INTERMEDIATE
-    backend = CudaW4A4Backend()
-    packed = backend.prepare(random_layer(n, k, g))
-    gate, up = (torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
-    w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
-    variants = {
-        "bf16": lambda: silu_mul(gate, up) @ w.t(),
-        "w4a4_unfused": lambda: backend.forward(silu_mul(gate, up), packed),
-        "w4a4_fused": lambda: backend.forward_swiglu(gate, up, packed),
-    }
-    return {"M": m, "case": "swiglu_down", "N": n, "K": k, **timed(variants, ("w4a4_fused", "w4a4_unfused"))}
-
-
 def qk_norm_rope(m: int, g: torch.Generator) -> dict:
     qkv = torch.randn(m, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=g, device="cuda").to(torch.bfloat16)
     q = qkv[:, : HEADS * HEAD_DIM].view(m, HEADS, HEAD_DIM)
@@ -125,7 +109,7 @@ def main() -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for m in args.m:
-        for case in (rms_norm_row, silu_mul_row, norm_qkv, swiglu_down, qk_norm_rope):
+        for case in (rms_norm_row, silu_mul_row, norm_qkv, qk_norm_rope):
             rows.append(case(m, g))
             print(json.dumps(rows[-1]), flush=True)
     result = {

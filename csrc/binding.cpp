@@ -106,20 +106,6 @@ std::tuple<Tensor, Tensor, Tensor> rmsnorm_quantize_act_lora_down(const Tensor& 
   return quantize_input(x, smooth, pd_t, a);
 }
 
-// The same on silu(gate) * up, computed in the kernel (gate and up: [M, K] with the same row stride).
-std::tuple<Tensor, Tensor, Tensor> swiglu_quantize_act_lora_down(const Tensor& gate, const Tensor& up,
-                                                                 const std::optional<Tensor>& smooth,
-                                                                 const Tensor& pd_t) {
-  check_rows(up, "up");
-  TORCH_CHECK(up.sizes() == gate.sizes() && up.scalar_type() == gate.scalar_type() &&
-                  (gate.size(0) <= 1 || up.stride(0) == gate.stride(0)),
-              "ovbatch_w4a4: gate and up must have the same shape, dtype and row stride, got ", gate.sizes(), " ",
-              gate.strides(), " and ", up.sizes(), " ", up.strides());
-  w4a4::QuantizeArgs a{};
-  a.x2 = up.data_ptr();
-  return quantize_input(gate, smooth, pd_t, a);
-}
-
 // q [T, Hq, D], k [T, Hk, D] (token rows may be strided) -> normed and rotated, contiguous.
 std::tuple<Tensor, Tensor> qk_norm_rope(const Tensor& q, const Tensor& k, const Tensor& q_weight,
                                         const Tensor& k_weight, const Tensor& cos, const Tensor& sin, double eps) {
@@ -286,9 +272,6 @@ TORCH_LIBRARY(ovbatch_w4a4, m) {
   m.def(
       "rmsnorm_quantize_act_lora_down(Tensor x, Tensor norm_weight, float eps, Tensor? smooth, Tensor pd_t) -> "
       "(Tensor, Tensor, Tensor)");
-  m.def(
-      "swiglu_quantize_act_lora_down(Tensor gate, Tensor up, Tensor? smooth, Tensor pd_t) -> (Tensor, Tensor, "
-      "Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def(
@@ -305,7 +288,6 @@ TORCH_LIBRARY(ovbatch_w4a4, m) {
 TORCH_LIBRARY_IMPL(ovbatch_w4a4, CUDA, m) {
   m.impl("quantize_act_lora_down", &quantize_act_lora_down);
   m.impl("rmsnorm_quantize_act_lora_down", &rmsnorm_quantize_act_lora_down);
-  m.impl("swiglu_quantize_act_lora_down", &swiglu_quantize_act_lora_down);
   m.impl("qk_norm_rope", &qk_norm_rope);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);

@@ -16,11 +16,11 @@
 // q = RN(a * y), r = fma(-q, b, a) (exact) and RN(q + r * y) = RN(a / b) (Markstein), barring
 // overflow/underflow, which int4 quantization of finite activations does not reach.
 //
-// Fused producers (Prologue): the kernel can compute its input instead of reading it, so the producer's
-// output never goes through memory. kRmsNorm: x is the residual stream and the input is
-// T(w * T(x * rsqrt(mean(x^2) + eps))), Qwen3's RMSNorm with its roundings (the block sums each row's
-// squares in a pre-pass over the same elements). kSwiGLU: x is gate, x2 is up and the input is
-// T(T(silu(gate)) * up). Everything downstream sees exactly what the unfused kernel would read.
+// Fused producer (Prologue::kRmsNorm): x is the residual stream and the kernel quantizes
+// T(w * T(x * rsqrt(mean(x^2) + eps))), Qwen3's RMSNorm with its roundings, so the normed x never goes
+// through memory (the block sums each row's squares in a pre-pass over the same elements). A SiLU(gate) * up
+// prologue for down_proj was measured 5-22% slower than the silu_mul kernel + this kernel and was removed
+// (docs/kernels.md).
 #include "w4a4_common.cuh"
 #include "w4a4_launch.h"
 
@@ -38,35 +38,22 @@ __device__ __forceinline__ float div_rn(float a, float b, float rb) {
   return fmaf(r, rb, q);
 }
 
-enum class Prologue { kNone, kRmsNorm, kSwiGLU };
-
-__device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
+enum class Prologue { kNone, kRmsNorm };
 
 // Four consecutive input elements of one row as T values (8 bytes), the prologue applied.
 template <typename T, Prologue P>
-__device__ __forceinline__ uint2 load_input(const T* x, const T* x2, const T* norm_w, int64_t off, int col,
-                                            float rstd) {
+__device__ __forceinline__ uint2 load_input(const T* x, const T* norm_w, int64_t off, int col, float rstd) {
   const uint2 raw = *reinterpret_cast<const uint2*>(x + off);
   if (P == Prologue::kNone) return raw;
   const T* v = reinterpret_cast<const T*>(&raw);
+  const uint2 wraw = *reinterpret_cast<const uint2*>(norm_w + col);
+  const T* w = reinterpret_cast<const T*>(&wraw);
   uint2 out;
   T* o = reinterpret_cast<T*>(&out);
-  if (P == Prologue::kRmsNorm) {
-    const uint2 wraw = *reinterpret_cast<const uint2*>(norm_w + col);
-    const T* w = reinterpret_cast<const T*>(&wraw);
 #pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      const float normed = to_float<T>(from_float<T>(to_float<T>(v[b]) * rstd));
-      o[b] = from_float<T>(to_float<T>(w[b]) * normed);
-    }
-  } else {
-    const uint2 uraw = *reinterpret_cast<const uint2*>(x2 + off);
-    const T* u = reinterpret_cast<const T*>(&uraw);
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      const float gated = to_float<T>(from_float<T>(silu(to_float<T>(v[b]))));
-      o[b] = from_float<T>(gated * to_float<T>(u[b]));
-    }
+  for (int b = 0; b < 4; ++b) {
+    const float normed = to_float<T>(from_float<T>(to_float<T>(v[b]) * rstd));
+    o[b] = from_float<T>(to_float<T>(w[b]) * normed);
   }
   return out;
 }
@@ -115,7 +102,7 @@ __device__ __forceinline__ void row_rstd(const T* x0, const T* x1, bool ok0, boo
 
 template <typename T, Prologue P, bool kSmooth, int R, int kWarpsPerBlock>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    quantize_act_lora_down_kernel(const T* __restrict__ x, const T* __restrict__ x2, const T* __restrict__ norm_w,
+    quantize_act_lora_down_kernel(const T* __restrict__ x, const T* __restrict__ norm_w,
                                   float eps, int ldx, const float* __restrict__ smooth,
                                   const float* __restrict__ rsmooth, const T* __restrict__ pd_t,
                                   int4* __restrict__ qact, float* __restrict__ ascales, float* __restrict__ lora,
@@ -144,8 +131,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int off = g * kGroup + 16 * c;
-      raw[0][c] = ok0 ? load_input<T, P>(x, x2, norm_w, off0 + off, off + 4 * t, rstd[0]) : make_uint2(0, 0);
-      raw[1][c] = ok1 ? load_input<T, P>(x, x2, norm_w, off1 + off, off + 4 * t, rstd[1]) : make_uint2(0, 0);
+      raw[0][c] = ok0 ? load_input<T, P>(x, norm_w, off0 + off, off + 4 * t, rstd[0]) : make_uint2(0, 0);
+      raw[1][c] = ok1 ? load_input<T, P>(x, norm_w, off1 + off, off + 4 * t, rstd[1]) : make_uint2(0, 0);
     }
 
     // Smoothed float32 values and the per-row max |x|.
@@ -238,7 +225,7 @@ template <typename T, Prologue P, bool kSmooth, int R, int kWarps>
 cudaError_t launch_warps(const QuantizeArgs& a, cudaStream_t stream) {
   const dim3 grid(a.M_pad / 16);
   quantize_act_lora_down_kernel<T, P, kSmooth, R, kWarps><<<grid, kWarps * 32, 0, stream>>>(
-      static_cast<const T*>(a.x), static_cast<const T*>(a.x2), static_cast<const T*>(a.norm_weight), a.eps, a.ldx,
+      static_cast<const T*>(a.x), static_cast<const T*>(a.norm_weight), a.eps, a.ldx,
       a.smooth, a.smooth == nullptr ? nullptr : a.smooth + a.K, static_cast<const T*>(a.pd_t),
       static_cast<int4*>(a.qact), a.ascales, a.lora, a.M, a.M_pad, a.K);
   return cudaGetLastError();
@@ -263,16 +250,14 @@ cudaError_t launch_rank(const QuantizeArgs& a, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t launch_prologue(const QuantizeArgs& a, cudaStream_t stream) {
-  if (a.norm_weight != nullptr) return launch_rank<T, Prologue::kRmsNorm>(a, stream);
-  if (a.x2 != nullptr) return launch_rank<T, Prologue::kSwiGLU>(a, stream);
-  return launch_rank<T, Prologue::kNone>(a, stream);
+  return a.norm_weight != nullptr ? launch_rank<T, Prologue::kRmsNorm>(a, stream)
+                                  : launch_rank<T, Prologue::kNone>(a, stream);
 }
 
 }  // namespace
 
 cudaError_t launch_quantize_act_lora_down(const QuantizeArgs& a, cudaStream_t stream) {
-  if (a.M_pad % kMPad || a.K % kGroup || a.ldx % 4 || (a.norm_weight != nullptr && a.x2 != nullptr))
-    return cudaErrorInvalidValue;
+  if (a.M_pad % kMPad || a.K % kGroup || a.ldx % 4) return cudaErrorInvalidValue;
   if (a.M_pad == 0) return cudaSuccess;
   return a.bf16 ? launch_prologue<__nv_bfloat16>(a, stream) : launch_prologue<__half>(a, stream);
 }

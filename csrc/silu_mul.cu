@@ -1,4 +1,5 @@
-// silu(gate) * up for the SwiGLU MLP when its consumer is not a W4A4 linear (the bf16 engine): torch runs
+// silu(gate) * up, the SwiGLU MLP's input to down_proj (bf16 or W4A4; a prologue fused into W4A4 activation
+// quantization measured slower, docs/kernels.md): torch runs
 // two kernels and writes silu(gate) to memory in between; this reads gate and up once and writes once,
 // with torch's roundings, T(T(silu(g)) * u), and its silu (g / (1 + expf(-g)) in float32, IEEE division).
 #include <algorithm>

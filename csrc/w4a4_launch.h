@@ -12,11 +12,10 @@ constexpr int kMPad = 128;
 constexpr int kBlockN = 128;
 
 struct QuantizeArgs {
-  const void* x;        // [M, K] bf16 or fp16, rows ldx elements apart (gate for the SwiGLU prologue)
-  const void* x2;       // up [M, K] (rows ldx apart) for the SwiGLU prologue, else nullptr
+  const void* x;            // [M, K] bf16 or fp16, rows ldx elements apart
   const void* norm_weight;  // [K] x's dtype for the RMSNorm prologue, else nullptr
-  float eps;            // the RMSNorm's epsilon
-  int ldx;              // row stride of x and x2 in elements, a multiple of 4
+  float eps;                // the RMSNorm's epsilon
+  int ldx;                  // row stride of x in elements, a multiple of 4
   const float* smooth;  // [2, K]: smooth and its correctly rounded reciprocal, or nullptr
   const void* pd_t;     // [R, K], x's dtype: proj_down.T / smooth (smoothing folded in)
   void* qact;           // int32 [M_pad/16, K/64, 32, 4] packed int4 operand

@@ -4,7 +4,6 @@ The kernels themselves are tested on the GPU in tests/test_fused_kernels.py.
 """
 
 import torch
-import torch.nn.functional as F
 
 from engine.checkpoint import load_model
 from engine.kernels.fused import fused_enabled, fused_ops
@@ -32,15 +31,13 @@ def test_w4a4_copy_replaces_backbone_linears_only(tmp_path):
     assert all(quantized.get_submodule(n).rank == 8 for n in backbone)
 
 
-def test_composed_producers_equal_the_unfused_math(tmp_path):
+def test_composed_rmsnorm_equals_the_unfused_math(tmp_path):
     _, model = load_model(ensure_tiny_checkpoint(tmp_path))
     layer = w4a4_copy(model).llm.layers[0]
-    q_proj, down = layer.self_attn.q_proj, layer.mlp.down_proj
+    q_proj = layer.self_attn.q_proj
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, q_proj.in_features, generator=g)
     norm = RMSNorm(q_proj.in_features, 1e-6)
     norm.weight.data = torch.rand(q_proj.in_features, generator=g) + 0.5
     assert not q_proj.fuses_producers(x)
     assert torch.equal(q_proj.forward_rmsnorm(x, norm), q_proj(norm(x)))
-    gate, up = torch.randn(2, 5, down.in_features, generator=g)
-    assert torch.equal(down.forward_swiglu(gate, up), down(F.silu(gate) * up))

@@ -1,7 +1,7 @@
 """The switch for the fused kernels the model calls around its Linears.
 
-Fused paths: RMSNorm -> W4A4 activation quantization (q/k/v and gate/up inputs), SiLU(gate) * up -> W4A4
-activation quantization (down_proj input), and the q/k head norm + RoPE kernel. They run where the CUDA
+Fused paths: RMSNorm -> W4A4 activation quantization (q/k/v and gate/up inputs), and the RMSNorm,
+SiLU(gate) * up and q/k head norm + RoPE kernels. They run where the CUDA
 extension does (sm_90a) on bf16/fp16 tensors; OVBATCH_FUSED_KERNELS=0 turns them all off (the unfused
 torch path), which is how the benchmarks measure what they save.
 """

@@ -38,10 +38,6 @@ def _fake_rmsnorm_quantize(x, norm_weight, eps, smooth, pd_t):
     return _fake_quantize(x, smooth, pd_t)
 
 
-def _fake_swiglu_quantize(gate, up, smooth, pd_t):
-    return _fake_quantize(gate, smooth, pd_t)
-
-
 def _fake_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps):
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
@@ -62,7 +58,6 @@ def load() -> object:
         raise BackendUnavailable(f"W4A4 CUDA ops unavailable: {reason}")
     torch.library.register_fake("ovbatch_w4a4::quantize_act_lora_down")(_fake_quantize)
     torch.library.register_fake("ovbatch_w4a4::rmsnorm_quantize_act_lora_down")(_fake_rmsnorm_quantize)
-    torch.library.register_fake("ovbatch_w4a4::swiglu_quantize_act_lora_down")(_fake_swiglu_quantize)
     torch.library.register_fake("ovbatch_w4a4::qk_norm_rope")(_fake_qk_norm_rope)
     torch.library.register_fake("ovbatch_w4a4::rms_norm")(lambda x, weight, eps: x.new_empty(x.shape))
     torch.library.register_fake("ovbatch_w4a4::silu_mul")(lambda gate, up: gate.new_empty(gate.shape))

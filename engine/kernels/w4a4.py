@@ -88,7 +88,7 @@ class CudaW4A4Packed:
 
 class CudaW4A4Backend:
     name = "cuda-sm90"
-    fuses_producers = True  # forward_rmsnorm and forward_swiglu run fused kernels
+    fuses_producers = True  # forward_rmsnorm runs the norm inside activation quantization
 
     def can_use(self, device) -> tuple[bool, str]:
         device = torch.device(device)
@@ -153,14 +153,6 @@ class CudaW4A4Backend:
             x2, weight, eps, packed.smooth, packed.pd_t[x.dtype]
         )
         return self._gemm(quantized, x2.shape[0], x.shape[:-1], x.dtype, packed)
-
-    def forward_swiglu(self, gate: torch.Tensor, up: torch.Tensor, packed: CudaW4A4Packed):
-        """forward(silu(gate) * up) with the product computed inside the activation quantization kernel."""
-        gate2, up2 = self._rows(gate, packed), self._rows(up, packed)
-        quantized = ops.load().swiglu_quantize_act_lora_down(
-            gate2, up2, packed.smooth, packed.pd_t[gate.dtype]
-        )
-        return self._gemm(quantized, gate2.shape[0], gate.shape[:-1], gate.dtype, packed)
 
     def _rows(self, x: torch.Tensor, packed: CudaW4A4Packed) -> torch.Tensor:
         """x as [M, K] rows the kernels can read."""

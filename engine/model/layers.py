@@ -6,8 +6,7 @@ cos/sin computed in float32 and cast to the activation dtype.
 
 Fused kernels (engine/kernels/fused.py) take over where they can, with the same roundings: RMSNorm,
 SiLU(gate) * up and the q/k head norm + RoPE as one kernel each, and a Linear that offers `fuses_producers(x)`
-(W4A4Linear on the CUDA kernels) computes its input's RMSNorm or SiLU(gate) * up inside its activation
-quantization.
+(W4A4Linear on the CUDA kernels) computes its input's RMSNorm inside its activation quantization.
 """
 
 from __future__ import annotations
@@ -86,14 +85,9 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return ops.silu_mul(gate, up)
 
 
-def _fuses_producers(linear: nn.Module, x: Tensor) -> bool:
-    fuses = getattr(linear, "fuses_producers", None)
-    return fuses is not None and fuses(x)
-
-
 def normed_projections(x: Tensor, norm: RMSNorm, linears: tuple[nn.Module, ...]) -> list[Tensor]:
     """[linear(norm(x)) for each linear], the norm fused into each linear's input where all can."""
-    if all(_fuses_producers(linear, x) for linear in linears):
+    if all(getattr(linear, "fuses_producers", lambda _: False)(x) for linear in linears):
         return [linear.forward_rmsnorm(x, norm) for linear in linears]
     h = norm(x)
     return [linear(h) for linear in linears]
@@ -110,6 +104,4 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: Tensor, norm: RMSNorm) -> Tensor:
         gate, up = normed_projections(x, norm, (self.gate_proj, self.up_proj))
-        if _fuses_producers(self.down_proj, gate):
-            return self.down_proj.forward_swiglu(gate, up)
         return self.down_proj(silu_mul(gate, up))

@@ -93,7 +93,7 @@ class W4A4Linear(nn.Module):
         return backend.forward(x, packed)
 
     def fuses_producers(self, x: torch.Tensor) -> bool:
-        """Whether forward_rmsnorm / forward_swiglu on inputs like x run fused kernels (else they compose)."""
+        """Whether forward_rmsnorm on inputs like x runs the fused kernel (else it composes)."""
         if not backend_for(x.device).fuses_producers:
             return False
         from engine.kernels.fused import fused_ops  # importable: the backend came from engine.kernels
@@ -106,13 +106,6 @@ class W4A4Linear(nn.Module):
         if not self.fuses_producers(x):
             return backend.forward(norm(x), packed)
         return backend.forward_rmsnorm(x, norm.weight, norm.eps, packed)
-
-    def forward_swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """self(silu(gate) * up)."""
-        backend, packed = self._prepared(gate.device)
-        if not self.fuses_producers(gate):
-            return backend.forward(torch.nn.functional.silu(gate) * up, packed)
-        return backend.forward_swiglu(gate, up, packed)
 
     def extra_repr(self) -> str:
         smooth = ", smooth" if self.smooth is not None else ""
