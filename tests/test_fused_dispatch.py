@@ -39,5 +39,5 @@ def test_composed_rmsnorm_equals_the_unfused_math(tmp_path):
     x = torch.randn(5, q_proj.in_features, generator=g)
     norm = RMSNorm(q_proj.in_features, 1e-6)
     norm.weight.data = torch.rand(q_proj.in_features, generator=g) + 0.5
-    assert not q_proj.fuses_producers(x)
+    assert not q_proj.fuses_rmsnorm(x)
     assert torch.equal(q_proj.forward_rmsnorm(x, norm), q_proj(norm(x)))

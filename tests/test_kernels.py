@@ -125,6 +125,17 @@ def test_quantize_act_bit_exact(m, k, dtype):
     assert torch.equal(lora[m:], torch.zeros_like(lora[m:]))
 
 
+def test_quantize_act_reads_strided_rows():
+    """Rows of a wider tensor (a column slice) quantize exactly as the same rows made contiguous."""
+    g = fresh_generator()
+    packed = CudaW4A4Backend().prepare(random_layer(1024, 1024, 32, smooth=True, bias=False, g=g))
+    x = random_activations(700, 1536, torch.bfloat16, g)[:, 256:1280]
+    ops = kops.load()
+    strided = ops.quantize_act_lora_down(x, packed.smooth, packed.pd_t[torch.bfloat16])
+    dense = ops.quantize_act_lora_down(x.contiguous(), packed.smooth, packed.pd_t[torch.bfloat16])
+    assert all(torch.equal(a, b) for a, b in zip(strided, dense))
+
+
 def test_quantize_act_ties_and_zero_groups():
     """Half-way cases round to even, zero groups give scale 0 and q 0, exactly like the reference."""
     k = 128

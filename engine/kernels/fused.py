@@ -1,9 +1,9 @@
 """The switch for the fused kernels the model calls around its Linears.
 
 Fused paths: RMSNorm -> W4A4 activation quantization (q/k/v and gate/up inputs), and the RMSNorm,
-SiLU(gate) * up and q/k head norm + RoPE kernels. They run where the CUDA
-extension does (sm_90a) on bf16/fp16 tensors; OVBATCH_FUSED_KERNELS=0 turns them all off (the unfused
-torch path), which is how the benchmarks measure what they save.
+SiLU(gate) * up and q/k head norm + RoPE kernels. They run where the CUDA extension does (sm_90a) on
+bf16/fp16 tensors; OVBATCH_FUSED_KERNELS=0 turns them all off (the unfused torch path), which is how the
+benchmarks measure what they save.
 """
 
 from __future__ import annotations

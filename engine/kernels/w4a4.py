@@ -88,7 +88,7 @@ class CudaW4A4Packed:
 
 class CudaW4A4Backend:
     name = "cuda-sm90"
-    fuses_producers = True  # forward_rmsnorm runs the norm inside activation quantization
+    has_fused_rmsnorm = True  # forward_rmsnorm runs the norm inside activation quantization
 
     def can_use(self, device) -> tuple[bool, str]:
         device = torch.device(device)

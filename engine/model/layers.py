@@ -5,8 +5,9 @@ same weights give the same activations: RMSNorm in float32 then cast back, rotat
 cos/sin computed in float32 and cast to the activation dtype.
 
 Fused kernels (engine/kernels/fused.py) take over where they can, with the same roundings: RMSNorm,
-SiLU(gate) * up and the q/k head norm + RoPE as one kernel each, and a Linear that offers `fuses_producers(x)`
-(W4A4Linear on the CUDA kernels) computes its input's RMSNorm inside its activation quantization.
+SiLU(gate) * up and the q/k head norm + RoPE as one kernel each, and a Linear that offers
+`fuses_rmsnorm(x)` (W4A4Linear on the CUDA kernels) computes its input's RMSNorm inside its activation
+quantization.
 """
 
 from __future__ import annotations
@@ -87,14 +88,14 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
 
 def normed_projections(x: Tensor, norm: RMSNorm, linears: tuple[nn.Module, ...]) -> list[Tensor]:
     """[linear(norm(x)) for each linear], the norm fused into each linear's input where all can."""
-    if all(getattr(linear, "fuses_producers", lambda _: False)(x) for linear in linears):
+    if all(getattr(linear, "fuses_rmsnorm", lambda _: False)(x) for linear in linears):
         return [linear.forward_rmsnorm(x, norm) for linear in linears]
     h = norm(x)
     return [linear(h) for linear in linears]
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), x given as the residual stream and its norm."""
+    """down(silu(gate(h)) * up(h)) for h = norm(x)."""
 
     def __init__(self, prefix: str, hidden: int, intermediate: int, linear_factory: LinearFactory) -> None:
         super().__init__()

@@ -92,9 +92,9 @@ class W4A4Linear(nn.Module):
         backend, packed = self._prepared(x.device)
         return backend.forward(x, packed)
 
-    def fuses_producers(self, x: torch.Tensor) -> bool:
+    def fuses_rmsnorm(self, x: torch.Tensor) -> bool:
         """Whether forward_rmsnorm on inputs like x runs the fused kernel (else it composes)."""
-        if not backend_for(x.device).fuses_producers:
+        if not backend_for(x.device).has_fused_rmsnorm:
             return False
         from engine.kernels.fused import fused_ops  # importable: the backend came from engine.kernels
 
@@ -103,7 +103,7 @@ class W4A4Linear(nn.Module):
     def forward_rmsnorm(self, x: torch.Tensor, norm) -> torch.Tensor:
         """self(norm(x)) for an RMSNorm module `norm`."""
         backend, packed = self._prepared(x.device)
-        if not self.fuses_producers(x):
+        if not self.fuses_rmsnorm(x):
             return backend.forward(norm(x), packed)
         return backend.forward_rmsnorm(x, norm.weight, norm.eps, packed)
 

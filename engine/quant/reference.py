@@ -104,7 +104,7 @@ class ReferenceW4A4Backend:
     nowhere."""
 
     name = "reference"
-    fuses_producers = False
+    has_fused_rmsnorm = False
 
     def can_use(self, device) -> tuple[bool, str]:
         return True, ""
