@@ -74,7 +74,8 @@ def test_rmsnorm_quantize_matches_norm_then_quantize(m, dtype, smooth):
     packed = CudaW4A4Backend().prepare(random_layer(2048, k, 32, smooth=smooth, bias=False, g=g))
     x, norm = residual_stream(m, k, dtype, g), random_norm(k, dtype, g)
     ops = kops.load()
-    unfused = ops.quantize_act_lora_down(norm(x), packed.smooth, packed.pd_t[dtype])
+    normed = rms_norm(x, norm.weight, norm.eps)  # torch's
+    unfused = ops.quantize_act_lora_down(normed, packed.smooth, packed.pd_t[dtype])
     quantize_outputs_poisoned(m, k, 32)
     fused = ops.rmsnorm_quantize_act_lora_down(x, norm.weight, norm.eps, packed.smooth, packed.pd_t[dtype])
     torch.cuda.synchronize()
