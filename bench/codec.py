@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.codec_parity import random_reference  # noqa: E402
-from bench.environment import environment  # noqa: E402
+from bench.environment import environment, write_result  # noqa: E402
 from engine.codec import Codec  # noqa: E402
 from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG  # noqa: E402
 from engine.tiny_codec import TINY_CODEC_CONFIG  # noqa: E402
@@ -212,8 +212,7 @@ def main() -> None:
         label = f"{r['impl']:>20} {r['dtype']:>8} {r['op']:>6} batch {r['batch']:>2}"
         print(f"{label}: {r['audio_s_per_s']:10.1f} audio s/s")
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(Path(args.out), result)
 
 
 if __name__ == "__main__":

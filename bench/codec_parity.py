@@ -27,7 +27,7 @@ from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.environment import environment  # noqa: E402
+from bench.environment import environment, write_result  # noqa: E402
 from engine.codec import Codec  # noqa: E402
 from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG  # noqa: E402
 from engine.tiny_codec import TINY_CODEC_CONFIG  # noqa: E402
@@ -146,8 +146,7 @@ def main() -> None:
         **run_parity(args.size, args.device, args.seed),
     }
     print(json.dumps({k: v for k, v in result.items() if k != "clips"}, indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(Path(args.out), result)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
-"""The machine and library versions every benchmark records beside its numbers."""
+"""The machine and library versions every benchmark records beside its numbers, and how it writes them."""
 
 from __future__ import annotations
 
+import json
 import platform
 import subprocess
 import time
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 import torch
 
@@ -36,3 +38,10 @@ def environment(*packages: str) -> dict:
         env["gpu"] = torch.cuda.get_device_name()
         env["driver"] = _driver()
     return env
+
+
+def write_result(path: str | Path, result: dict) -> None:
+    """A benchmark's JSON at `path` (parents created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")

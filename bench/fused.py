@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.environment import environment  # noqa: E402
+from bench.environment import environment, write_result  # noqa: E402
 from bench.kernels import M_VALUES, graph_time_us, random_layer  # noqa: E402
 from engine.kernels import CudaW4A4Backend  # noqa: E402
 from engine.kernels import ops as kops  # noqa: E402
@@ -117,8 +117,7 @@ def main() -> int:
         "notes": "CUDA-graph replays, do_bench medians with L2 cleared; W4A4 rank 32 with smoothing.",
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_result(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

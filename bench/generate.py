@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.environment import environment  # noqa: E402
+from bench.environment import environment, write_result  # noqa: E402
 from bench.parity import (  # noqa: E402
     TEXTS,
     Request,
@@ -150,8 +150,7 @@ def main() -> None:
         "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
         "cases": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_result(Path(args.out), report)
 
 
 if __name__ == "__main__":

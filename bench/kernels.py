@@ -12,7 +12,6 @@ counted, which favours it). The W4A4 column is the whole linear: both kernels, r
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.environment import environment  # noqa: E402
+from bench.environment import environment, write_result  # noqa: E402
 from engine.kernels import CudaW4A4Backend  # noqa: E402
 from engine.kernels import ops as kops  # noqa: E402
 from engine.quant.format import W4A4Tensors, pack_int4  # noqa: E402
@@ -159,8 +158,7 @@ def main() -> int:
         "CUDA-graph replays, do_bench medians with L2 cleared.",
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_result(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.environment import environment  # noqa: E402
+from bench.environment import environment, write_result  # noqa: E402
 from engine.checkpoint import load_model  # noqa: E402
 from engine.config import EngineConfig, GenerationConfig, ModelConfig  # noqa: E402
 from engine.runner import GenItem, Runner  # noqa: E402
@@ -233,8 +233,7 @@ def main() -> None:
         "num_step": NUM_STEP,
         "cases": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_result(Path(args.out), report)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from safetensors.torch import save_file  # noqa: E402
 
-from bench.environment import environment  # noqa: E402
+from bench.environment import environment, write_result  # noqa: E402
 from engine.codec import Codec  # noqa: E402
 from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG, read_codec_config  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
@@ -219,8 +219,7 @@ def main() -> None:
             )
             print(json.dumps({k: result[k] for k in shown}), flush=True)
         out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1) + "\n")
+        write_result(out, report)
         print(f"wrote {out}")
     finally:
         if not args.work:

@@ -18,7 +18,6 @@ the model's index kernels as decoding.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.environment import environment  # noqa: E402
+from bench.environment import environment, write_result  # noqa: E402
 from bench.generate import BUCKETS, CASES, FRAME_RATE, median_seconds, requests, w4a4_copy  # noqa: E402
 from bench.parity import REF_TEXT  # noqa: E402
 from bench.pipeline import full_size_checkpoint  # noqa: E402
@@ -249,8 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
         "cases": results,
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    write_result(out, report)
     print(f"wrote {out}")
     return report
 

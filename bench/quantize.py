@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.environment import environment  # noqa: E402
+from bench.environment import environment, write_result  # noqa: E402
 from engine.config import LLMConfig, ModelConfig  # noqa: E402
 from engine.model import OmniVoiceModel  # noqa: E402
 from engine.quant.synthetic import structured_weight  # noqa: E402
@@ -150,8 +150,7 @@ def main() -> None:
             for x in report["layers"]
         ],  # fmt: skip
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     e2e = result["end_to_end"]
     print(
         f"{result['seconds']:.0f} s, peak host RSS {rss / 2**30:.2f} GiB, peak GPU "
