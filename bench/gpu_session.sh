@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call, many steps: GPU tests and benchmarks, each under its own time limit.
 # Usage on the GPU machine (repo root):  bash bench/gpu_session.sh STEP[:SECONDS] ...
-# Steps: tests official parity generate codec-parity codec quantize pipeline kernels fused scaling
+# Steps: tests official parity generate profile codec-parity codec quantize pipeline kernels fused scaling
 # (GPU_TESTS narrows the test paths, PIPELINE_ROWS the pipeline bench's rows, SCALING_GPUS the GPU counts
 # of the scaling bench, one per call: it merges into bench/results/scaling-h200.json.)
 # Logs and bench/results/*.json come back bundled as $OUT/logs.tgz and $OUT/results.tgz.
@@ -19,6 +19,7 @@ step() {
     official)     $PY -m pytest -q -m official tests ;;
     parity)       $PY bench/parity.py ;;
     generate)     $PY bench/generate.py --reps 3 ;;
+    profile)      $PY bench/profile_generate.py ;;
     codec-parity) $PY bench/codec_parity.py ;;
     codec)        $PY bench/codec.py ;;
     quantize)     $PY bench/quantize.py ;;
