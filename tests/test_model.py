@@ -137,3 +137,22 @@ def test_bf16_fast_backend_matches_fp32_sdpa(backend):
         fast_logits = model.to(torch.bfloat16)(batch)
     cos = torch.nn.functional.cosine_similarity(ref.flatten(), fast_logits.flatten(), dim=0)
     assert cos.item() >= 0.999
+
+
+@pytest.mark.gpu
+def test_varlen_grouped_query_attention_matches_sdpa():
+    """16 query heads over 8 k/v heads (the full model's grouping), without repeating k and v."""
+    varlen = BACKENDS["varlen"]()
+    ok, reason = varlen.can_use(torch.device("cuda"), torch.bfloat16)
+    if not ok:
+        pytest.skip(reason)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    lengths = [37, 300, 1, 128]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v = (
+        torch.randn(sum(lengths), h, 128, generator=g, device="cuda").to(torch.bfloat16) for h in (16, 8, 8)
+    )
+    got = varlen(q, k, v, cu, max(lengths))
+    want = BACKENDS["sdpa"]()(q.float(), k.float(), v.float(), cu, max(lengths))
+    assert got.shape == want.shape
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-2

@@ -77,14 +77,16 @@ class TorchVarlenBackend:
         return _needs_cuda_half(device, dtype)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
-        kwargs = {}
-        if q.shape[1] != k.shape[1]:
-            if self._native_gqa:
-                kwargs["enable_gqa"] = True
-            else:
-                group = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return self._fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+        if q.shape[1] == k.shape[1]:
+            return self._fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+        if self._native_gqa:
+            return self._fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, enable_gqa=True)
+        # varlen_attn without enable_gqa (torch 2.11) needs k and v repeated per query head (two copies per
+        # layer, 10% of generation time); the flash kernel under it takes fewer k/v heads as they are.
+        out = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False
+        )
+        return out[0]
 
 
 class SdpaBackend:
