@@ -1,7 +1,7 @@
 // Kernel 3: Qwen3's per-head RMSNorm of q and k followed by rotate-half RoPE, one pass over q and k.
 //
-// The unfused model runs about a dozen elementwise kernels for this (engine/model/layers.py); this one
-// reads each head row once and writes it once, with the same roundings: the normed row is
+// torch runs this as a chain of elementwise kernels with float32 intermediates (engine/model/layers.py);
+// this one reads each head row once and writes it once, with the same roundings: the normed row is
 // T(w * T(x * rsqrt(mean(x^2) + eps))), then out = T(T(y * cos) + T(rot(y) * sin)) with
 // rot(y)[i] = -y[i + D/2] for i < D/2 and y[i - D/2] otherwise, cos/sin the model's T tables.
 // Only the order of the sum of squares differs from torch's reduction (last-bit rstd differences).
