@@ -114,13 +114,15 @@ std::tuple<Tensor, Tensor> qk_norm_rope(const Tensor& q, const Tensor& k, const 
                 t->sizes(), " on ", t->device());
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "ovbatch_w4a4: ", name,
                 " must have contiguous heads (strides [*, D, 1]), got ", t->strides());
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0 && (t->size(0) <= 1 || t->stride(0) % 8 == 0),
+                "ovbatch_w4a4: ", name, " needs 16-byte aligned token rows, got strides ", t->strides());
     check_half(*t, name);
   }
   const int64_t T = q.size(0), D = q.size(2);
   TORCH_CHECK(k.size(0) == T && k.size(2) == D && k.scalar_type() == q.scalar_type(),
               "ovbatch_w4a4: k ", k.sizes(), " does not match q ", q.sizes());
-  TORCH_CHECK(D % 2 == 0 && D <= w4a4::kMaxHeadDim, "ovbatch_w4a4: head dim ", D, " must be even and at most ",
-              w4a4::kMaxHeadDim);
+  TORCH_CHECK(w4a4::qk_norm_rope_supports(static_cast<int>(D)), "ovbatch_w4a4: head dim ", D,
+              " is not one of 16, 32, 64, 128, 256");
   for (auto [t, name, want] : {std::tuple{&q_weight, "q_weight", std::vector<int64_t>{D}},
                                {&k_weight, "k_weight", std::vector<int64_t>{D}}, {&cos, "cos", std::vector<int64_t>{T, D}},
                                {&sin, "sin", std::vector<int64_t>{T, D}}}) {

@@ -38,8 +38,8 @@ struct GemmArgs {
   bool bf16;
 };
 
-// Qwen3's q/k head norm + RoPE (csrc/qk_norm_rope.cu). Head dimensions up to this (even) are supported.
-constexpr int kMaxHeadDim = 256;
+// Qwen3's q/k head norm + RoPE (csrc/qk_norm_rope.cu): head dims 16, 32, 64, 128 and 256, 16-byte aligned rows.
+bool qk_norm_rope_supports(int head_dim);
 
 struct QkNormRopeArgs {
   const void* q;         // [tokens, q_heads, D], heads contiguous, tokens q_stride elements apart

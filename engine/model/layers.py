@@ -71,8 +71,8 @@ def qk_norm_rope(
     q: Tensor, k: Tensor, q_norm: RMSNorm, k_norm: RMSNorm, cos: Tensor, sin: Tensor
 ) -> tuple[Tensor, Tensor]:
     """apply_rope(q_norm(q)) and apply_rope(k_norm(k)) for q [T, Hq, D], k [T, Hk, D]."""
-    ops = fused_ops(q) if q_norm.eps == k_norm.eps else None
-    if ops is None:
+    ops = fused_ops(q) if q_norm.eps == k_norm.eps and q.shape[-1] in (16, 32, 64, 128, 256) else None
+    if ops is None or any(t.data_ptr() % 16 or t.stride(0) % 8 for t in (q, k)):
         return apply_rope(q_norm(q), cos, sin), apply_rope(k_norm(k), cos, sin)
     return ops.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, cos, sin, q_norm.eps)
 
