@@ -3,6 +3,9 @@
 - rms_norm: RMSNorm of [M, 1024] rows, torch (float32 intermediates) against the kernel.
 - norm_qkv: RMSNorm(x) -> the q/k/v projection (N 4096, K 1024). bf16: the RMSNorm kernel + cuBLAS;
   W4A4 unfused: the RMSNorm kernel + the W4A4 linear; W4A4 fused: the norm inside activation quantization.
+- group_qkv, group_gate_up: RMSNorm(x) -> the q, k, v (2048, 1024, 1024) or gate, up (3072, 3072)
+  projections, K 1024, as separate layers (how the engine ran them before groups) and as one grouped GEMM:
+  bf16 (the RMSNorm kernel + cuBLAS) and W4A4 (the norm inside activation quantization).
 - silu_mul: silu(gate) * up of [M, 3072], torch (two kernels) against the kernel.
 - qk_norm_rope: q/k head RMSNorm + RoPE on the q/k/v output (16 + 8 heads of 128): torch against the kernel.
 
@@ -14,6 +17,8 @@ CUDA-graph replays timed like bench/kernels.py (do_bench medians, L2 cleared).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import sys
 from pathlib import Path
@@ -82,6 +87,33 @@ def norm_qkv(m: int, g: torch.Generator) -> dict:
     return {"M": m, "case": "norm_qkv", "N": n, "K": k, **timed(variants, ("w4a4_fused", "w4a4_unfused"))}
 
 
+def norm_group(m: int, g: torch.Generator, case: str, widths: tuple[int, ...]) -> dict:
+    k = HIDDEN
+    backend = CudaW4A4Backend()
+    layers = [random_layer(n, k, g) for n in widths]
+    layers = [dataclasses.replace(t, smooth=layers[0].smooth) for t in layers]  # one input, one smoothing
+    packed = [backend.prepare(t) for t in layers]
+    group = backend.prepare_group(layers)
+    norm = RMSNorm(k, 1e-6).to("cuda", torch.bfloat16)
+    x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(sum(widths), k, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    ws = w.split(list(widths))
+
+    def bf16_separate():
+        h = norm(x)
+        return tuple(h @ wi.t() for wi in ws)
+
+    variants = {
+        "bf16_separate": bf16_separate,
+        "bf16_grouped": lambda: norm(x) @ w.t(),
+        "w4a4_separate": lambda: tuple(backend.forward_rmsnorm(x, norm.weight, norm.eps, p) for p in packed),
+        "w4a4_grouped": lambda: backend.forward_rmsnorm(x, norm.weight, norm.eps, group).split(widths, -1),
+    }
+    row = {"M": m, "case": case, "widths": list(widths), "K": k}
+    row.update(timed(variants, ("w4a4_grouped", "w4a4_separate")))
+    return row
+
+
 def qk_norm_rope(m: int, g: torch.Generator) -> dict:
     qkv = torch.randn(m, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=g, device="cuda").to(torch.bfloat16)
     q = qkv[:, : HEADS * HEAD_DIM].view(m, HEADS, HEAD_DIM)
@@ -109,7 +141,14 @@ def main() -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for m in args.m:
-        for case in (rms_norm_row, silu_mul_row, norm_qkv, qk_norm_rope):
+        for case in (
+            rms_norm_row,
+            silu_mul_row,
+            norm_qkv,
+            functools.partial(norm_group, case="group_qkv", widths=(2048, 1024, 1024)),
+            functools.partial(norm_group, case="group_gate_up", widths=(INTERMEDIATE, INTERMEDIATE)),
+            qk_norm_rope,
+        ):
             rows.append(case(m, g))
             print(json.dumps(rows[-1]), flush=True)
     result = {

@@ -6,7 +6,8 @@ lengths, B=16 and B=32 with varied lengths. The official model runs its `_genera
 with SDPA (eager, padded batch), as the anchor did; ours runs bf16 on the fastest attention backend,
 eagerly and with CUDA graphs, and in W4A4 (backbone Linears on the W4A4 kernels) with CUDA graphs; the
 `_unfused` variants run with the fused kernels off (OVBATCH_FUSED_KERNELS=0: torch's RMSNorm, SiLU*up and
-q/k norm + RoPE around the Linears), which is what they save.
+q/k norm + RoPE around the Linears), which is what they save; `ours_w4a4_graphs_ungrouped` runs W4A4 q/k/v
+and gate/up as separate layers (OVBATCH_W4A4_GROUPS=0) instead of one grouped GEMM each.
 Medians of the repetitions; RTF = wall time / audio time.
 
     python bench/generate.py [--out bench/results/generate-h200.json] [--reps 5]
@@ -56,18 +57,24 @@ def requests(batch: int, vary: bool) -> list[Request]:
     return [Request(TEXTS[0], REF_FRAMES, n) for n in lens]
 
 
+# the switches a variant's label turns off (engine/kernels/fused.py, engine/quant/linear.py)
+SWITCHES = {"_unfused": "OVBATCH_FUSED_KERNELS", "_ungrouped": "OVBATCH_W4A4_GROUPS"}
+
+
 @contextlib.contextmanager
-def fused_kernels(enabled: bool):
-    """Run (and capture) with the fused kernels on or off (engine/kernels/fused.py)."""
-    before = os.environ.get("OVBATCH_FUSED_KERNELS")
-    os.environ["OVBATCH_FUSED_KERNELS"] = "1" if enabled else "0"
+def switches_for(label: str):
+    """Run (and capture) with the switches the label names off, every other one on."""
+    before = {name: os.environ.get(name) for name in SWITCHES.values()}
+    for suffix, name in SWITCHES.items():
+        os.environ[name] = "0" if label.endswith(suffix) else "1"
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["OVBATCH_FUSED_KERNELS"]
-        else:
-            os.environ["OVBATCH_FUSED_KERNELS"] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def median_seconds(reps: int, fn, *args) -> float:
@@ -120,6 +127,7 @@ def main() -> None:
         ("ours_w4a4_graphs", w4a4),
         ("ours_bf16_graphs_unfused", ours),
         ("ours_w4a4_graphs_unfused", w4a4),
+        ("ours_w4a4_graphs_ungrouped", w4a4),
     ):
         runners[label] = Runner(
             model, EngineConfig(cuda_graphs=True, buckets=BUCKETS), "cuda", torch.bfloat16
@@ -137,7 +145,7 @@ def main() -> None:
             official_s = median_seconds(reps, official._generate_iterative, task, official_gen)
             row["official_fp16_eager"] = timing(official_s, audio_s)
             for label, runner in runners.items():
-                with fused_kernels(not label.endswith("_unfused")):
+                with switches_for(label):
                     row[label] = timing(median_seconds(reps, runner.generate, items, gen), audio_s)
             for label in runners:
                 row[f"speedup_{label}"] = round(row["official_fp16_eager"]["ms"] / row[label]["ms"], 2)

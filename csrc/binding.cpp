@@ -56,8 +56,9 @@ std::tuple<Tensor, Tensor, Tensor> quantize_input(const Tensor& x, const std::op
   check_cuda(pd_t, "pd_t");
   check_dtype(pd_t, x.scalar_type(), "pd_t");
   const int64_t M = x.size(0), K = x.size(1), R = pd_t.size(0);
-  TORCH_CHECK(pd_t.dim() == 2 && pd_t.size(1) == K && (R == 16 || R == 32),
-              "ovbatch_w4a4: pd_t must be [R, K] with R 16 or 32 and K = ", K, ", got ", pd_t.sizes());
+  TORCH_CHECK(pd_t.dim() == 2 && pd_t.size(1) == K && (R == 16 || R == 32 || R == 48 || R == 64 || R == 96),
+              "ovbatch_w4a4: pd_t must be [R, K] with R 16, 32 (one layer) or 48, 64, 96 (a group of layers) and K = ",
+              K, ", got ", pd_t.sizes());
   if (smooth) {
     check_cuda(*smooth, "smooth");
     check_dtype(*smooth, at::kFloat, "smooth");
@@ -179,30 +180,42 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   return y;
 }
 
-// silu(gate) * up for gate and up of one shape (numel a multiple of 8).
+// silu(gate) * up for gate and up [rows, cols] (cols a multiple of 8; rows may be strided, e.g. the two halves
+// of a grouped gate/up output) -> contiguous [rows, cols].
 Tensor silu_mul(const Tensor& gate, const Tensor& up) {
-  check_cuda(gate, "gate");
-  check_cuda(up, "up");
+  for (auto [t, name] : {std::pair{&gate, "gate"}, {&up, "up"}}) {
+    TORCH_CHECK(t->is_cuda() && t->dim() == 2, "ovbatch_w4a4: ", name, " must be a CUDA [rows, cols], got ",
+                t->sizes(), " on ", t->device());
+    TORCH_CHECK(t->stride(1) == 1 && (t->size(0) <= 1 || t->stride(0) % 8 == 0) &&
+                    reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+                "ovbatch_w4a4: ", name, " needs unit column stride, a row stride that is a multiple of 8 and ",
+                "16-byte alignment, got strides ", t->strides());
+  }
   check_half(gate, "gate");
   check_dtype(up, gate.scalar_type(), "up");
-  TORCH_CHECK(gate.sizes() == up.sizes() && gate.numel() % 8 == 0, "ovbatch_w4a4: gate ", gate.sizes(), " and up ",
-              up.sizes(), " must have one shape with a multiple of 8 elements");
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.size(1) % 8 == 0, "ovbatch_w4a4: gate ", gate.sizes(), " and up ",
+              up.sizes(), " must have one shape with a multiple of 8 columns");
   const c10::cuda::CUDAGuard guard(gate.device());
-  Tensor out = torch::empty_like(gate);
+  Tensor out = torch::empty(gate.sizes(), gate.options());
   w4a4::SiluMulArgs a{};
   a.gate = gate.data_ptr();
   a.up = up.data_ptr();
   a.out = out.data_ptr();
-  a.numel = gate.numel();
+  a.rows = gate.size(0);
+  a.cols = static_cast<int>(gate.size(1));
+  a.gate_ld = gate.size(0) > 1 ? gate.stride(0) : gate.size(1);
+  a.up_ld = up.size(0) > 1 ? up.stride(0) : up.size(1);
   a.bf16 = gate.scalar_type() == at::kBFloat16;
   check_launch(w4a4::launch_silu_mul(a, c10::cuda::getCurrentCUDAStream()), "silu_mul");
   return out;
 }
 
 // Packed activations of M real rows times packed weights of N real columns -> y [M, N] in out_dtype.
+// segment_starts: for a group of layers stacked along N, the first output column of each layer after the
+// first (multiples of 64); layer s reads low-rank columns s * R .. s * R + R - 1 of lora.
 Tensor gemm_lora_up(const Tensor& qact, const Tensor& ascales, const Tensor& lora, const Tensor& qweight,
                     const Tensor& wscales, const Tensor& proj_up, const std::optional<Tensor>& bias, int64_t M,
-                    int64_t N, at::ScalarType out_dtype) {
+                    int64_t N, at::ScalarType out_dtype, at::IntArrayRef segment_starts) {
   for (auto [t, name] : {std::pair{&qact, "qact"}, {&ascales, "ascales"}, {&lora, "lora"}, {&qweight, "qweight"},
                          {&wscales, "wscales"}, {&proj_up, "proj_up"}}) {
     check_cuda(*t, name);
@@ -217,7 +230,15 @@ Tensor gemm_lora_up(const Tensor& qact, const Tensor& ascales, const Tensor& lor
   TORCH_CHECK(qact.dim() == 3 && qact.size(2) == 128, "ovbatch_w4a4: qact must be [M_pad/16, K/64, 128], got ",
               qact.sizes());
   const int64_t M_pad = qact.size(0) * 16, G = qact.size(1), K = G * kGroup;
-  const int64_t N_pad = qweight.size(0) * 16, R = lora.size(1);
+  const int64_t N_pad = qweight.size(0) * 16, R = proj_up.size(1);
+  const int64_t segments = static_cast<int64_t>(segment_starts.size()) + 1;
+  TORCH_CHECK(segments <= w4a4::kMaxSegments, "ovbatch_w4a4: at most ", w4a4::kMaxSegments,
+              " layers in a group, got segment_starts ", segment_starts);
+  for (size_t s = 0; s < segment_starts.size(); ++s)
+    TORCH_CHECK(segment_starts[s] % kGroup == 0 && segment_starts[s] > (s ? segment_starts[s - 1] : 0) &&
+                    segment_starts[s] < N,
+                "ovbatch_w4a4: segment_starts must be increasing multiples of 64 inside (0, N = ", N, "), got ",
+                segment_starts);
   TORCH_CHECK(M_pad % w4a4::kMPad == 0 && M >= 0 && M <= M_pad, "ovbatch_w4a4: M = ", M,
               " does not fit the packed activations of ", M_pad, " rows");
   TORCH_CHECK(qweight.dim() == 3 && qweight.size(1) == G && qweight.size(2) == 128 && N_pad % w4a4::kBlockN == 0,
@@ -227,8 +248,10 @@ Tensor gemm_lora_up(const Tensor& qact, const Tensor& ascales, const Tensor& lor
               " must be a multiple of 64 matching the packed weights of ", N_pad, " rows");
   TORCH_CHECK(ascales.sizes() == torch::IntArrayRef({G, M_pad}), "ovbatch_w4a4: ascales must be [", G, ", ", M_pad,
               "], got ", ascales.sizes());
-  TORCH_CHECK(lora.size(0) == M_pad && (R == 16 || R == 32), "ovbatch_w4a4: lora must be [", M_pad,
-              ", 16 or 32], got ", lora.sizes());
+  TORCH_CHECK(R == 16 || R == 32, "ovbatch_w4a4: proj_up must be [N_pad, R] with R 16 or 32, got ",
+              proj_up.sizes());
+  TORCH_CHECK(lora.dim() == 2 && lora.size(0) == M_pad && lora.size(1) == segments * R, "ovbatch_w4a4: lora must be [",
+              M_pad, ", ", segments * R, "] (", segments, " layers of rank ", R, "), got ", lora.sizes());
   TORCH_CHECK(wscales.sizes() == torch::IntArrayRef({G, N_pad, 2}), "ovbatch_w4a4: wscales must be [", G, ", ",
               N_pad, ", 2], got ", wscales.sizes());
   TORCH_CHECK(proj_up.sizes() == torch::IntArrayRef({N_pad, R}), "ovbatch_w4a4: proj_up must be [", N_pad, ", ", R,
@@ -255,6 +278,9 @@ Tensor gemm_lora_up(const Tensor& qact, const Tensor& ascales, const Tensor& lor
   a.N_pad = static_cast<int>(N_pad);
   a.K = static_cast<int>(K);
   a.R = static_cast<int>(R);
+  a.lora_ld = static_cast<int>(segments * R);
+  a.segments = static_cast<int>(segments);
+  for (size_t s = 0; s < segment_starts.size(); ++s) a.segment_start[s] = static_cast<int>(segment_starts[s]);
   a.bf16 = out_dtype == at::kBFloat16;
   check_launch(w4a4::launch_w4a4_gemm_lora_up(a, c10::cuda::getCurrentCUDAStream()), "w4a4_gemm_lora_up");
   return y;
@@ -264,7 +290,7 @@ Tensor gemm_lora_up(const Tensor& qact, const Tensor& ascales, const Tensor& lor
 Tensor w4a4_linear(const Tensor& x, const std::optional<Tensor>& smooth, const Tensor& pd_t, const Tensor& qweight,
                    const Tensor& wscales, const Tensor& proj_up, const std::optional<Tensor>& bias, int64_t N) {
   auto [qact, ascales, lora] = quantize_act_lora_down(x, smooth, pd_t);
-  return gemm_lora_up(qact, ascales, lora, qweight, wscales, proj_up, bias, x.size(0), N, x.scalar_type());
+  return gemm_lora_up(qact, ascales, lora, qweight, wscales, proj_up, bias, x.size(0), N, x.scalar_type(), {});
 }
 
 }  // namespace
@@ -281,7 +307,7 @@ TORCH_LIBRARY(ovbatch_w4a4, m) {
       "(Tensor, Tensor)");
   m.def(
       "gemm_lora_up(Tensor qact, Tensor ascales, Tensor lora, Tensor qweight, Tensor wscales, Tensor proj_up, "
-      "Tensor? bias, int M, int N, ScalarType out_dtype) -> Tensor");
+      "Tensor? bias, int M, int N, ScalarType out_dtype, int[] segment_starts=[]) -> Tensor");
   m.def(
       "w4a4_linear(Tensor x, Tensor? smooth, Tensor pd_t, Tensor qweight, Tensor wscales, Tensor proj_up, "
       "Tensor? bias, int N) -> Tensor");

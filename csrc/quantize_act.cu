@@ -107,7 +107,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
                                   const float* __restrict__ rsmooth, const T* __restrict__ pd_t,
                                   int4* __restrict__ qact, float* __restrict__ ascales, float* __restrict__ lora,
                                   int M, int M_pad, int K) {
-  __shared__ float partial[kWarpsPerBlock][R / 8 * 4][32];
+  constexpr int kTiles = R / 8;  // 8-column MMA tiles of the low-rank product
+  // The warps' partial sums meet in shared memory 32 (or 16) columns at a time.
+  constexpr int kChunkTiles = kTiles % 4 == 0 ? 4 : 2;
+  static_assert(R % 16 == 0 && kTiles % kChunkTiles == 0, "low-rank widths are multiples of 16");
+  __shared__ float partial[kWarpsPerBlock][kChunkTiles * 4][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gr = lane >> 2, t = lane & 3;
   const int mtile = blockIdx.x;
@@ -119,9 +123,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   float rstd[2] = {1.f, 1.f};
   if (P == Prologue::kRmsNorm) row_rstd<T, kWarpsPerBlock>(x + off0, x + off1, ok0, ok1, G, K, eps, rstd);
 
-  float lacc[R / 8][4];
+  float lacc[kTiles][4];
 #pragma unroll
-  for (int nt = 0; nt < R / 8; ++nt)
+  for (int nt = 0; nt < kTiles; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) lacc[nt][e] = 0.f;
 
@@ -196,7 +200,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     for (int c = 0; c < 4; ++c) {
       const uint32_t a[4] = {raw[0][c].x, raw[1][c].x, raw[0][c].y, raw[1][c].y};
 #pragma unroll
-      for (int nt = 0; nt < R / 8; ++nt) {
+      for (int nt = 0; nt < kTiles; ++nt) {
         const uint2 b = *reinterpret_cast<const uint2*>(pd_t + static_cast<int64_t>(nt * 8 + gr) * K +
                                                         g * kGroup + 16 * c + 4 * t);
         mma_16816<T>(lacc[nt], a, b.x, b.y);
@@ -205,19 +209,23 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   }
 
 #pragma unroll
-  for (int nt = 0; nt < R / 8; ++nt)
+  for (int chunk = 0; chunk < kTiles; chunk += kChunkTiles) {
+    if (chunk > 0) __syncthreads();  // the previous chunk's partial sums have been read
 #pragma unroll
-    for (int e = 0; e < 4; ++e) partial[warp][nt * 4 + e][lane] = lacc[nt][e];
-  __syncthreads();
-  // Thread i adds fragment element i of every warp: element (nt, e) of lane l is row gr + 8 * (e >> 1),
-  // column nt * 8 + 2t + (e & 1).
-  for (int i = threadIdx.x; i < R / 8 * 4 * 32; i += kWarpsPerBlock * 32) {
-    const int l = i & 31, ne = i >> 5, nt = ne >> 2, e = ne & 3;
-    float sum = 0.f;
+    for (int nt = 0; nt < kChunkTiles; ++nt)
 #pragma unroll
-    for (int w = 0; w < kWarpsPerBlock; ++w) sum += partial[w][ne][l];
-    const int row = mtile * 16 + (l >> 2) + 8 * (e >> 1), col = nt * 8 + 2 * (l & 3) + (e & 1);
-    lora[static_cast<int64_t>(row) * R + lora_position(col)] = __uint_as_float(to_tf32(sum));
+      for (int e = 0; e < 4; ++e) partial[warp][nt * 4 + e][lane] = lacc[chunk + nt][e];
+    __syncthreads();
+    // Thread i adds fragment element i of every warp: element (nt, e) of lane l is row gr + 8 * (e >> 1),
+    // column nt * 8 + 2t + (e & 1).
+    for (int i = threadIdx.x; i < kChunkTiles * 4 * 32; i += kWarpsPerBlock * 32) {
+      const int l = i & 31, ne = i >> 5, nt = chunk + (ne >> 2), e = ne & 3;
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarpsPerBlock; ++w) sum += partial[w][ne][l];
+      const int row = mtile * 16 + (l >> 2) + 8 * (e >> 1), col = nt * 8 + 2 * (l & 3) + (e & 1);
+      lora[static_cast<int64_t>(row) * R + lora_position(col)] = __uint_as_float(to_tf32(sum));
+    }
   }
 }
 
@@ -240,12 +248,22 @@ cudaError_t launch_typed(const QuantizeArgs& a, cudaStream_t stream) {
                                                              : launch_warps<T, P, kSmooth, R, 16>(a, stream);
 }
 
+template <typename T, Prologue P, int R>
+cudaError_t launch_smooth(const QuantizeArgs& a, cudaStream_t stream) {
+  return a.smooth != nullptr ? launch_typed<T, P, true, R>(a, stream) : launch_typed<T, P, false, R>(a, stream);
+}
+
+// Low-rank widths: one layer's rank (16 or 32), or a group's (2 or 3 layers of one rank).
 template <typename T, Prologue P>
 cudaError_t launch_rank(const QuantizeArgs& a, cudaStream_t stream) {
-  const bool s = a.smooth != nullptr;
-  if (a.R == 16) return s ? launch_typed<T, P, true, 16>(a, stream) : launch_typed<T, P, false, 16>(a, stream);
-  if (a.R == 32) return s ? launch_typed<T, P, true, 32>(a, stream) : launch_typed<T, P, false, 32>(a, stream);
-  return cudaErrorInvalidValue;
+  switch (a.R) {
+    case 16: return launch_smooth<T, P, 16>(a, stream);
+    case 32: return launch_smooth<T, P, 32>(a, stream);
+    case 48: return launch_smooth<T, P, 48>(a, stream);
+    case 64: return launch_smooth<T, P, 64>(a, stream);
+    case 96: return launch_smooth<T, P, 96>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 template <typename T>

@@ -18,10 +18,13 @@
 //        acc = fma(t, ascale, acc)
 //      12582912 * ws' is exact because wscale has at most 22 significant bits (the loader rounds to 22).
 // Epilogue: acc += proj_up[n, :] . lora[m, :] on tf32 mma.sync (its C fragment matches wgmma's D layout),
-// + bias, cast, transpose through shared memory, 16-byte stores of rows < M.
+// + bias, cast, transpose through shared memory, 16-byte stores of rows < M. A grouped GEMM (layers that
+// read one input, weights stacked along N) gives each layer's 64-row weight tiles that layer's R low-rank
+// columns of lora.
 #include "w4a4_common.cuh"
 #include "w4a4_launch.h"
 
+#include <climits>
 #include <cstddef>
 
 namespace w4a4 {
@@ -124,7 +127,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
                              const int4* __restrict__ qweight, const float2* __restrict__ wscales,
                              const float* __restrict__ lora, const float* __restrict__ proj_up,
                              const float* __restrict__ bias, OutT* __restrict__ y, int M, int M_pad, int N,
-                             int N_pad, int K) {
+                             int N_pad, int K, int lora_ld, int2 segment_start) {
   using T = Tile<BM>;
   using RawStage = typename T::RawStage;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -161,10 +164,12 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     s_src += s_stride;
   };
 
-  // The block's low-rank activations ride along with the first stage.
+  // The block's low-rank activations (its segment's R columns) ride along with the first stage.
+  const int segment = (n0 >= segment_start.x) + (n0 >= segment_start.y);
+  const float* lora_src = lora + static_cast<int64_t>(m0) * lora_ld + segment * R;
   for (int c = tid; c < BM * R / 4; c += kThreads) {
     const int row = c / (R / 4), col = 4 * (c % (R / 4));
-    cp_async_16(smem_addr(&sm.lora[row][col]), lora + static_cast<int64_t>(m0 + row) * R + col);
+    cp_async_16(smem_addr(&sm.lora[row][col]), lora_src + static_cast<int64_t>(row) * lora_ld + col);
   }
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -309,10 +314,13 @@ cudaError_t launch_tile(const GemmArgs& a, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
   const dim3 grid(a.N / kTileN, (a.M + BM - 1) / BM);
+  static_assert(kMaxSegments == 3, "segment starts travel as one int2");
+  int starts[kMaxSegments - 1];
+  for (int s = 0; s < kMaxSegments - 1; ++s) starts[s] = s + 1 < a.segments ? a.segment_start[s] : INT_MAX;
   kernel<<<grid, kThreads, smem, stream>>>(
       static_cast<const int4*>(a.qact), a.ascales, static_cast<const int4*>(a.qweight),
       reinterpret_cast<const float2*>(a.wscales), a.lora, a.proj_up, a.bias, static_cast<OutT*>(a.y), a.M,
-      a.M_pad, a.N, a.N_pad, a.K);
+      a.M_pad, a.N, a.N_pad, a.K, a.lora_ld, make_int2(starts[0], starts[1]));
   return cudaGetLastError();
 }
 
@@ -337,6 +345,11 @@ cudaError_t launch_rank(const GemmArgs& a, cudaStream_t stream) {
 cudaError_t launch_w4a4_gemm_lora_up(const GemmArgs& a, cudaStream_t stream) {
   if (a.M_pad % kMPad || a.M > a.M_pad || a.N_pad % kBlockN || a.N > a.N_pad || a.N % kTileN || a.K % kGroup)
     return cudaErrorInvalidValue;
+  if (a.segments < 1 || a.segments > kMaxSegments || a.lora_ld != a.segments * a.R) return cudaErrorInvalidValue;
+  for (int s = 0; s + 1 < a.segments; ++s)
+    if (a.segment_start[s] % kTileN || a.segment_start[s] <= (s ? a.segment_start[s - 1] : 0) ||
+        a.segment_start[s] >= a.N)
+      return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
   return a.bf16 ? launch_rank<__nv_bfloat16>(a, stream) : launch_rank<__half>(a, stream);
 }

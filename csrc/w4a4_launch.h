@@ -10,6 +10,9 @@ namespace w4a4 {
 constexpr int kMPad = 128;
 // Packed weights are padded with zero rows to a multiple of this (N itself must be a multiple of 64).
 constexpr int kBlockN = 128;
+// A grouped GEMM (several layers that read one input, their weights stacked along N) has at most this many
+// layers; each has its own R low-rank columns, side by side in the activations' low-rank buffer.
+constexpr int kMaxSegments = 3;  // q/k/v
 
 struct QuantizeArgs {
   const void* x;            // [M, K] bf16 or fp16, rows ldx elements apart
@@ -17,7 +20,7 @@ struct QuantizeArgs {
   float eps;                // the RMSNorm's epsilon
   int ldx;                  // row stride of x in elements, a multiple of 4
   const float* smooth;  // [2, K]: smooth and its correctly rounded reciprocal, or nullptr
-  const void* pd_t;     // [R, K], x's dtype: proj_down.T / smooth (smoothing folded in)
+  const void* pd_t;     // [R, K], x's dtype: proj_down.T / smooth (smoothing folded in); R = 16 * (1..6)
   void* qact;           // int32 [M_pad/16, K/64, 32, 4] packed int4 operand
   float* ascales;       // [K/64, M_pad]
   float* lora;          // [M_pad, R] = x_smoothed @ proj_down, tf32-rounded, columns in lora_position order
@@ -30,11 +33,15 @@ struct GemmArgs {
   const float* ascales;    // [K/64, M_pad]
   const void* qweight;     // int32 [N_pad/16, K/64, 32, 4] packed int4, A-fragment layout
   const float* wscales;    // [K/64, N_pad, 2]: (wscale / 256, -12582912 * wscale / 256)
-  const float* lora;       // [M_pad, R] as the quantize kernel writes it
-  const float* proj_up;    // [N_pad, R]
+  const float* lora;       // [M_pad, lora_ld] as the quantize kernel writes it
+  const float* proj_up;    // [N_pad, R]: output row n's R low-rank weights
   const float* bias;       // [N] or nullptr
   void* y;                 // [M, N] bf16 or fp16
   int M, M_pad, N, N_pad, K, R;
+  // Segment s (output rows from segment_start[s - 1], multiples of 64, increasing) reads low-rank columns
+  // s * R .. s * R + R - 1 of lora; a plain layer is one segment with lora_ld = R.
+  int lora_ld, segments;
+  int segment_start[kMaxSegments - 1];
   bool bf16;
 };
 
@@ -68,10 +75,11 @@ struct RmsNormArgs {
 
 // silu(gate) * up elementwise (csrc/silu_mul.cu): numel a multiple of 8, every pointer 16-byte aligned.
 struct SiluMulArgs {
-  const void* gate;  // contiguous, numel elements
-  const void* up;
-  void* out;
-  int64_t numel;
+  const void* gate;  // [rows, cols], rows gate_ld elements apart (gate and up may be halves of one tensor)
+  const void* up;    // [rows, cols], rows up_ld elements apart
+  void* out;         // [rows, cols] contiguous
+  int64_t rows, gate_ld, up_ld;  // cols and both strides multiples of 8, pointers 16-byte aligned
+  int cols;
   bool bf16;  // else fp16; every tensor has this dtype
 };
 

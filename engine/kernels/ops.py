@@ -42,7 +42,7 @@ def _fake_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps):
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
-def _fake_gemm(qact, ascales, lora, qweight, wscales, proj_up, bias, m, n, out_dtype):
+def _fake_gemm(qact, ascales, lora, qweight, wscales, proj_up, bias, m, n, out_dtype, segment_starts=()):
     return qact.new_empty((m, n), dtype=out_dtype)
 
 

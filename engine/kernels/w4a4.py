@@ -4,7 +4,10 @@ Each backend has `name`, `can_use(device) -> (ok, reason)`, `prepare(layer) -> p
 and `forward(x, packed) -> y`.
 
 - `CudaW4A4Backend`: the csrc/ kernels (Hopper, sm_90a): activation quantization + low-rank down in one
-  kernel, the wgmma INT8 GEMM + low-rank up in the other. `prepare` repacks the canonical layout once.
+  kernel, the wgmma INT8 GEMM + low-rank up in the other. `prepare` repacks the canonical layout once;
+  `prepare_group` packs layers that read one input (q/k/v, gate/up) as one GEMM whose weights are stacked
+  along N: one activation quantization computes every layer's low-rank input, and each layer's output
+  rows read their own low-rank columns.
 - `ReferenceW4A4Backend`: engine/quant/reference.py in plain torch, on any device.
 
 The kernels' packed operand layout is defined here in torch (`pack_operand` / `unpack_operand`) and in
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -84,6 +87,29 @@ class CudaW4A4Packed:
     in_features: int
     out_features: int
     kernel_out_features: int  # out_features rounded up to the GEMM's 64-row granularity
+    # a group: the first output column of each layer after the first, and each layer's width
+    segment_starts: list[int] = field(default_factory=list)
+    splits: list[int] = field(default_factory=list)
+
+
+MAX_GROUP = 3  # layers in one grouped GEMM (csrc/w4a4_launch.h kMaxSegments)
+
+
+def group_obstacle(tensors: list) -> str | None:
+    """Why these layers' canonical tensors cannot run as one grouped GEMM, or None when they can."""
+    first = tensors[0]
+    if not 2 <= len(tensors) <= MAX_GROUP:
+        return f"{len(tensors)} layers; a group has 2 to {MAX_GROUP}"
+    for t in tensors:
+        if (t.in_features, t.rank) != (first.in_features, first.rank):
+            return "the layers differ in input width or rank"
+        if t.out_features % 64:
+            return f"an output width of {t.out_features} is not a multiple of 64"
+        if (t.smooth is None) != (first.smooth is None) or (
+            t.smooth is not None and not torch.equal(t.smooth, first.smooth)
+        ):
+            return "the layers smooth their input differently, so their activations quantize differently"
+    return None
 
 
 class CudaW4A4Backend:
@@ -107,40 +133,65 @@ class CudaW4A4Backend:
         return True, ""
 
     def prepare(self, layer) -> CudaW4A4Packed:
-        t = layer_tensors(layer)
-        t.validate()
-        device = t.qweight.device
+        return self._pack([layer_tensors(layer).validate()])
+
+    def prepare_group(self, layers) -> CudaW4A4Packed | None:
+        """One packed GEMM for layers that read one input, or None (logged) when they cannot share one."""
+        tensors = [layer_tensors(layer).validate() for layer in layers]
+        obstacle = group_obstacle(tensors)
+        if obstacle is not None:
+            log.info("W4A4 layers run one by one, not as one GEMM: %s", obstacle)
+            return None
+        return self._pack(tensors)
+
+    def _pack(self, tensors: list) -> CudaW4A4Packed:
+        """The kernels' layout of one layer, or of a group stacked along N (group_obstacle is None)."""
+        first = tensors[0]
+        device = first.qweight.device
         if device.type != "cuda":
             raise BackendUnavailable(
                 f"{self.name}.prepare got a layer on {device}; move the layer to the GPU before preparing it."
             )
-        n, k = t.out_features, t.in_features
+        widths = [t.out_features for t in tensors]
+        n, k = sum(widths), first.in_features
         n_pad = ops.padded_rows(n, ops.BLOCK_N)
         n_run = ops.padded_rows(n, 64)
-        q = torch.nn.functional.pad(unpack_int4(t.qweight), (0, 0, 0, n_pad - n))
-        pd = t.proj_down.float()
+        q = torch.cat([unpack_int4(t.qweight) for t in tensors])
+        q = torch.nn.functional.pad(q, (0, 0, 0, n_pad - n))
+        pd = torch.cat([t.proj_down.float() for t in tensors], dim=1)
         smooth = None
-        if t.smooth is not None:
-            s = t.smooth.float()
+        if first.smooth is not None:
+            s = first.smooth.float()
             pd = pd / s[:, None]
             # the kernel divides by smooth through its reciprocal (correctly rounded, computed on the CPU)
             smooth = torch.stack((s, (torch.ones(s.shape) / s.cpu()).to(s.device))).contiguous()
         pd_t = pd.t().contiguous()
+        proj_up = torch.cat([t.proj_up.float() for t in tensors])
+        bias = None
+        if any(t.bias is not None for t in tensors):
+            zeros = [torch.zeros(w, device=device) for w in widths]
+            bias = torch.cat([t.bias.float() if t.bias is not None else z for t, z in zip(tensors, zeros)])
+            bias = torch.nn.functional.pad(bias, (0, n_run - n))
         return CudaW4A4Packed(
             qweight=pack_operand(q),
-            wscales=kernel_weight_scales(t.wscales, n_pad),
-            proj_up=torch.nn.functional.pad(t.proj_up.float(), (0, 0, 0, n_pad - n)).contiguous(),
+            wscales=kernel_weight_scales(torch.cat([t.wscales for t in tensors]), n_pad),
+            proj_up=torch.nn.functional.pad(proj_up, (0, 0, 0, n_pad - n)).contiguous(),
             pd_t={dt: pd_t.to(dt) for dt in (torch.bfloat16, torch.float16)},
             smooth=smooth,
-            bias=torch.nn.functional.pad(t.bias.float(), (0, n_run - n)) if t.bias is not None else None,
+            bias=bias,
             in_features=k,
             out_features=n,
             kernel_out_features=n_run,
+            segment_starts=[sum(widths[:i]) for i in range(1, len(widths))],
+            splits=widths,
         )
 
     def forward(self, x: torch.Tensor, packed: CudaW4A4Packed) -> torch.Tensor:
         x2 = self._rows(x, packed)
         p = packed
+        if p.segment_starts:
+            quantized = ops.load().quantize_act_lora_down(x2, p.smooth, p.pd_t[x.dtype])
+            return self._gemm(quantized, x2.shape[0], x.shape[:-1], x.dtype, p)
         y = ops.load().w4a4_linear(
             x2, p.smooth, p.pd_t[x.dtype], p.qweight, p.wscales, p.proj_up, p.bias, p.kernel_out_features
         )
@@ -172,8 +223,9 @@ class CudaW4A4Backend:
     def _gemm(self, quantized, m: int, lead, dtype, packed: CudaW4A4Packed) -> torch.Tensor:
         qact, ascales, lora = quantized
         p = packed
+        n = p.kernel_out_features
         y = ops.load().gemm_lora_up(
-            qact, ascales, lora, p.qweight, p.wscales, p.proj_up, p.bias, m, p.kernel_out_features, dtype
+            qact, ascales, lora, p.qweight, p.wscales, p.proj_up, p.bias, m, n, dtype, p.segment_starts
         )
         return self._output(y, lead, packed)
 

@@ -7,7 +7,7 @@ cos/sin computed in float32 and cast to the activation dtype.
 Fused kernels (engine/kernels/fused.py) take over where they can, with the same roundings: RMSNorm,
 SiLU(gate) * up and the q/k head norm + RoPE as one kernel each, and a Linear that offers
 `fuses_rmsnorm(x)` (W4A4Linear on the CUDA kernels) computes its input's RMSNorm inside its activation
-quantization.
+quantization. W4A4 q/k/v and gate/up run as one grouped GEMM each where the backend can group them.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.kernels.fused import fused_ops
+from engine.quant.linear import grouped_forward
 
 LinearFactory = Callable[[str, int, int], nn.Module]  # (qualified name, in_features, out_features)
 
@@ -78,16 +79,22 @@ def qk_norm_rope(
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    """silu(gate) * up."""
+    """silu(gate) * up (gate and up may be strided rows, e.g. the halves of a grouped gate/up output)."""
     ops = fused_ops(gate)
-    aligned = all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (gate, up))
-    if ops is None or not aligned or gate.shape != up.shape or gate.numel() % 8:
+    if ops is None or gate.shape != up.shape or gate.shape[-1] % 8:
         return F.silu(gate) * up
-    return ops.silu_mul(gate, up)
+    rows = [t.reshape(-1, t.shape[-1]) for t in (gate, up)]
+    if not all(t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0 for t in rows):
+        return F.silu(gate) * up
+    return ops.silu_mul(*rows).view(gate.shape)
 
 
 def normed_projections(x: Tensor, norm: RMSNorm, linears: tuple[nn.Module, ...]) -> list[Tensor]:
-    """[linear(norm(x)) for each linear], the norm fused into each linear's input where all can."""
+    """[linear(norm(x)) for each linear]: W4A4 layers as one grouped GEMM where they can share one, the norm
+    fused into the linears' activation quantization where all can."""
+    grouped = grouped_forward(linears, x, norm)
+    if grouped is not None:
+        return grouped
     if all(getattr(linear, "fuses_rmsnorm", lambda _: False)(x) for linear in linears):
         return [linear.forward_rmsnorm(x, norm) for linear in linears]
     h = norm(x)

@@ -3,11 +3,16 @@
 The forward pass goes through a backend: `engine.kernels.choose_w4a4_backend(device)` (the CUDA kernels
 where they are built and supported, the reference otherwise), or the reference directly when the kernels
 package cannot be imported. A backend turns the layer into its own layout once (`prepare`) per device.
+
+`grouped_forward` runs several layers that read one input (q/k/v, gate/up) as one GEMM on backends that
+offer `prepare_group`: one activation quantization instead of one per layer, and one wider GEMM.
+OVBATCH_W4A4_GROUPS=0 turns grouping off (the benchmarks measure what it saves that way).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
@@ -50,6 +55,13 @@ class W4A4Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self._packed = None
         self._packed_for = None
+        self.generation = 0  # counts changes of tensors or device: copies prepared before are stale
+        self._group_key = None  # grouped_forward's group led by this layer, and what it was made of
+        self._group_packed = None
+
+    def _stale(self) -> None:
+        self._packed = None
+        self.generation += 1
 
     @classmethod
     def from_tensors(cls, t: W4A4Tensors) -> W4A4Linear:
@@ -62,7 +74,7 @@ class W4A4Linear(nn.Module):
     def load_tensors(self, t: W4A4Tensors) -> None:
         for key, value in t.items():
             getattr(self, key).copy_(value)
-        self._packed = None
+        self._stale()
 
     def tensors(self) -> W4A4Tensors:
         return W4A4Tensors(
@@ -72,14 +84,14 @@ class W4A4Linear(nn.Module):
     def _apply(self, fn, recurse=True):
         """Device moves apply; dtype casts (model.half(), .to(bf16)) do not: the canonical tensors keep
         their stored dtypes, which the numerics contract is defined on."""
-        self._packed = None  # the backend's copy is stale
+        self._stale()  # the backends' prepared copies are
         for name, t in self._buffers.items():
             if t is not None:
                 self._buffers[name] = t.to(fn(t.reshape(-1)[:0]).device)
         return self
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._packed = None
+        self._stale()
         return super()._load_from_state_dict(*args, **kwargs)
 
     def _prepared(self, device: torch.device):
@@ -110,3 +122,30 @@ class W4A4Linear(nn.Module):
     def extra_repr(self) -> str:
         smooth = ", smooth" if self.smooth is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}{smooth}"
+
+
+def grouped_forward(layers, x: torch.Tensor, norm=None) -> list[torch.Tensor] | None:
+    """[layer(norm(x)) for layer in layers] (x itself without a norm) as one grouped W4A4 GEMM, or None when
+    the layers cannot share one (not all W4A4, a backend without groups, different smoothing: the caller
+    then runs them one by one). The group is prepared once and rebuilt when a member changes."""
+    if len(layers) < 2 or not all(isinstance(layer, W4A4Linear) for layer in layers):
+        return None
+    if os.environ.get("OVBATCH_W4A4_GROUPS", "1") == "0":
+        return None
+    backend = backend_for(x.device)
+    if not hasattr(backend, "prepare_group"):
+        return None
+    first = layers[0]
+    key = (backend, tuple(map(id, layers)), tuple(layer.generation for layer in layers))
+    if first._group_key != key:
+        first._group_packed, first._group_key = backend.prepare_group(layers), key
+    packed = first._group_packed
+    if packed is None:
+        return None
+    if norm is None:
+        y = backend.forward(x, packed)
+    elif first.fuses_rmsnorm(x):
+        y = backend.forward_rmsnorm(x, norm.weight, norm.eps, packed)
+    else:
+        y = backend.forward(norm(x), packed)
+    return list(y.split(packed.splits, dim=-1))

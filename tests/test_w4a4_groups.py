@@ -1,0 +1,181 @@
+"""Grouped W4A4 GEMMs: layers that read one input (q/k/v, gate/up) as one activation quantization and one
+GEMM with the weights stacked along N (engine/kernels/w4a4.py prepare_group, engine/quant/linear.py
+grouped_forward). On the GPU the group must give each layer's own output; on the CPU, where the reference
+backend has no groups, the layers run one by one.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from test_kernels import (
+    DEV,
+    REL_TOL,
+    fresh_generator,
+    lora_positions,
+    poison,
+    random_activations,
+    random_layer,
+    rel_err,
+    smoothed_cpu,
+)
+from test_runner import C, make_items
+
+from engine.kernels import CudaW4A4Backend
+from engine.kernels import ops as kops
+from engine.kernels.w4a4 import group_obstacle
+from engine.model import OmniVoiceModel
+from engine.model.layers import RMSNorm, normed_projections, silu_mul
+from engine.packing import pack_items
+from engine.quant.format import W4A4Tensors, pack_int4
+from engine.quant.linear import W4A4Linear, grouped_forward
+from engine.quant.reference import w4a4_linear_reference
+from engine.quant.rtn import w4a4_copy
+from engine.runner import choose_layout
+from engine.tiny import tiny_model_config, tiny_state_dict
+
+gpu = pytest.mark.gpu
+
+
+def cpu_layer(n, k, rank, smooth=None) -> W4A4Tensors:
+    return W4A4Tensors(
+        qweight=pack_int4(torch.randint(-8, 8, (n, k))),
+        wscales=torch.rand(n, k // 64).half(),
+        proj_down=torch.randn(k, rank).half(),
+        proj_up=torch.randn(n, rank).half(),
+        smooth=smooth,
+    )
+
+
+def test_group_obstacles_name_the_reason():
+    s = torch.rand(128).half() + 0.5
+    assert group_obstacle([cpu_layer(128, 128, 16), cpu_layer(64, 128, 16)]) is None
+    assert group_obstacle([cpu_layer(128, 128, 16, s), cpu_layer(64, 128, 16, s.clone())]) is None
+    assert "smooth" in group_obstacle([cpu_layer(128, 128, 16, s), cpu_layer(64, 128, 16)])
+    assert "smooth" in group_obstacle([cpu_layer(128, 128, 16, s), cpu_layer(64, 128, 16, s * 2)])
+    assert "rank" in group_obstacle([cpu_layer(128, 128, 16), cpu_layer(128, 128, 32)])
+    assert "multiple of 64" in group_obstacle([cpu_layer(128, 128, 16), cpu_layer(32, 128, 16)])
+    assert "2 to 3" in group_obstacle([cpu_layer(64, 128, 16)] * 4)
+
+
+def test_cpu_layers_run_one_by_one():
+    """The reference backend has no groups: grouped_forward declines and normed_projections gives each
+    layer's own output."""
+    layers = [W4A4Linear.from_tensors(cpu_layer(n, 128, 16)) for n in (128, 64)]
+    x = torch.randn(5, 128)
+    norm = RMSNorm(128, 1e-6)
+    assert grouped_forward(layers, x, norm) is None
+    got = normed_projections(x, norm, tuple(layers))
+    for y, layer in zip(got, layers):
+        assert torch.equal(y, w4a4_linear_reference(norm(x), layer.tensors()))
+
+
+def random_group(widths, k, rank, smooth, g, bias_on=()):
+    s = (torch.rand(k, generator=g, device=DEV) * 2 + 0.25).half() if smooth else None
+    layers = []
+    for i, n in enumerate(widths):
+        t = random_layer(n, k, rank, smooth=False, bias=i in bias_on, g=g)
+        layers.append(W4A4Tensors(t.qweight, t.wscales, t.proj_down, t.proj_up, smooth=s, bias=t.bias))
+    return layers
+
+
+@gpu
+@pytest.mark.parametrize("widths,rank", [((2048, 1024, 1024), 32), ((3072, 3072), 32), ((64, 128, 192), 16)])
+@pytest.mark.parametrize("m", (7, 2049, 17001))
+def test_group_quantize_low_rank_columns(widths, rank, m):
+    """The group's activation quantization equals one layer's, and its low-rank activations are the layers'
+    side by side (R = 48, 64 and 96 columns)."""
+    g = fresh_generator()
+    tensors = random_group(widths, 1024, rank, True, g)
+    backend = CudaW4A4Backend()
+    group = backend.prepare_group(tensors)
+    x = random_activations(m, 1024, torch.bfloat16, g)
+    ops = kops.load()
+    poison(((kops.padded_rows(m), rank * len(widths)), torch.float32))
+    qg, sg, lg = ops.quantize_act_lora_down(x, group.smooth, group.pd_t[torch.bfloat16])
+    torch.cuda.synchronize()
+    for i, t in enumerate(tensors):
+        q, s, lora = ops.quantize_act_lora_down(x, group.smooth, backend.prepare(t).pd_t[torch.bfloat16])
+        assert torch.equal(qg, q) and torch.equal(sg, s)
+        assert torch.equal(lg[:, i * rank : (i + 1) * rank], lora)
+    lora = lg.cpu()[:, lora_positions(lg.shape[1])]
+    want = smoothed_cpu(x, tensors[0]) @ torch.cat([t.proj_down.cpu().float() for t in tensors], dim=1)
+    assert rel_err(lora[:m], want) < 5e-3
+
+
+@gpu
+@pytest.mark.parametrize(
+    "widths,k,rank,smooth,bias_on,dtype,m",
+    [
+        ((2048, 1024, 1024), 1024, 32, True, (), torch.bfloat16, 2049),
+        ((2048, 1024, 1024), 1024, 16, False, (), torch.float16, 700),
+        ((3072, 3072), 1024, 32, True, (), torch.bfloat16, 17001),
+        ((3072, 3072), 1024, 32, False, (), torch.bfloat16, 1),
+        ((64, 128, 192), 128, 16, True, (1,), torch.float16, 333),
+    ],
+)
+def test_grouped_gemm_gives_each_layer_its_output(widths, k, rank, smooth, bias_on, dtype, m):
+    g = fresh_generator()
+    tensors = random_group(widths, k, rank, smooth, g, bias_on)
+    backend = CudaW4A4Backend()
+    group = backend.prepare_group(tensors)
+    assert group.segment_starts == [sum(widths[:i]) for i in range(1, len(widths))]
+    x = random_activations(m, k, dtype, g)
+    poison(((m, sum(widths)), dtype))
+    y = backend.forward(x, group)
+    assert y.shape == (m, sum(widths)) and torch.isfinite(y).all()
+    for t, part in zip(tensors, y.split(list(widths), dim=-1)):
+        alone = backend.forward(x, backend.prepare(t))
+        assert rel_err(part, alone) < 1e-6, "the group differs from the layer run alone"
+        assert rel_err(part, w4a4_linear_reference(x, t)) <= REL_TOL
+
+
+@gpu
+def test_grouped_forward_with_norm_and_rebuild():
+    """Modules: the grouped path with the RMSNorm prologue equals the layers one by one; changing a member's
+    tensors rebuilds the group."""
+    g = fresh_generator()
+    tensors = random_group((128, 64, 64), 256, 16, True, g)
+    layers = [W4A4Linear.from_tensors(t).to(DEV) for t in tensors]
+    norm = RMSNorm(256, 1e-6).to(DEV, torch.bfloat16)
+    x = random_activations(300, 256, torch.bfloat16, g)
+    got = grouped_forward(layers, x, norm)
+    assert got is not None and [y.shape[-1] for y in got] == [128, 64, 64]
+    for y, layer in zip(got, layers):
+        assert rel_err(y, layer(norm(x))) < 1e-2
+    changed = random_layer(64, 256, 16, smooth=False, bias=False, g=g)
+    layers[1].load_tensors(dataclasses.replace(changed, smooth=tensors[0].smooth))
+    assert rel_err(grouped_forward(layers, x, norm)[1], layers[1](norm(x))) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("m", (1, 700, 2049))
+def test_silu_mul_reads_the_halves_of_one_output(m):
+    """silu_mul on the gate and up halves of a grouped gate/up output (strided rows) equals torch."""
+    g = fresh_generator()
+    gate_up = random_activations(m, 2 * 3072, torch.bfloat16, g) * 0.3
+    gate, up = gate_up.split(3072, dim=-1)
+    got = silu_mul(gate, up)
+    assert got.is_contiguous() and torch.equal(got, torch.nn.functional.silu(gate) * up)
+
+
+@gpu
+def test_model_with_grouped_w4a4_matches_layer_by_layer(monkeypatch):
+    """A small model whose projections are multiples of 64 wide (the tiny checkpoint's k/v are 32, so it
+    never groups): grouped q/k/v and gate/up give the logits of the layers run one by one."""
+    cfg = tiny_model_config(1100)
+    llm = dataclasses.replace(cfg.llm, hidden_size=128, head_dim=32, intermediate_size=256)
+    cfg = dataclasses.replace(cfg, llm=llm)
+    model = OmniVoiceModel(cfg)
+    model.load_state_dict(tiny_state_dict(cfg))
+    model = w4a4_copy(model.to(DEV, torch.bfloat16))
+    items = make_items([(9, 14, 12), (5, 0, 7), (12, 6, 16)], seed=3)
+    batch = pack_items(items, C, 1024, choose_layout(items, (256,))).to("cuda")
+    attention = model.llm.layers[0].self_attn
+    with torch.inference_mode():
+        grouped = model(batch)
+        assert attention.q_proj._group_packed is not None, "q/k/v did not run as a group"
+        monkeypatch.setenv("OVBATCH_W4A4_GROUPS", "0")
+        one_by_one = model(batch)
+    assert torch.isfinite(grouped).all()
+    assert rel_err(grouped, one_by_one) < 1e-5
