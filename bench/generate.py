@@ -6,8 +6,8 @@ lengths, B=16 and B=32 with varied lengths. The official model runs its `_genera
 with SDPA (eager, padded batch), as the anchor did; ours runs bf16 on the fastest attention backend,
 eagerly and with CUDA graphs, and in W4A4 (backbone Linears on the W4A4 kernels) with CUDA graphs; the
 `_unfused` variants run with the fused kernels off (OVBATCH_FUSED_KERNELS=0: torch's RMSNorm, SiLU*up and
-q/k norm + RoPE around the Linears), which is what they save; `ours_w4a4_graphs_ungrouped` runs W4A4 q/k/v
-and gate/up as separate layers (OVBATCH_W4A4_GROUPS=0) instead of one grouped GEMM each.
+q/k norm + RoPE around the Linears), which is what they save; the `_ungrouped` variants run q/k/v and gate/up
+as separate layers (OVBATCH_GROUPED_PROJECTIONS=0) instead of one GEMM each.
 Medians of the repetitions; RTF = wall time / audio time.
 
     python bench/generate.py [--out bench/results/generate-h200.json] [--reps 5]
@@ -58,7 +58,7 @@ def requests(batch: int, vary: bool) -> list[Request]:
 
 
 # the switches a variant's label turns off (engine/kernels/fused.py, engine/quant/linear.py)
-SWITCHES = {"_unfused": "OVBATCH_FUSED_KERNELS", "_ungrouped": "OVBATCH_W4A4_GROUPS"}
+SWITCHES = {"_unfused": "OVBATCH_FUSED_KERNELS", "_ungrouped": "OVBATCH_GROUPED_PROJECTIONS"}
 
 
 @contextlib.contextmanager
@@ -127,6 +127,7 @@ def main() -> None:
         ("ours_w4a4_graphs", w4a4),
         ("ours_bf16_graphs_unfused", ours),
         ("ours_w4a4_graphs_unfused", w4a4),
+        ("ours_bf16_graphs_ungrouped", ours),
         ("ours_w4a4_graphs_ungrouped", w4a4),
     ):
         runners[label] = Runner(

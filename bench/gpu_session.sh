@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call, many steps: GPU tests and benchmarks, each under its own time limit.
 # Usage on the GPU machine (repo root):  bash bench/gpu_session.sh STEP[:SECONDS] ...
-# Steps: tests official parity generate profile codec-parity codec quantize pipeline kernels fused scaling
-# (GPU_TESTS narrows the test paths, PIPELINE_ROWS the pipeline bench's rows, SCALING_GPUS the GPU counts
-# of the scaling bench, one per call: it merges into bench/results/scaling-h200.json.)
+# Steps: tests memcheck official parity generate profile codec-parity codec quantize pipeline kernels fused scaling
+# (GPU_TESTS narrows the test paths, MEMCHECK_TESTS the tests run under compute-sanitizer memcheck,
+# PIPELINE_ROWS the pipeline bench's rows, SCALING_GPUS the GPU counts of the scaling bench, one per call:
+# it merges into bench/results/scaling-h200.json.)
 # Logs and bench/results/*.json come back bundled as $OUT/logs.tgz and $OUT/results.tgz.
 set -u
 out=${OUT:-/tmp/ovbatch-out}
@@ -16,6 +17,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/log
 step() {
   case $1 in
     tests)        $PY -m pytest -q -m gpu ${GPU_TESTS:-tests} ;;
+    memcheck)     echo "compute-sanitizer --tool memcheck pytest -m gpu ${MEMCHECK_TESTS:-tests/test_kernels.py}"
+                  compute-sanitizer --tool memcheck $PY -m pytest -q -m gpu ${MEMCHECK_TESTS:-tests/test_kernels.py} ;;
     official)     $PY -m pytest -q -m official tests ;;
     parity)       $PY bench/parity.py ;;
     generate)     $PY bench/generate.py --reps 3 ;;

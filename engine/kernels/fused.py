@@ -1,9 +1,10 @@
-"""The switch for the fused kernels the model calls around its Linears.
+"""The switches for the fused kernels the model calls around its Linears, and for grouped projections.
 
 Fused paths: RMSNorm -> W4A4 activation quantization (q/k/v and gate/up inputs), and the RMSNorm,
 SiLU(gate) * up and q/k head norm + RoPE kernels. They run where the CUDA extension does (sm_90a) on
 bf16/fp16 tensors; OVBATCH_FUSED_KERNELS=0 turns them all off (the unfused torch path), which is how the
-benchmarks measure what they save.
+benchmarks measure what they save. Grouped projections (q/k/v and gate/up as one GEMM each, bf16 and W4A4)
+run on the same condition; OVBATCH_GROUPED_PROJECTIONS=0 turns them off alone.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ HALF = (torch.bfloat16, torch.float16)
 
 def fused_enabled() -> bool:
     return os.environ.get("OVBATCH_FUSED_KERNELS", "1") != "0"
+
+
+def groups_enabled() -> bool:
+    return os.environ.get("OVBATCH_GROUPED_PROJECTIONS", "1") != "0"
 
 
 @functools.cache

@@ -7,7 +7,8 @@ cos/sin computed in float32 and cast to the activation dtype.
 Fused kernels (engine/kernels/fused.py) take over where they can, with the same roundings: RMSNorm,
 SiLU(gate) * up and the q/k head norm + RoPE as one kernel each, and a Linear that offers
 `fuses_rmsnorm(x)` (W4A4Linear on the CUDA kernels) computes its input's RMSNorm inside its activation
-quantization. W4A4 q/k/v and gate/up run as one grouped GEMM each where the backend can group them.
+quantization. q/k/v and gate/up run as one GEMM each where the fused paths run (W4A4 groups, or bf16
+Linears whose weights view one stacked tensor).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.kernels.fused import fused_ops
+from engine.kernels.fused import fused_ops, groups_enabled
 from engine.quant.linear import grouped_forward
 
 LinearFactory = Callable[[str, int, int], nn.Module]  # (qualified name, in_features, out_features)
@@ -90,15 +91,40 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
 
 
 def normed_projections(x: Tensor, norm: RMSNorm, linears: tuple[nn.Module, ...]) -> list[Tensor]:
-    """[linear(norm(x)) for each linear]: W4A4 layers as one grouped GEMM where they can share one, the norm
-    fused into the linears' activation quantization where all can."""
+    """[linear(norm(x)) for each linear]: as one GEMM where the fused paths run and the linears can share
+    one (W4A4 groups; bf16 Linears viewing one stacked weight), the norm fused into W4A4 activation
+    quantization where all can."""
     grouped = grouped_forward(linears, x, norm)
     if grouped is not None:
         return grouped
     if all(getattr(linear, "fuses_rmsnorm", lambda _: False)(x) for linear in linears):
         return [linear.forward_rmsnorm(x, norm) for linear in linears]
     h = norm(x)
-    return [linear(h) for linear in linears]
+    weight = stacked_weight(linears) if fused_ops(h) is not None and groups_enabled() else None
+    if weight is None:
+        return [linear(h) for linear in linears]
+    return list(F.linear(h, weight).split([linear.out_features for linear in linears], dim=-1))
+
+
+def stacked_weight(linears: tuple[nn.Module, ...]) -> Tensor | None:
+    """One [sum of out_features, K] weight whose row blocks the linears' weights view, so that they run as
+    one GEMM; built on first use by moving their weights into it (no copy stays behind), rebuilt if a
+    weight was replaced since (a device move, an assignment). None unless they are bias-free nn.Linears
+    with weights of one input width, dtype and device."""
+    weights = [linear.weight for linear in linears if type(linear) is nn.Linear and linear.bias is None]
+    if len(weights) != len(linears) or len({(w.shape[1], w.dtype, w.device) for w in weights}) != 1:
+        return None
+    stacked = getattr(linears[0], "_stacked_weight", None)
+    offsets = [sum(w.shape[0] for w in weights[:i]) * weights[0].shape[1] for i in range(len(weights))]
+    if stacked is None or any(
+        w.data_ptr() != stacked.data_ptr() + off * w.element_size() for w, off in zip(weights, offsets)
+    ):
+        with torch.inference_mode(False), torch.no_grad():
+            stacked = torch.cat([w.detach() for w in weights])
+            for w, part in zip(weights, stacked.split([w.shape[0] for w in weights])):
+                w.data = part
+        linears[0]._stacked_weight = stacked
+    return stacked
 
 
 class SwiGLU(nn.Module):

@@ -6,13 +6,12 @@ package cannot be imported. A backend turns the layer into its own layout once (
 
 `grouped_forward` runs several layers that read one input (q/k/v, gate/up) as one GEMM on backends that
 offer `prepare_group`: one activation quantization instead of one per layer, and one wider GEMM.
-OVBATCH_W4A4_GROUPS=0 turns grouping off (the benchmarks measure what it saves that way).
+OVBATCH_GROUPED_PROJECTIONS=0 turns grouping off (engine/kernels/fused.py).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
@@ -130,10 +129,12 @@ def grouped_forward(layers, x: torch.Tensor, norm=None) -> list[torch.Tensor] | 
     then runs them one by one). The group is prepared once and rebuilt when a member changes."""
     if len(layers) < 2 or not all(isinstance(layer, W4A4Linear) for layer in layers):
         return None
-    if os.environ.get("OVBATCH_W4A4_GROUPS", "1") == "0":
-        return None
     backend = backend_for(x.device)
     if not hasattr(backend, "prepare_group"):
+        return None
+    from engine.kernels.fused import groups_enabled  # importable: the backend came from engine.kernels
+
+    if not groups_enabled():
         return None
     first = layers[0]
     key = (backend, tuple(map(id, layers)), tuple(layer.generation for layer in layers))

@@ -1,7 +1,8 @@
-"""Grouped W4A4 GEMMs: layers that read one input (q/k/v, gate/up) as one activation quantization and one
-GEMM with the weights stacked along N (engine/kernels/w4a4.py prepare_group, engine/quant/linear.py
-grouped_forward). On the GPU the group must give each layer's own output; on the CPU, where the reference
-backend has no groups, the layers run one by one.
+"""Grouped projections: layers that read one input (q/k/v, gate/up) as one GEMM. W4A4: one activation
+quantization and one GEMM with the weights stacked along N (engine/kernels/w4a4.py prepare_group,
+engine/quant/linear.py grouped_forward); bf16: Linears whose weights view one stacked tensor
+(engine/model/layers.py stacked_weight). On the GPU a group must give each layer's own output; on the CPU,
+where the reference backend has no groups, the layers run one by one.
 """
 
 import dataclasses
@@ -21,18 +22,19 @@ from test_kernels import (
 )
 from test_runner import C, make_items
 
+from engine.checkpoint import load_model
 from engine.kernels import CudaW4A4Backend
 from engine.kernels import ops as kops
 from engine.kernels.w4a4 import group_obstacle
 from engine.model import OmniVoiceModel
-from engine.model.layers import RMSNorm, normed_projections, silu_mul
+from engine.model.layers import RMSNorm, normed_projections, silu_mul, stacked_weight
 from engine.packing import pack_items
 from engine.quant.format import W4A4Tensors, pack_int4
 from engine.quant.linear import W4A4Linear, grouped_forward
 from engine.quant.reference import w4a4_linear_reference
 from engine.quant.rtn import w4a4_copy
 from engine.runner import choose_layout
-from engine.tiny import tiny_model_config, tiny_state_dict
+from engine.tiny import ensure_tiny_checkpoint, tiny_model_config, tiny_state_dict
 
 gpu = pytest.mark.gpu
 
@@ -68,6 +70,30 @@ def test_cpu_layers_run_one_by_one():
     got = normed_projections(x, norm, tuple(layers))
     for y, layer in zip(got, layers):
         assert torch.equal(y, w4a4_linear_reference(norm(x), layer.tensors()))
+
+
+def test_stacked_weight_moves_the_weights_into_one_tensor():
+    linears = [torch.nn.Linear(64, n, bias=False) for n in (64, 32, 32)]
+    before = [lin.weight.detach().clone() for lin in linears]
+    stacked = stacked_weight(linears)
+    assert stacked.shape == (128, 64) and torch.equal(stacked, torch.cat(before))
+    assert all(torch.equal(lin.weight, w) for lin, w in zip(linears, before))
+    assert linears[2].weight.data_ptr() == stacked.data_ptr() + 96 * 64 * stacked.element_size()
+    assert stacked_weight(linears) is stacked
+    linears[1].weight = torch.nn.Parameter(torch.randn(32, 64))  # a replaced weight: rebuilt around it
+    again = stacked_weight(linears)
+    assert again is not stacked and torch.equal(again[64:96], linears[1].weight)
+    x = torch.randn(3, 64)
+    parts = torch.nn.functional.linear(x, again).split([64, 32, 32], dim=-1)
+    assert all(torch.allclose(p, lin(x)) for p, lin in zip(parts, linears))
+
+
+def test_stacked_weight_declines_what_cannot_share_a_gemm():
+    assert stacked_weight([torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32)]) is None  # bias
+    assert stacked_weight([torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 32, bias=False)]) is None
+    mixed = [torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32, bias=False).half()]
+    assert stacked_weight(mixed) is None
+    assert stacked_weight([W4A4Linear.from_tensors(cpu_layer(64, 128, 16))] * 2) is None
 
 
 def random_group(widths, k, rank, smooth, g, bias_on=()):
@@ -175,7 +201,26 @@ def test_model_with_grouped_w4a4_matches_layer_by_layer(monkeypatch):
     with torch.inference_mode():
         grouped = model(batch)
         assert attention.q_proj._group_packed is not None, "q/k/v did not run as a group"
-        monkeypatch.setenv("OVBATCH_W4A4_GROUPS", "0")
+        monkeypatch.setenv("OVBATCH_GROUPED_PROJECTIONS", "0")
         one_by_one = model(batch)
     assert torch.isfinite(grouped).all()
     assert rel_err(grouped, one_by_one) < 1e-5
+
+
+@gpu
+@pytest.mark.parametrize("quantized", (False, True))
+def test_tiny_model_grouped_matches_layer_by_layer(quantized, monkeypatch, tmp_path):
+    """The demo's tiny checkpoint: bf16 stacks its projections (W4A4 cannot group: k/v are 32 wide)."""
+    _, model = load_model(ensure_tiny_checkpoint(tmp_path), device="cuda", dtype=torch.bfloat16)
+    if quantized:
+        model = w4a4_copy(model)
+    items = make_items([(9, 14, 12), (5, 0, 7), (12, 6, 16)], seed=3)
+    batch = pack_items(items, C, 1024, choose_layout(items, (256,))).to("cuda")
+    with torch.inference_mode():
+        grouped = model(batch)
+        monkeypatch.setenv("OVBATCH_GROUPED_PROJECTIONS", "0")
+        one_by_one = model(batch)
+    mlp = model.llm.layers[0].mlp
+    assert (getattr(mlp.gate_proj, "_stacked_weight", None) is not None) != quantized
+    assert torch.isfinite(grouped).all()
+    assert rel_err(grouped, one_by_one) < 1e-2
