@@ -88,6 +88,21 @@ def test_stacked_weight_moves_the_weights_into_one_tensor():
     assert all(torch.allclose(p, lin(x)) for p, lin in zip(parts, linears))
 
 
+def test_hooked_linears_run_one_by_one(monkeypatch):
+    """A forward hook (calibration's way to record a Linear's inputs) sees its Linear called even where the
+    projections would share one GEMM."""
+    import engine.model.layers as layers
+
+    monkeypatch.setattr(layers, "fused_ops", lambda t: object())  # as where the fused paths run
+    monkeypatch.setattr(layers, "stacked_weight", lambda linears: pytest.fail("grouped a hooked Linear"))
+    linears = (torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32, bias=False))
+    seen = []
+    linears[1].register_forward_pre_hook(lambda module, args: seen.append(args[0].shape))
+    x = torch.randn(3, 64)
+    out = normed_projections(x, torch.nn.Identity(), linears)
+    assert seen == [(3, 64)] and all(torch.equal(y, lin(x)) for y, lin in zip(out, linears))
+
+
 def test_stacked_weight_declines_what_cannot_share_a_gemm():
     assert stacked_weight([torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32)]) is None  # bias
     assert stacked_weight([torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 32, bias=False)]) is None
