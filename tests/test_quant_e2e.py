@@ -82,6 +82,11 @@ def test_written_checkpoint_loads_as_w4a4(tiny, quantized):
     assert torch.equal(model.llm.norm.weight, fp.llm.norm.weight)
     raw = json.loads((out / "config.json").read_text())
     assert raw["quantization"]["rank"] == 16 and len(raw["quantization"]["layers"]) == 14
+    for layer in model.llm.layers:  # siblings share their smoothing (engine/quant/lowrank.py)
+        attn, mlp = layer.self_attn, layer.mlp
+        for siblings in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+            smooths = [lin.smooth for lin in siblings]
+            assert all(s is None for s in smooths) or all(torch.equal(s, smooths[0]) for s in smooths)
 
 
 def test_source_hash_and_version_mismatch(quantized, tmp_path):

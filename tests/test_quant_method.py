@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from engine.errors import QuantError
+from engine.kernels.w4a4 import group_obstacle
 from engine.quant.format import W4A4Tensors, pack_int4
 from engine.quant.gptq import GPTQConfig, gptq_quantize, quantize_rtn
-from engine.quant.lowrank import LayerStats, MethodConfig, lowrank_factors, quantize_linear
+from engine.quant.lowrank import LayerStats, MethodConfig, lowrank_factors, quantize_linear, quantize_siblings
 from engine.quant.reference import dequantize_weight, w4a4_linear_reference
 from engine.quant.smooth import smoothing_factors
 from engine.quant.synthetic import outlier_channel_scales, structured_activations, structured_weight
@@ -138,3 +139,20 @@ def test_quantize_linear_is_deterministic():
     b = quantize_linear(w, stats, MethodConfig())
     assert a.errors == b.errors
     assert all(torch.equal(u, v) for (_, u), (_, v) in zip(a.tensors.items(), b.tensors.items()))
+
+
+def test_siblings_share_one_smoothing_and_keep_their_quality():
+    """q/k/v-like weights that read one input: one smoothing decision (here: smoothed, the input has outlier
+    channels), identical smoothing vectors so the engine can group them, each layer still far below rtn."""
+    g = torch.Generator().manual_seed(11)
+    ws = [structured_weight(n, 256, g) for n in (128, 64, 64)]
+    x = structured_activations(1024, outlier_channel_scales(256, g), g)
+    stats = LayerStats(x.T @ x, x.abs().amax(0), x[:256], rows=1024)
+    results = quantize_siblings(ws, stats, MethodConfig(), [None] * 3, ["q", "k", "v"])
+    assert len({r.alpha for r in results}) == 1 and results[0].alpha is not None
+    assert all(torch.equal(r.tensors.smooth, results[0].tensors.smooth) for r in results)
+    assert group_obstacle([r.tensors for r in results]) is None
+    for r in results:
+        assert r.errors["final"] == r.errors["gptq+svd iterated smooth"] <= 0.5 * r.errors["rtn"]
+    alone = quantize_linear(ws[0], stats, MethodConfig())
+    assert results[0].errors["rtn+svd"] == alone.errors["rtn+svd"]  # the unsmoothed stages are per layer

@@ -8,6 +8,10 @@
 Output error is measured through the real W4A4 forward (engine/quant/reference.py, activations quantized
 too) as ||Y_w4a4 - Y|| / ||Y|| over the calibration sample. Smoothing strengths are screened cheaply (SVD +
 round-to-nearest); the best one is then refit with GPTQ and kept only if it beats the unsmoothed result.
+
+Linears that read one input (q/k/v, gate/up: `quantize_siblings`) take one smoothing decision together:
+one vector from the input's statistics and their stacked weights, or none, whichever gives the lower mean
+error. Equal smoothing is what lets the engine run them as one grouped GEMM (engine/kernels/w4a4.py).
 """
 
 from __future__ import annotations
@@ -144,14 +148,64 @@ def quantize_linear(
     name: str = "layer",
 ) -> LayerResult:
     """Quantize weight w [N, K] (on stats' device) given its calibration statistics."""
-    n, k = w.shape
-    check_group_multiple(name, k)
-    if stats.hessian.shape != (k, k) or stats.sample.shape[1] != k:
-        raise QuantError(
-            f"{name}: calibration statistics are for {stats.sample.shape[1]} inputs, weight has {k}."
-        )
-    if stats.rows == 0 or stats.sample.shape[0] == 0:
-        raise QuantError(f"{name}: no calibration rows reached this layer; give calibration requests.")
+    return quantize_siblings([w], stats, cfg, [bias], [name])[0]
+
+
+def quantize_siblings(
+    ws: list[torch.Tensor],
+    stats: LayerStats,
+    cfg: MethodConfig,
+    biases: list[torch.Tensor | None],
+    names: list[str],
+) -> list[LayerResult]:
+    """Quantize weights [N_i, K] that read one input (its calibration statistics), one smoothing for all."""
+    k = ws[0].shape[1]
+    for w, name in zip(ws, names):
+        check_group_multiple(name, w.shape[1])
+        if w.shape[1] != k or stats.hessian.shape != (k, k) or stats.sample.shape[1] != k:
+            raise QuantError(
+                f"{name}: calibration statistics are for {stats.sample.shape[1]} inputs, weight has "
+                f"{w.shape[1]}."
+            )
+        if stats.rows == 0 or stats.sample.shape[0] == 0:
+            raise QuantError(f"{name}: no calibration rows reached this layer; give calibration requests.")
+    results = [_unsmoothed(w, bias, stats, cfg) for w, bias in zip(ws, biases)]
+    if cfg.alphas:
+        _smooth_together(results, ws, stats, cfg, biases)
+    for res in results:
+        res.errors["final"] = res.errors[
+            "gptq+svd iterated" if res.alpha is None else "gptq+svd iterated smooth"
+        ]
+    return results
+
+
+def _smooth_together(results: list[LayerResult], ws, stats: LayerStats, cfg: MethodConfig, biases) -> None:
+    """Screen the smoothing strengths on all the weights at once; switch every result to the best one when
+    that lowers the mean error after GPTQ."""
+
+    def problems(smooth):
+        return [_Problem(w, bias, stats, smooth, cfg) for w, bias in zip(ws, biases)]
+
+    screened = {}
+    for a in cfg.alphas:
+        smooth = smoothing_factors(stats.absmax, torch.cat(ws), a)
+        screened[a] = ([p.rtn(lowrank=True)[1] for p in problems(smooth)], smooth)
+    a_best = min(screened, key=lambda a: _mean(screened[a][0]))
+    screen_errors, smooth = screened[a_best]
+    for res, err in zip(results, screen_errors):
+        res.screened_alpha = a_best
+        res.errors["rtn+svd smooth"] = err
+    if _mean(screen_errors) >= _mean([r.errors["rtn+svd"] for r in results]):
+        return
+    smoothed = [p.gptq_lowrank() for p in problems(smooth)]
+    for res, (_, err, _, _) in zip(results, smoothed):
+        res.errors["gptq+svd iterated smooth"] = err
+    if _mean([err for _, err, _, _ in smoothed]) < _mean([r.errors["gptq+svd iterated"] for r in results]):
+        for res, (t, _, _, refits) in zip(results, smoothed):
+            res.tensors, res.refits, res.alpha = t, refits, a_best
+
+
+def _unsmoothed(w, bias, stats: LayerStats, cfg: MethodConfig) -> LayerResult:
     plain = _Problem(w, bias, stats, None, cfg)
     errors = {"rtn": plain.rtn(lowrank=False)[1]}
     if cfg.stage_report:
@@ -160,19 +214,8 @@ def quantize_linear(
     best, best_err, first_err, refits = plain.gptq_lowrank()
     errors["gptq+svd"] = first_err
     errors["gptq+svd iterated"] = best_err
-    alpha = screened_alpha = None
-    if cfg.alphas:
-        screened = {}
-        for a in cfg.alphas:
-            smooth = smoothing_factors(stats.absmax, w, a)
-            screened[a] = (_Problem(w, bias, stats, smooth, cfg).rtn(lowrank=True)[1], smooth)
-        a_best = min(screened, key=lambda a: screened[a][0])
-        screened_alpha = a_best
-        errors["rtn+svd smooth"] = screened[a_best][0]
-        if screened[a_best][0] < errors["rtn+svd"]:
-            t, err, _, r = _Problem(w, bias, stats, screened[a_best][1], cfg).gptq_lowrank()
-            errors["gptq+svd iterated smooth"] = err
-            if err < best_err:
-                best, best_err, refits, alpha = t, err, r, a
-    errors["final"] = best_err
-    return LayerResult(tensors=best, errors=errors, alpha=alpha, refits=refits, screened_alpha=screened_alpha)
+    return LayerResult(tensors=best, errors=errors, alpha=None, refits=refits)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)

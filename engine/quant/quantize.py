@@ -57,7 +57,7 @@ from engine.quant.format import (
 )
 from engine.quant.gptq import GPTQConfig
 from engine.quant.linear import W4A4Linear, backend_for
-from engine.quant.lowrank import LayerStats, MethodConfig, quantize_linear
+from engine.quant.lowrank import LayerStats, MethodConfig, quantize_siblings
 from engine.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -129,25 +129,55 @@ class _LayerQuantizer:
         self.report: list[dict] = []
 
     def __call__(self, index: int, linears: dict[str, nn.Linear], stats: dict[str, LayerStats]) -> None:
-        for name, lin in linears.items():
+        for names in sibling_groups(list(linears)):
             start = time.perf_counter()
-            res = quantize_linear(lin.weight.float(), stats[name], self.method, bias=lin.bias, name=name)
-            _swap(self.model, name, W4A4Linear.from_tensors(res.tensors).to(lin.weight.device))
-            self.tensors[name] = res.tensors.to("cpu")
-            self.report.append(
-                {
-                    "name": name,
-                    "shape": [lin.out_features, lin.in_features],
-                    "errors": {k: round(v, 6) for k, v in res.errors.items()},
-                    "alpha": res.alpha,
-                    "screened_alpha": res.screened_alpha,
-                    "refits": res.refits,
-                    "calib_rows": stats[name].rows,
-                    "seconds": round(time.perf_counter() - start, 3),
-                }
+            lins = [linears[name] for name in names]
+            results = quantize_siblings(
+                [lin.weight.float() for lin in lins],
+                stats[names[0]],
+                self.method,
+                [lin.bias for lin in lins],
+                names,
             )
-            if self.progress is not None:
-                self.progress.set_postfix_str(f"{name.split('.', 2)[-1]} err {res.errors['final']:.4f}")
+            seconds = (time.perf_counter() - start) / len(names)
+            for name, lin, res in zip(names, lins, results):
+                _swap(self.model, name, W4A4Linear.from_tensors(res.tensors).to(lin.weight.device))
+                self.tensors[name] = res.tensors.to("cpu")
+                self.report.append(
+                    {
+                        "name": name,
+                        "shape": [lin.out_features, lin.in_features],
+                        "errors": {k: round(v, 6) for k, v in res.errors.items()},
+                        "alpha": res.alpha,
+                        "screened_alpha": res.screened_alpha,
+                        "refits": res.refits,
+                        "calib_rows": stats[name].rows,
+                        "seconds": round(seconds, 3),
+                    }
+                )
+                if self.progress is not None:
+                    self.progress.set_postfix_str(f"{name.split('.', 2)[-1]} err {res.errors['final']:.4f}")
+
+
+# Linears of a decoder layer that read one input: quantized with one smoothing, so they run as one GEMM.
+SIBLINGS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+
+
+def sibling_groups(names: list[str]) -> list[list[str]]:
+    """The layer's Linear names in order, each sibling set (all members present) as one group."""
+    groups, done = [], set()
+    for name in names:
+        if name in done:
+            continue
+        prefix = name.rsplit(".", 2)[0]
+        group = [name]
+        for members in SIBLINGS:
+            full = [f"{prefix}.{m}" for m in members]
+            if name in full and all(f in names for f in full):
+                group = full
+        groups.append(group)
+        done.update(group)
+    return groups
 
 
 @torch.inference_mode()
