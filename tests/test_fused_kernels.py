@@ -100,7 +100,9 @@ def test_qk_norm_rope_matches_torch(tokens, dtype, heads, kv_heads, d):
     torch.cuda.synchronize()
     for got, want in ((got_q, want_q), (got_k, want_k)):
         assert got.shape == want.shape and got.is_contiguous() and torch.isfinite(got).all()
-        assert (got != want).float().mean().item() < 1e-3, "more than 1 in 1000 values differ"
+        # a last-bit rstd difference can flip roundings across one head row: small tensors may show a row
+        differ = (got != want).sum().item()
+        assert differ <= max(d, got.numel() // 1000), f"{differ} of {got.numel()} values differ"
         assert rel_err(got, want) < 1e-3
 
 
