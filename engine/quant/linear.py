@@ -83,7 +83,7 @@ class W4A4Linear(nn.Module):
     def _apply(self, fn, recurse=True):
         """Device moves apply; dtype casts (model.half(), .to(bf16)) do not: the canonical tensors keep
         their stored dtypes, which the numerics contract is defined on."""
-        self._stale()  # the backends' prepared copies are
+        self._stale()  # prepared copies belong to the old device
         for name, t in self._buffers.items():
             if t is not None:
                 self._buffers[name] = t.to(fn(t.reshape(-1)[:0]).device)
