@@ -143,16 +143,23 @@ def test_qk_norm_rope_rejects_bad_input():
         kops.load().qk_norm_rope(q.contiguous(), q.contiguous(), w, w, cos[:3], cos, 1e-6)
 
 
-@pytest.mark.parametrize("quantized", (False, True))
-def test_model_with_fused_kernels_matches_unfused(quantized, monkeypatch, tmp_path):
+def tiny_logits_on_and_off(switch, quantized, monkeypatch, tmp_path):
+    """The tiny checkpoint (bf16, or its W4A4 copy) and its logits with the environment `switch` on, then
+    off."""
     _, model = load_model(ensure_tiny_checkpoint(tmp_path), device="cuda", dtype=torch.bfloat16)
     if quantized:
         model = w4a4_copy(model)
     items = make_items([(9, 14, 12), (5, 0, 7), (12, 6, 16)], seed=3)
     batch = pack_items(items, C, 1024, choose_layout(items, (256,))).to("cuda")
     with torch.inference_mode():
-        fused = model(batch)
-        monkeypatch.setenv("OVBATCH_FUSED_KERNELS", "0")
-        unfused = model(batch)
+        on = model(batch)
+        monkeypatch.setenv(switch, "0")
+        off = model(batch)
+    return model, on, off
+
+
+@pytest.mark.parametrize("quantized", (False, True))
+def test_model_with_fused_kernels_matches_unfused(quantized, monkeypatch, tmp_path):
+    _, fused, unfused = tiny_logits_on_and_off("OVBATCH_FUSED_KERNELS", quantized, monkeypatch, tmp_path)
     assert torch.isfinite(fused).all()
     assert rel_err(fused, unfused) < 2e-2

@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from test_fused_kernels import tiny_logits_on_and_off
 from test_kernels import (
     DEV,
     REL_TOL,
@@ -22,7 +23,6 @@ from test_kernels import (
 )
 from test_runner import C, make_items
 
-from engine.checkpoint import load_model
 from engine.kernels import CudaW4A4Backend
 from engine.kernels import ops as kops
 from engine.kernels.w4a4 import group_obstacle
@@ -34,7 +34,7 @@ from engine.quant.linear import W4A4Linear, grouped_forward
 from engine.quant.reference import w4a4_linear_reference
 from engine.quant.rtn import w4a4_copy
 from engine.runner import choose_layout
-from engine.tiny import ensure_tiny_checkpoint, tiny_model_config, tiny_state_dict
+from engine.tiny import tiny_model_config, tiny_state_dict
 
 gpu = pytest.mark.gpu
 
@@ -226,15 +226,8 @@ def test_model_with_grouped_w4a4_matches_layer_by_layer(monkeypatch):
 @pytest.mark.parametrize("quantized", (False, True))
 def test_tiny_model_grouped_matches_layer_by_layer(quantized, monkeypatch, tmp_path):
     """The demo's tiny checkpoint: bf16 stacks its projections (W4A4 cannot group: k/v are 32 wide)."""
-    _, model = load_model(ensure_tiny_checkpoint(tmp_path), device="cuda", dtype=torch.bfloat16)
-    if quantized:
-        model = w4a4_copy(model)
-    items = make_items([(9, 14, 12), (5, 0, 7), (12, 6, 16)], seed=3)
-    batch = pack_items(items, C, 1024, choose_layout(items, (256,))).to("cuda")
-    with torch.inference_mode():
-        grouped = model(batch)
-        monkeypatch.setenv("OVBATCH_GROUPED_PROJECTIONS", "0")
-        one_by_one = model(batch)
+    switch = "OVBATCH_GROUPED_PROJECTIONS"
+    model, grouped, one_by_one = tiny_logits_on_and_off(switch, quantized, monkeypatch, tmp_path)
     mlp = model.llm.layers[0].mlp
     assert (getattr(mlp.gate_proj, "_stacked_weight", None) is not None) != quantized
     assert torch.isfinite(grouped).all()
