@@ -79,10 +79,10 @@ def test_stacked_weight_moves_the_weights_into_one_tensor():
     assert stacked.shape == (128, 64) and torch.equal(stacked, torch.cat(before))
     assert all(torch.equal(lin.weight, w) for lin, w in zip(linears, before))
     assert linears[2].weight.data_ptr() == stacked.data_ptr() + 96 * 64 * stacked.element_size()
-    assert stacked_weight(linears) is stacked
-    linears[1].weight = torch.nn.Parameter(torch.randn(32, 64))  # a replaced weight: rebuilt around it
+    assert stacked_weight(linears).data_ptr() == stacked.data_ptr()  # already in place: nothing moves
+    linears[1].weight = torch.nn.Parameter(torch.randn(32, 64))  # a replaced weight: moved in again
     again = stacked_weight(linears)
-    assert again is not stacked and torch.equal(again[64:96], linears[1].weight)
+    assert again.data_ptr() != stacked.data_ptr() and torch.equal(again[64:96], linears[1].weight)
     x = torch.randn(3, 64)
     parts = torch.nn.functional.linear(x, again).split([64, 32, 32], dim=-1)
     assert all(torch.allclose(p, lin(x)) for p, lin in zip(parts, linears))
@@ -101,6 +101,20 @@ def test_hooked_linears_run_one_by_one(monkeypatch):
     x = torch.randn(3, 64)
     out = normed_projections(x, torch.nn.Identity(), linears)
     assert seen == [(3, 64)] and all(torch.equal(y, lin(x)) for y, lin in zip(out, linears))
+
+
+def test_projections_share_one_gemm_in_inference_where_the_fused_paths_run(monkeypatch):
+    import engine.model.layers as layers
+
+    monkeypatch.setattr(layers, "fused_ops", lambda t: object())  # as where the fused paths run
+    x = torch.randn(3, 64)
+    trained = (torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32, bias=False))
+    normed_projections(x, torch.nn.Identity(), trained)  # gradients on: one by one, nothing moves
+    assert trained[1].weight.data_ptr() != trained[0].weight.data_ptr() + trained[0].weight.nbytes
+    with torch.inference_mode():
+        out = normed_projections(x, torch.nn.Identity(), trained)
+    assert trained[1].weight.data_ptr() == trained[0].weight.data_ptr() + trained[0].weight.nbytes
+    assert all(torch.allclose(y, lin(x)) for y, lin in zip(out, trained))
 
 
 def test_stacked_weight_declines_what_cannot_share_a_gemm():
@@ -225,10 +239,12 @@ def test_model_with_grouped_w4a4_matches_layer_by_layer(monkeypatch):
 @gpu
 @pytest.mark.parametrize("quantized", (False, True))
 def test_tiny_model_grouped_matches_layer_by_layer(quantized, monkeypatch, tmp_path):
-    """The demo's tiny checkpoint: bf16 stacks its projections (W4A4 cannot group: k/v are 32 wide)."""
+    """The demo's tiny checkpoint: bf16 stacks its projections; W4A4 groups gate/up (k/v are 32 wide, too
+    narrow for a group)."""
     switch = "OVBATCH_GROUPED_PROJECTIONS"
     model, grouped, one_by_one = tiny_logits_on_and_off(switch, quantized, monkeypatch, tmp_path)
-    mlp = model.llm.layers[0].mlp
-    assert (getattr(mlp.gate_proj, "_stacked_weight", None) is not None) != quantized
+    if not quantized:  # bf16: the MLP's gate and up weights now lie back to back
+        gate, up = model.llm.layers[0].mlp.gate_proj.weight, model.llm.layers[0].mlp.up_proj.weight
+        assert up.data_ptr() == gate.data_ptr() + gate.nbytes
     assert torch.isfinite(grouped).all()
     assert rel_err(grouped, one_by_one) < 1e-2

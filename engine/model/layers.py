@@ -101,7 +101,7 @@ def normed_projections(x: Tensor, norm: RMSNorm, linears: tuple[nn.Module, ...])
     if all(getattr(linear, "fuses_rmsnorm", lambda _: False)(x) for linear in linears):
         return [linear.forward_rmsnorm(x, norm) for linear in linears]
     h = norm(x)
-    group = not hooked and fused_ops(h) is not None and groups_enabled()
+    group = not hooked and not torch.is_grad_enabled() and fused_ops(h) is not None and groups_enabled()
     weight = stacked_weight(linears) if group else None
     if weight is None:
         return [linear(h) for linear in linears]
@@ -109,24 +109,33 @@ def normed_projections(x: Tensor, norm: RMSNorm, linears: tuple[nn.Module, ...])
 
 
 def stacked_weight(linears: tuple[nn.Module, ...]) -> Tensor | None:
-    """One [sum of out_features, K] weight whose row blocks the linears' weights view, so that they run as
-    one GEMM; built on first use by moving their weights into it (no copy stays behind), rebuilt if a
-    weight was replaced since (a device move, an assignment). None unless they are bias-free nn.Linears
-    with weights of one input width, dtype and device."""
+    """A [sum of out_features, K] view over the linears' weights, so that they run as one GEMM (for
+    inference: the view carries no gradient). The first call moves the weights into one tensor that they
+    then view (no copy stays behind); a weight replaced since (a device move, an assignment) is moved
+    again. None unless they are bias-free nn.Linears with weights of one input width, dtype and device."""
     weights = [linear.weight for linear in linears if type(linear) is nn.Linear and linear.bias is None]
     if len(weights) != len(linears) or len({(w.shape[1], w.dtype, w.device) for w in weights}) != 1:
         return None
-    stacked = getattr(linears[0], "_stacked_weight", None)
-    offsets = [sum(w.shape[0] for w in weights[:i]) * weights[0].shape[1] for i in range(len(weights))]
-    if stacked is None or any(
-        w.data_ptr() != stacked.data_ptr() + off * w.element_size() for w, off in zip(weights, offsets)
-    ):
+    rows, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
+    if not _adjacent(weights):
         with torch.inference_mode(False), torch.no_grad():
             stacked = torch.cat([w.detach() for w in weights])
             for w, part in zip(weights, stacked.split([w.shape[0] for w in weights])):
                 w.data = part
-        linears[0]._stacked_weight = stacked
-    return stacked
+    return weights[0].detach().as_strided((rows, k), (k, 1))
+
+
+def _adjacent(weights: list[Tensor]) -> bool:
+    """Whether the weights lie back to back in one storage, in order, each contiguous."""
+    start, offset = weights[0].data_ptr(), 0
+    storage = weights[0].untyped_storage().data_ptr()
+    for w in weights:
+        if not w.is_contiguous() or w.untyped_storage().data_ptr() != storage:
+            return False
+        if w.data_ptr() != start + offset:
+            return False
+        offset += w.numel() * w.element_size()
+    return True
 
 
 class SwiGLU(nn.Module):
