@@ -59,7 +59,7 @@ class W4A4Linear(nn.Module):
         self._group_packed = None
 
     def _stale(self) -> None:
-        self._packed = None
+        self._packed = self._group_packed = self._group_key = None
         self.generation += 1
 
     @classmethod
