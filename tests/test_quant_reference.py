@@ -62,7 +62,9 @@ def test_reference_equals_float64_formula(m, n, k):
 
 def test_reference_odd_shapes_bias_no_smooth_and_leading_dims():
     t = random_layer(96, 192, rank=32, smooth=False, bias=True, seed=3)
-    x = torch.randn(3, 5, 192)
+    # seeded, as the other float64 comparison: the formula's float64 scales can round a value near a
+    # quantization tie the other way than float32 does, which a fresh input would meet now and then
+    x = torch.randn(3, 5, 192, generator=torch.Generator().manual_seed(3))
     y = w4a4_linear_reference(x, t)
     assert y.shape == (3, 5, 96)
     ref = formula_float64(x.reshape(15, 192), t).reshape(3, 5, 96)
