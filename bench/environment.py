@@ -41,7 +41,8 @@ def environment(*packages: str) -> dict:
 
 
 def write_result(path: str | Path, result: dict) -> None:
-    """A benchmark's JSON at `path` (parents created)."""
+    """A benchmark's JSON at `path` (parents created), and a line saying where it went."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")

@@ -27,6 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.environment import write_result  # noqa: E402
 from engine.frontend import audio as A  # noqa: E402
 from engine.resample import resample as sinc_resample  # noqa: E402
 
@@ -113,10 +114,7 @@ def main() -> None:
         "torch": torch.__version__,
         "clips": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

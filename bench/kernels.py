@@ -159,7 +159,6 @@ def main() -> int:
         "rows": rows,
     }
     write_result(args.out, result)
-    print(f"wrote {args.out}")
     return 0
 
 

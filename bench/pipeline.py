@@ -220,7 +220,6 @@ def main() -> None:
             print(json.dumps({k: result[k] for k in shown}), flush=True)
         out = Path(args.out)
         write_result(out, report)
-        print(f"wrote {out}")
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)

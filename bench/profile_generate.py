@@ -249,7 +249,6 @@ def main(argv: list[str] | None = None) -> dict:
     }
     out = Path(args.out)
     write_result(out, report)
-    print(f"wrote {out}")
     return report
 
 

@@ -16,9 +16,10 @@ csrc/w4a4_common.cuh; the GPU tests hold the two to each other.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -87,9 +88,12 @@ class CudaW4A4Packed:
     in_features: int
     out_features: int
     kernel_out_features: int  # out_features rounded up to the GEMM's 64-row granularity
-    # a group: the first output column of each layer after the first, and each layer's width
-    segment_starts: list[int] = field(default_factory=list)
-    splits: list[int] = field(default_factory=list)
+    splits: list[int]  # the output width of each layer stacked in this GEMM (one entry for a plain layer)
+
+    @property
+    def segment_starts(self) -> list[int]:
+        """The first output column of each stacked layer after the first (the GEMM's `segment_starts`)."""
+        return list(itertools.accumulate(self.splits[:-1]))
 
 
 MAX_GROUP = 3  # layers in one grouped GEMM (csrc/w4a4_launch.h kMaxSegments)
@@ -182,7 +186,6 @@ class CudaW4A4Backend:
             in_features=k,
             out_features=n,
             kernel_out_features=n_run,
-            segment_starts=[sum(widths[:i]) for i in range(1, len(widths))],
             splits=widths,
         )
 

@@ -93,16 +93,18 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
 def normed_projections(x: Tensor, norm: RMSNorm, linears: tuple[nn.Module, ...]) -> list[Tensor]:
     """[linear(norm(x)) for each linear]: as one GEMM where the fused paths run and the linears can share
     one (W4A4 groups; bf16 Linears viewing one stacked weight), the norm fused into W4A4 activation
-    quantization where all can. Linears with hooks (calibration records their inputs) run one by one."""
+    quantization where all can. Linears with hooks (calibration records their inputs) run one by one, as
+    all do with OVBATCH_GROUPED_PROJECTIONS=0."""
     hooked = any(linear._forward_hooks or linear._forward_pre_hooks for linear in linears)
-    grouped = None if hooked else grouped_forward(linears, x, norm)
+    group = not hooked and groups_enabled()
+    grouped = grouped_forward(linears, x, norm) if group else None
     if grouped is not None:
         return grouped
     if all(getattr(linear, "fuses_rmsnorm", lambda _: False)(x) for linear in linears):
         return [linear.forward_rmsnorm(x, norm) for linear in linears]
     h = norm(x)
-    group = not hooked and not torch.is_grad_enabled() and fused_ops(h) is not None and groups_enabled()
-    weight = stacked_weight(linears) if group else None
+    stack = group and not torch.is_grad_enabled() and fused_ops(h) is not None
+    weight = stacked_weight(linears) if stack else None
     if weight is None:
         return [linear(h) for linear in linears]
     return list(F.linear(h, weight).split([linear.out_features for linear in linears], dim=-1))

@@ -6,7 +6,7 @@ package cannot be imported. A backend turns the layer into its own layout once (
 
 `grouped_forward` runs several layers that read one input (q/k/v, gate/up) as one GEMM on backends that
 offer `prepare_group`: one activation quantization instead of one per layer, and one wider GEMM.
-OVBATCH_GROUPED_PROJECTIONS=0 turns grouping off (engine/kernels/fused.py).
+The model decides where to group (engine/model/layers.py normed_projections).
 """
 
 from __future__ import annotations
@@ -131,10 +131,6 @@ def grouped_forward(layers, x: torch.Tensor, norm=None) -> list[torch.Tensor] | 
         return None
     backend = backend_for(x.device)
     if not hasattr(backend, "prepare_group"):
-        return None
-    from engine.kernels.fused import groups_enabled  # importable: the backend came from engine.kernels
-
-    if not groups_enabled():
         return None
     first = layers[0]
     key = (backend, tuple(map(id, layers)), tuple(layer.generation for layer in layers))
