@@ -60,9 +60,9 @@ def graph_time_us(fn) -> float:
 
 
 def w4a4_bytes(m: int, n: int, k: int) -> int:
-    """Fewest bytes the two-kernel linear must move: x in, packed act + scales + lora out and back in,
+    """Fewest bytes the two-kernel linear must move: x in, int8 act tiles + scales + lora out and back in,
     packed weights + scales + proj_up, y out."""
-    act = m * k // 2 + m * (k // 64) * 4 + m * RANK * 4
+    act = m * k + m * (k // 64) * 4 + m * RANK * 4  # int8 activation tiles (4-bit values, 8-bit containers)
     return m * k * 2 + 2 * act + n * k // 2 + n * (k // 64) * 8 + n * RANK * 4 + m * n * 2
 
 

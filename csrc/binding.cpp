@@ -49,7 +49,7 @@ void check_rows(const Tensor& t, const char* name) {
 }
 
 // Activation quantization + low-rank down-projection of the input `a` describes (x, or a prologue of it):
-// -> (qact int32 [M_pad/16, K/64, 128], ascales f32 [K/64, M_pad], lora f32 [M_pad, R]).
+// -> (qact int8 [M_pad/128, K/64, 8192], ascales f32 [K/64, M_pad], lora f32 [M_pad, R]).
 std::tuple<Tensor, Tensor, Tensor> quantize_input(const Tensor& x, const std::optional<Tensor>& smooth,
                                                   const Tensor& pd_t, w4a4::QuantizeArgs a) {
   check_rows(x, "x");
@@ -67,9 +67,9 @@ std::tuple<Tensor, Tensor, Tensor> quantize_input(const Tensor& x, const std::op
   }
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t M_pad = pad_rows(M);
-  auto i32 = x.options().dtype(at::kInt);
   auto f32 = x.options().dtype(at::kFloat);
-  Tensor qact = torch::empty({M_pad / 16, K / kGroup, 128}, i32);
+  Tensor qact =
+      torch::empty({M_pad / w4a4::kActBlockRows, K / kGroup, w4a4::kActTileBytes}, x.options().dtype(at::kChar));
   Tensor ascales = torch::empty({K / kGroup, M_pad}, f32);
   Tensor lora = torch::empty({M_pad, R}, f32);
   a.x = x.data_ptr();
@@ -220,16 +220,17 @@ Tensor gemm_lora_up(const Tensor& qact, const Tensor& ascales, const Tensor& lor
                          {&wscales, "wscales"}, {&proj_up, "proj_up"}}) {
     check_cuda(*t, name);
   }
-  check_dtype(qact, at::kInt, "qact");
+  check_dtype(qact, at::kChar, "qact");
   check_dtype(qweight, at::kInt, "qweight");
   check_dtype(ascales, at::kFloat, "ascales");
   check_dtype(lora, at::kFloat, "lora");
   check_dtype(wscales, at::kFloat, "wscales");
   check_dtype(proj_up, at::kFloat, "proj_up");
   TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf, "ovbatch_w4a4: out_dtype must be bf16 or fp16");
-  TORCH_CHECK(qact.dim() == 3 && qact.size(2) == 128, "ovbatch_w4a4: qact must be [M_pad/16, K/64, 128], got ",
+  TORCH_CHECK(qact.dim() == 3 && qact.size(2) == w4a4::kActTileBytes,
+              "ovbatch_w4a4: qact must be [M_pad/128, K/64, 8192] as quantize_act_lora_down writes it, got ",
               qact.sizes());
-  const int64_t M_pad = qact.size(0) * 16, G = qact.size(1), K = G * kGroup;
+  const int64_t M_pad = qact.size(0) * w4a4::kActBlockRows, G = qact.size(1), K = G * kGroup;
   const int64_t N_pad = qweight.size(0) * 16, R = proj_up.size(1);
   const int64_t segments = static_cast<int64_t>(segment_starts.size()) + 1;
   TORCH_CHECK(segments <= w4a4::kMaxSegments, "ovbatch_w4a4: at most ", w4a4::kMaxSegments,

@@ -1,12 +1,13 @@
-// Kernel 1: per-token, per-64 int4 activation quantization into the GEMM's packed operand layout,
-// fused with the low-rank down-projection (x @ proj_down) so that x is read from memory once.
+// Kernel 1: per-token, per-64 int4 activation quantization into the GEMM's activation layout (int8 16 * q
+// in wgmma's shared-memory layout: csrc/w4a4_common.cuh), fused with the low-rank down-projection
+// (x @ proj_down) so that x is read from memory once.
 //
 // A block owns 16 rows; its warps take the K groups in turn (warp w: groups w, w + W, ...), and the
 // low-rank partial sums of the warps are added in shared memory at the end. W = 16 warps per block while
 // the grid is small (few rows: spread each row's groups over many warps), 4 once there are 2+ blocks per
-// SM (measured 1.15-1.25x faster from M = 8192, docs/kernels.md). Lane (gr, t) loads exactly
-// the elements its int8 MMA fragments need: rows gr and gr + 8, columns 16c + 4t .. 16c + 4t + 3 of the
-// group for c = 0..3, so the per-row max is a 4-lane shuffle. The low-rank product reuses the same
+// SM (measured 1.15-1.25x faster from M = 8192, docs/kernels.md). Lane (gr, t) loads rows gr and gr + 8,
+// columns 16c + 4t .. 16c + 4t + 3 of the group for c = 0..3, so the per-row max is a 4-lane shuffle and
+// each quantized word is 4 consecutive bytes of the output layout. The low-rank product reuses the same
 // registers as bf16/fp16 MMA fragments by permuting k inside each 16-wide block (lane t's columns 4t,
 // 4t+1 play k = 2t, 2t+1 and 4t+2, 4t+3 play k = 2t+8, 2t+9); proj_down is read with the same
 // permutation, and a dot product does not depend on the order of k.
@@ -105,7 +106,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     quantize_act_lora_down_kernel(const T* __restrict__ x, const T* __restrict__ norm_w,
                                   float eps, int ldx, const float* __restrict__ smooth,
                                   const float* __restrict__ rsmooth, const T* __restrict__ pd_t,
-                                  int4* __restrict__ qact, float* __restrict__ ascales, float* __restrict__ lora,
+                                  int8_t* __restrict__ qact, float* __restrict__ ascales, float* __restrict__ lora,
                                   int M, int M_pad, int K) {
   constexpr int kTiles = R / 8;  // 8-column MMA tiles of the low-rank product
   // The warps' partial sums meet in shared memory 32 (or 16) columns at a time.
@@ -174,26 +175,23 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
       ascales[static_cast<int64_t>(g) * M_pad + row1] = scale[1];
     }
 
-    // q = clamp(round_half_even(xs / scale), -8, 7); a zero group stays 0 (no division).
-    uint32_t words[4];
+    // q = clamp(round_half_even(xs / scale), -8, 7), stored as the int8 16 * q (a zero group stays 0, no
+    // division): rows gr and gr + 8 of this 16-row block, k = 16c + 4t .. 16c + 4t + 3, one word each.
+    int8_t* tile =
+        qact + (static_cast<int64_t>(mtile / 8) * G + g) * kActTileBytes + ((mtile % 8) * 16 + gr) * 16 + 4 * t;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = i & 1, h = i >> 1;
-      uint32_t w = 0;
+    for (int r = 0; r < 2; ++r)
 #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        int q0 = 0, q1 = 0;
-        if (scale[r] > 0.f) {
-          q0 = min(7, max(-8, __float2int_rn(div_rn(xs[r][h][b], scale[r], rscale[r]))));
-          q1 = min(7, max(-8, __float2int_rn(div_rn(xs[r][h + 2][b], scale[r], rscale[r]))));
+      for (int c = 0; c < 4; ++c) {
+        uint32_t word = 0;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          int q = 0;
+          if (scale[r] > 0.f) q = min(7, max(-8, __float2int_rn(div_rn(xs[r][c][b], scale[r], rscale[r]))));
+          word |= (static_cast<uint32_t>(q & 0xF) << 4) << (8 * b);
         }
-        w |= (static_cast<uint32_t>(q0 & 0xF) | (static_cast<uint32_t>(q1 & 0xF) << 4)) << (8 * b);
+        *reinterpret_cast<uint32_t*>(tile + c * kActChunkBytes + r * 8 * 16) = word;
       }
-      words[i] = w;
-    }
-    qact[(static_cast<int64_t>(mtile) * G + g) * 32 + lane] =
-        make_int4(static_cast<int>(words[0]), static_cast<int>(words[1]), static_cast<int>(words[2]),
-                  static_cast<int>(words[3]));
 
     // Low-rank down-projection on the unsmoothed input; smoothing is folded into pd_t at load.
 #pragma unroll
@@ -235,7 +233,7 @@ cudaError_t launch_warps(const QuantizeArgs& a, cudaStream_t stream) {
   quantize_act_lora_down_kernel<T, P, kSmooth, R, kWarps><<<grid, kWarps * 32, 0, stream>>>(
       static_cast<const T*>(a.x), static_cast<const T*>(a.norm_weight), a.eps, a.ldx,
       a.smooth, a.smooth == nullptr ? nullptr : a.smooth + a.K, static_cast<const T*>(a.pd_t),
-      static_cast<int4*>(a.qact), a.ascales, a.lora, a.M, a.M_pad, a.K);
+      static_cast<int8_t*>(a.qact), a.ascales, a.lora, a.M, a.M_pad, a.K);
   return cudaGetLastError();
 }
 

@@ -1,21 +1,29 @@
-// Shared pieces of the W4A4 kernels: the packed operand layout, int4 -> int8 unpacking, MMA wrappers.
+// Shared pieces of the W4A4 kernels: the operand layouts, int4 -> int8 unpacking, MMA wrappers.
 //
-// Packed operand layout (activations and weights alike): one 16-byte record per lane of a warp for
-// each 16 x 64 tile (16 rows of M or N, one 64-wide K group), records of a tile contiguous (512 bytes).
-// Lane l = 4 * gr + t holds four 32-bit words; word i holds rows gr + 8 * (i & 1), k = 16 * (i >> 1) + 4t + b
-// (b the byte): low nibbles for k 0..31 of the group, high nibbles for k 32..63. A word's low (high)
-// nibbles are thus exactly the int8 A-fragment register i of an m16n8k32 MMA, or of a wgmma m64nNk32 for
-// the warp's 16 rows, for k-step 0 (1). The weights use it as wgmma A fragments directly; the GEMM
-// unpacks the activations into wgmma's shared-memory layout (csrc/w4a4_gemm.cu).
-// engine/kernels/w4a4.py builds and reads the same layout in torch (tests compare against it).
+// Packed weight layout: one 16-byte record per lane of a warp for each 16 x 64 tile (16 rows of N, one
+// 64-wide K group), records of a tile contiguous (512 bytes). Lane l = 4 * gr + t holds four 32-bit words;
+// word i holds rows gr + 8 * (i & 1), k = 16 * (i >> 1) + 4t + b (b the byte): low nibbles for k 0..31 of
+// the group, high nibbles for k 32..63. A word's low (high) nibbles are thus exactly the int8 A-fragment
+// register i of a wgmma m64nNk32 for the warp's 16 rows, for k-step 0 (1).
+//
+// Activation layout: the quantize kernel writes int8 values 16 * q straight into wgmma's canonical K-major
+// no-swizzle shared-memory layout, so the GEMM copies them with no unpacking: per block of 128 rows and
+// 64-wide K group an 8 KB tile, byte (m, k) at (k / 16) * 2048 + 16 * m + k % 16; tiles in (block, group)
+// order. 4-bit values in 8-bit containers: twice the bytes of packed nibbles in this transient buffer
+// (weights stay 4-bit), and no unpacking in the GEMM's inner loop.
+// engine/kernels/w4a4.py builds and reads both layouts in torch (tests compare against them).
 #pragma once
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "w4a4_launch.h"
+
 namespace w4a4 {
 
 constexpr int kGroup = 64;
+constexpr int kActChunkBytes = kActBlockRows * 16;  // one 16-wide k chunk of an activation tile
+static_assert(kActTileBytes == kActBlockRows * kGroup, "an activation tile is 128 rows x one K group");
 
 // Nibbles moved to the high half of each byte: int8 lanes holding 16 * q, exact for q in [-8, 7].
 // Both operands carry the factor 16, so every int32 dot product carries 256 (folded into the weight scale).

@@ -7,10 +7,11 @@
 // blocks per SM; the blocks interleave, so one block's float work runs while another's wgmma uses the
 // tensor cores.
 //
-// Per 64-wide K group (kStages-deep cp.async ring of the packed 4-bit operands and their scales):
-//   1. the block unpacks the 4-bit activation tile into an int8 tile in wgmma's canonical K-major layout
-//      (values times 16: the nibble moved to the high half of each byte, two bit operations per word);
-//   2. each warp unpacks its 16 weight rows straight into wgmma A-fragment registers (same trick);
+// Per 64-wide K group (kStages-deep cp.async ring of the operands and their scales):
+//   1. the activation tile arrives as the quantize kernel wrote it, int8 16 * q in wgmma's canonical
+//      K-major layout (csrc/w4a4_common.cuh), and wgmma reads it from the ring slot as it is;
+//   2. each warp unpacks its 16 packed 4-bit weight rows straight into wgmma A-fragment registers (the
+//      nibble moved to the high half of each byte, times 16 like the activations: two bit operations);
 //   3. two wgmma m64nBMk32 (k 0..31, then k 32..63) give int32 sums 256 * dot per output;
 //   4. three instructions per output fold the group into the float32 accumulators:
 //        f = float_bits(256 * dot + 0x4B400000) = 12582912 + 256 * dot      (exact: |256 dot| <= 2^20)
@@ -52,11 +53,10 @@ struct Tile {
   // byte (m, k) at (k / 16) * kCoreK + (m / 8) * kCoreM + (m % 8) * 16 + k % 16.
   static constexpr int kCoreK = BM * 16;  // bytes between core matrices adjacent in K (leading byte offset)
   static constexpr int kCoreM = 128;      // bytes between core matrices adjacent in M (stride byte offset)
-  static constexpr int kAct8Bytes = kGroup * BM;
-  static constexpr int kActRecordsPerThread = BM / 64;
+  static constexpr int kActChunksPerThread = BM * kGroup / 16 / kThreads;  // 16-byte copies a stage
 
   struct RawStage {
-    int4 act[BM / 16 * 32];  // packed 4-bit activations, the layout written by the quantize kernel
+    alignas(128) int8_t act[BM * kGroup];  // int8 activations (16 * q), wgmma's layout: the B operand
     int4 w[kTileN / 16 * 32];  // packed 4-bit weights in A-fragment layout: one 16-byte record per lane
     float as[BM];
     float2 ws[kTileN];
@@ -65,7 +65,6 @@ struct Tile {
   template <int R>
   struct Smem {
     RawStage ring[kStages];
-    alignas(128) int8_t act8[2][kAct8Bytes];  // double-buffered: group g + 1 is unpacked while g multiplies
     float lora[BM][R + 8];  // padded rows: a warp's 8-byte fragment loads fall in distinct banks
   };
 
@@ -123,7 +122,7 @@ __device__ __forceinline__ void wgmma_s8_rs(int (&d)[32], const uint32_t (&a)[4]
 
 template <int BM, int R, typename OutT>
 __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
-    w4a4_gemm_lora_up_kernel(const int4* __restrict__ qact, const float* __restrict__ ascales,
+    w4a4_gemm_lora_up_kernel(const int8_t* __restrict__ qact, const float* __restrict__ ascales,
                              const int4* __restrict__ qweight, const float2* __restrict__ wscales,
                              const float* __restrict__ lora, const float* __restrict__ proj_up,
                              const float* __restrict__ bias, OutT* __restrict__ y, int M, int M_pad, int N,
@@ -138,13 +137,20 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gr = lane >> 2, t = lane & 3;
 
-  // Static copy plan: activation records tid (and tid + 128 for 128-row tiles), weight record tid (this
-  // warp's own fragment tile), and for the first BM/4 + 32 threads one 16-byte piece of the scales
-  // (activation scales, then weight scales, which land back to back in the stage). Stages are loaded in
-  // group order, so the sources just advance.
+  // Static copy plan: 16-byte activation chunks tid + 128 h (chunk j of the stage's tile is its row j % BM
+  // of k chunk j / BM, which lies in the 128-row tile of global memory at (j / BM) * 2048 + 16 * row), weight
+  // record tid (this warp's own fragment tile), and for the first BM/4 + 32 threads one 16-byte piece of
+  // the scales (activation scales, then weight scales, which land back to back in the stage). Stages are
+  // loaded in group order, so the sources just advance.
   static_assert(offsetof(RawStage, ws) == offsetof(RawStage, as) + sizeof(float) * BM, "scales adjoin");
-  const int4* act_src = qact + static_cast<int64_t>(m0 / 16 + warp) * G * 32 + lane;
-  const int64_t act_next = static_cast<int64_t>(4) * G * 32;  // 4 m16 tiles further
+  const int8_t* act_src =
+      qact + static_cast<int64_t>(m0 / kActBlockRows) * G * kActTileBytes + (m0 % kActBlockRows) * 16;
+  int act_offset[T::kActChunksPerThread];
+#pragma unroll
+  for (int h = 0; h < T::kActChunksPerThread; ++h) {
+    const int j = tid + h * kThreads;
+    act_offset[h] = (j / BM) * kActChunkBytes + (j % BM) * 16;
+  }
   const int4* w_src = qweight + static_cast<int64_t>(n0 / 16 + warp) * G * 32 + lane;
   const bool copies_scales = tid < BM / 4 + kTileN / 2, act_scales = tid < BM / 4;
   const float* s_src = act_scales ? ascales + m0 + 4 * tid
@@ -155,11 +161,11 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   auto load_next_stage = [&](int g) {
     const uint32_t slot = ring + (g & (kStages - 1)) * static_cast<uint32_t>(sizeof(RawStage)) + 16 * tid;
 #pragma unroll
-    for (int h = 0; h < T::kActRecordsPerThread; ++h)
-      cp_async_16(slot + offsetof(RawStage, act) + 16 * kThreads * h, act_src + act_next * h);
+    for (int h = 0; h < T::kActChunksPerThread; ++h)
+      cp_async_16(slot + offsetof(RawStage, act) + 16 * kThreads * h, act_src + act_offset[h]);
     cp_async_16(slot + offsetof(RawStage, w), w_src);
     if (copies_scales) cp_async_16(slot + offsetof(RawStage, as), s_src);
-    act_src += 32;
+    act_src += kActTileBytes;
     w_src += 32;
     s_src += s_stride;
   };
@@ -182,34 +188,14 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
   int d[BM / 2];
 
-  const uint32_t act8 = smem_addr(sm.act8);
   const int wrow0 = warp * 16 + gr;  // this thread's weight rows: wrow0 and wrow0 + 8
 
-  // Activations 4 -> 8 bit into an int8 tile. Record word i of lane (gr, t) in m16 tile mt holds rows
-  // 16 mt + gr + 8 (i & 1), k = 16 (i >> 1) + 4t + b (low nibbles) and k + 32 (high nibbles). A thread
-  // unpacks exactly the records it copied, so its own cp.async wait suffices (no barrier before).
-  auto unpack_act = [&](const RawStage& s, uint32_t tile) {
-#pragma unroll
-    for (int h = 0; h < T::kActRecordsPerThread; ++h) {
-      const int mt = warp + 4 * h;
-      const int4 rec = s.act[tid + h * kThreads];
-      const uint32_t wv[4] = {static_cast<uint32_t>(rec.x), static_cast<uint32_t>(rec.y),
-                              static_cast<uint32_t>(rec.z), static_cast<uint32_t>(rec.w)};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint32_t off = (i >> 1) * T::kCoreK + (2 * mt + (i & 1)) * T::kCoreM + 4 * lane;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tile + off), "r"(nibbles_step0(wv[i])));
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tile + off + 2 * T::kCoreK), "r"(nibbles_step1(wv[i])));
-      }
-    }
-    fence_proxy_async();  // the generic-proxy stores, seen by wgmma's async proxy
-  };
-
-  // Software pipeline, one barrier per group: group g's wgmma runs while the block unpacks group g + 1
-  // into the other int8 tile, then group g is folded. The barrier that ends iteration g publishes that
-  // tile and the group's scales, and frees the ring slot that iteration g + 1 refills.
+  // Software pipeline, one barrier per group: group g's wgmma runs while the copies of later groups land,
+  // then group g is folded. Each thread waits for its own copies of group g + 1 and fences them for the
+  // async proxy (wgmma reads shared memory through it); the barrier that ends iteration g publishes them
+  // to the whole block and frees the ring slot that iteration g + 1 refills.
   cp_async_wait<kStages - 2>();
-  unpack_act(sm.ring[0], act8);
+  fence_proxy_async();
   int4 wrec = sm.ring[0].w[tid];  // this thread's packed weight record of the next group
   __syncthreads();
 
@@ -224,7 +210,8 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
       a0[i] = nibbles_step0(wv[i]);
       a1[i] = nibbles_step1(wv[i]);
     }
-    const uint32_t tile = act8 + (g & 1) * T::kAct8Bytes;
+    const uint32_t tile = ring + (g & (kStages - 1)) * static_cast<uint32_t>(sizeof(RawStage)) +
+                          static_cast<uint32_t>(offsetof(RawStage, act));
     fence_operands(a0);
     fence_operands(a1);
     fence_operands(d);
@@ -237,9 +224,8 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     cp_async_commit();
     if (g + 1 < G) {
       cp_async_wait<kStages - 2>();
-      const RawStage& next = sm.ring[(g + 1) & (kStages - 1)];
-      unpack_act(next, act8 + ((g + 1) & 1) * T::kAct8Bytes);
-      wrec = next.w[tid];
+      fence_proxy_async();
+      wrec = sm.ring[(g + 1) & (kStages - 1)].w[tid];
     }
     const float2 ws0 = s.ws[wrow0], ws1 = s.ws[wrow0 + 8];
 
@@ -318,7 +304,7 @@ cudaError_t launch_tile(const GemmArgs& a, cudaStream_t stream) {
   int starts[kMaxSegments - 1];
   for (int s = 0; s < kMaxSegments - 1; ++s) starts[s] = s + 1 < a.segments ? a.segment_start[s] : INT_MAX;
   kernel<<<grid, kThreads, smem, stream>>>(
-      static_cast<const int4*>(a.qact), a.ascales, static_cast<const int4*>(a.qweight),
+      static_cast<const int8_t*>(a.qact), a.ascales, static_cast<const int4*>(a.qweight),
       reinterpret_cast<const float2*>(a.wscales), a.lora, a.proj_up, a.bias, static_cast<OutT*>(a.y), a.M,
       a.M_pad, a.N, a.N_pad, a.K, a.lora_ld, make_int2(starts[0], starts[1]));
   return cudaGetLastError();

@@ -6,8 +6,11 @@
 
 namespace w4a4 {
 
-// Rows of the packed activation buffers are padded to a multiple of this (the GEMM's largest M tile).
+// Rows of the activation buffers are padded to a multiple of this (the GEMM's largest M tile).
 constexpr int kMPad = 128;
+// The quantized activations: int8 tiles of 128 rows x one 64-wide K group (csrc/w4a4_common.cuh).
+constexpr int kActBlockRows = kMPad;
+constexpr int kActTileBytes = kActBlockRows * 64;
 // Packed weights are padded with zero rows to a multiple of this (N itself must be a multiple of 64).
 constexpr int kBlockN = 128;
 // A grouped GEMM (several layers that read one input, their weights stacked along N) has at most this many
@@ -21,7 +24,7 @@ struct QuantizeArgs {
   int ldx;                  // row stride of x in elements, a multiple of 4
   const float* smooth;  // [2, K]: smooth and its correctly rounded reciprocal, or nullptr
   const void* pd_t;     // [R, K], x's dtype: proj_down.T / smooth (smoothing folded in); R = 16 * (1..6)
-  void* qact;           // int32 [M_pad/16, K/64, 32, 4] packed int4 operand
+  void* qact;           // int8 [M_pad/128, K/64, 8192]: 16 * q in wgmma's layout (w4a4_common.cuh)
   float* ascales;       // [K/64, M_pad]
   float* lora;          // [M_pad, R] = x_smoothed @ proj_down, tf32-rounded, columns in lora_position order
   int M, M_pad, K, R;

@@ -38,7 +38,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 def quantize_outputs_poisoned(m, k, rank):
     m_pad, groups = kops.padded_rows(m), k // 64
     poison(
-        ((m_pad // 16, groups, 128), torch.int32),
+        ((m_pad // 128, groups, 8192), torch.int8),
         ((groups, m_pad), torch.float32),
         ((m_pad, rank), torch.float32),
     )
@@ -48,7 +48,7 @@ def assert_quantized_close(fused, unfused, m, max_flips):
     """Quantized values, scales and low-rank activations of the fused kernel against the unfused one."""
     (qf, sf, lf), (qu, su, lu) = fused, unfused
     differ = (qf != qu).sum().item()
-    assert differ <= max_flips, f"{differ} packed words differ"
+    assert differ <= max_flips, f"{differ} quantized values differ"
     assert torch.isfinite(sf).all() and torch.isfinite(lf).all()
     assert rel_err(sf[:, :m], su[:, :m]) < 1e-3 and rel_err(lf[:m], lu[:m]) < 1e-3
 

@@ -8,7 +8,15 @@ import torch
 from engine.errors import BackendUnavailable
 from engine.kernels import CudaW4A4Backend, build, choose_w4a4_backend, w4a4_backend_report
 from engine.kernels.build import load_extension
-from engine.kernels.w4a4 import MAGIC, OPERAND_SCALE, kernel_weight_scales, pack_operand, unpack_operand
+from engine.kernels.w4a4 import (
+    MAGIC,
+    OPERAND_SCALE,
+    kernel_weight_scales,
+    pack_activations,
+    pack_operand,
+    unpack_activations,
+    unpack_operand,
+)
 from engine.quant.format import W4A4Tensors, pack_int4
 from engine.quant.reference import w4a4_linear_reference
 
@@ -95,6 +103,19 @@ def test_packed_layout_follows_the_mma_fragments():
                             k = grp * 64 + 32 * step + kofs + 4 * t + b
                             assert value == q[tile * 16 + row, k]
     assert torch.equal(unpack_operand(packed), q)
+
+
+def test_activation_tiles_are_wgmma_canonical_k_major():
+    """Each byte is 16 * q where wgmma's no-swizzle K-major B layout (8 x 16-byte core matrices, leading
+    byte offset 128 rows * 16, stride byte offset 128) puts it for a 128-row tile and one K group."""
+    q = torch.randint(-8, 8, (256, 128), dtype=torch.int8)
+    tiles = pack_activations(q)
+    assert tiles.shape == (2, 2, 8192) and tiles.dtype == torch.int8
+    for block, grp, m, k in ((0, 0, 0, 0), (1, 1, 127, 63), (0, 1, 9, 17), (1, 0, 64, 40)):
+        core_k, core_m = k // 16, m // 8
+        offset = core_k * 128 * 16 + core_m * 128 + (m % 8) * 16 + k % 16
+        assert tiles[block, grp, offset] == 16 * q[128 * block + m, 64 * grp + k]
+    assert torch.equal(unpack_activations(tiles), q)
 
 
 def test_one_fma_recovers_dot_times_scale_exactly():

@@ -13,7 +13,7 @@ import torch
 from engine.errors import QuantError
 from engine.kernels import CudaW4A4Backend, choose_w4a4_backend
 from engine.kernels import ops as kops
-from engine.kernels.w4a4 import unpack_operand
+from engine.kernels.w4a4 import unpack_activations
 from engine.quant.format import W4A4Tensors, pack_int4
 from engine.quant.reference import quantize_activations, w4a4_linear_reference
 
@@ -102,7 +102,7 @@ def test_quantize_act_bit_exact(m, k, dtype):
     m_pad = kops.padded_rows(m)
     groups = k // 64
     poison(
-        ((m_pad // 16, groups, 128), torch.int32),
+        ((m_pad // 128, groups, 8192), torch.int8),
         ((groups, m_pad), torch.float32),
         ((m_pad, 32), torch.float32),
     )
@@ -111,7 +111,7 @@ def test_quantize_act_bit_exact(m, k, dtype):
 
     xs = smoothed_cpu(x, layer)
     q_ref, s_ref = quantize_activations(xs)
-    q = unpack_operand(qact.cpu())
+    q = unpack_activations(qact.cpu())
     scales = ascales.t().cpu()
     assert torch.equal(q[:m], q_ref), f"{(q[:m] != q_ref).sum().item()} quantized values differ"
     assert torch.equal(q[m:], torch.zeros_like(q[m:])), "padding rows must quantize to 0"
@@ -148,7 +148,7 @@ def test_quantize_act_ties_and_zero_groups():
     packed = CudaW4A4Backend().prepare(layer)
     qact, ascales, _ = kops.load().quantize_act_lora_down(x, None, packed.pd_t[torch.bfloat16])
     q_ref, s_ref = quantize_activations(x.cpu())
-    q = unpack_operand(qact.cpu())[:3]
+    q = unpack_activations(qact.cpu())[:3]
     assert torch.equal(q, q_ref)
     assert q[0, :8].tolist() == [7, 2, -4, 0, 0, 2, -2, 6]
     assert torch.equal(ascales.t()[:3].cpu(), s_ref)

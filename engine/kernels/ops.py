@@ -18,6 +18,7 @@ from engine.kernels.build import load_extension
 GROUP = 64
 M_PAD = 128
 BLOCK_N = 128
+ACT_BLOCK_ROWS = 128  # rows of one quantized activation tile (engine/kernels/w4a4.py pack_activations)
 
 
 def padded_rows(m: int, multiple: int = M_PAD) -> int:
@@ -28,7 +29,7 @@ def _fake_quantize(x, smooth, pd_t):
     m, k = x.shape
     m_pad = padded_rows(m)
     return (
-        x.new_empty((m_pad // 16, k // GROUP, 128), dtype=torch.int32),
+        x.new_empty((m_pad // ACT_BLOCK_ROWS, k // GROUP, ACT_BLOCK_ROWS * GROUP), dtype=torch.int8),
         x.new_empty((k // GROUP, m_pad), dtype=torch.float32),
         x.new_empty((m_pad, pd_t.shape[0]), dtype=torch.float32),
     )

@@ -10,8 +10,9 @@ and `forward(x, packed) -> y`.
   rows read their own low-rank columns.
 - `ReferenceW4A4Backend`: engine/quant/reference.py in plain torch, on any device.
 
-The kernels' packed operand layout is defined here in torch (`pack_operand` / `unpack_operand`) and in
-csrc/w4a4_common.cuh; the GPU tests hold the two to each other.
+The kernels' operand layouts are defined here in torch (`pack_operand` / `unpack_operand` for the packed
+4-bit weights, `pack_activations` / `unpack_activations` for the int8 activation tiles) and in
+csrc/w4a4_common.cuh; the tests hold the two to each other.
 """
 
 from __future__ import annotations
@@ -63,6 +64,27 @@ def unpack_operand(packed: torch.Tensor) -> torch.Tensor:
     both = torch.stack((raw & 0xF, raw >> 4), dim=-1).to(torch.int8)
     both = torch.where(both > 7, both - 16, both)
     return both.permute(*_INVERSE_PERM).reshape(t * 16, g * GROUP_SIZE)
+
+
+def pack_activations(q: torch.Tensor) -> torch.Tensor:
+    """int values in [-8, 7], [M_pad, K] (M_pad % 128 == 0, K % 64 == 0) -> int8 [M_pad/128, K/64, 8192].
+
+    The quantize kernel's output and the GEMM's B operand as it lands in shared memory: 16 * q per byte,
+    per 128-row block and K group byte (m, k) at (k // 16) * 2048 + 16 * m + k % 16.
+    """
+    rows, k = q.shape
+    if rows % ops.ACT_BLOCK_ROWS or k % GROUP_SIZE:
+        raise QuantError(f"pack_activations needs rows % 128 == 0 and K % 64 == 0, got {tuple(q.shape)}")
+    blocks, groups = rows // ops.ACT_BLOCK_ROWS, k // GROUP_SIZE
+    tiles = (q.to(torch.int8) * 16).reshape(blocks, ops.ACT_BLOCK_ROWS, groups, 4, 16)
+    return tiles.permute(0, 2, 3, 1, 4).reshape(blocks, groups, -1).contiguous()
+
+
+def unpack_activations(tiles: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_activations: int8 [M_pad/128, K/64, 8192] -> int8 q [M_pad, K]."""
+    blocks, groups, _ = tiles.shape
+    q = tiles.reshape(blocks, groups, 4, ops.ACT_BLOCK_ROWS, 16).permute(0, 3, 1, 2, 4)
+    return (q.reshape(blocks * ops.ACT_BLOCK_ROWS, groups * GROUP_SIZE) // 16).to(torch.int8)
 
 
 def kernel_weight_scales(wscales: torch.Tensor, n_pad: int) -> torch.Tensor:
