@@ -241,7 +241,7 @@ Tensor gemm_lora_up(const Tensor& qact, const Tensor& ascales, const Tensor& lor
                 "ovbatch_w4a4: segment_starts must be increasing multiples of 64 inside (0, N = ", N, "), got ",
                 segment_starts);
   TORCH_CHECK(M_pad % w4a4::kMPad == 0 && M >= 0 && M <= M_pad, "ovbatch_w4a4: M = ", M,
-              " does not fit the packed activations of ", M_pad, " rows");
+              " does not fit the quantized activations of ", M_pad, " rows");
   TORCH_CHECK(qweight.dim() == 3 && qweight.size(1) == G && qweight.size(2) == 128 && N_pad % w4a4::kBlockN == 0,
               "ovbatch_w4a4: qweight must be [N_pad/16, ", G, ", 128] with N_pad a multiple of 128, got ",
               qweight.sizes());
