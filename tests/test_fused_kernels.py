@@ -7,6 +7,10 @@ another order than torch's reduction, so rstd may differ in its last bit and, ra
 a normed value flips.
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,6 +37,7 @@ from engine.tiny import ensure_tiny_checkpoint
 pytestmark = pytest.mark.gpu
 
 DTYPES = (torch.bfloat16, torch.float16)
+REPO = Path(__file__).resolve().parents[1]
 
 
 def quantize_outputs_poisoned(m, k, rank):
@@ -141,6 +146,25 @@ def test_qk_norm_rope_rejects_bad_input():
         kops.load().qk_norm_rope(q, q.contiguous(), w, w, cos, cos, 1e-6)
     with pytest.raises(RuntimeError, match=r"cos must be \[4, 128\]"):
         kops.load().qk_norm_rope(q.contiguous(), q.contiguous(), w, w, cos[:3], cos, 1e-6)
+
+
+def test_bad_input_raises_in_a_fresh_process():
+    """The first error an extension op raises in a process formats sizes into its message; built with a
+    statically linked libstdc++ whose symbols were exported, that segfaulted (build.py's LINK_FLAGS)."""
+    script = (
+        "import torch\n"
+        "from engine.kernels import ops\n"
+        "x = torch.ones(4, 100, device='cuda', dtype=torch.bfloat16)\n"
+        "try:\n"
+        "    ops.load().rms_norm(x, x[0], 1e-6)\n"
+        "except RuntimeError as exc:\n"
+        "    print(str(exc).splitlines()[0])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "K a multiple of 8, got [4, 100]" in done.stdout
 
 
 def tiny_logits_on_and_off(switch, quantized, monkeypatch, tmp_path):

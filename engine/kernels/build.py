@@ -30,6 +30,10 @@ HEADERS = ("w4a4_common.cuh", "w4a4_launch.h")
 EXTENSION_NAME = "ovbatch_w4a4"
 # sm_90a: the GEMM uses wgmma (Hopper only); the rest is mma.sync and cp.async.
 CUDA_FLAGS = ("-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-Xptxas=-warn-spills")
+# A toolchain that links libstdc++ statically (the H200 image's /opt/gcc has only libstdc++.a) would
+# otherwise export that copy's symbols, which then mix with torch's libstdc++.so at run time: the first
+# error message with a number in it (c10::str of a size) segfaulted. Keeping the copy private fixes it.
+LINK_FLAGS = ("-Wl,--exclude-libs,ALL",)
 
 
 def tuning_defines() -> list[str]:
@@ -44,7 +48,7 @@ def cache_dir() -> Path:
     for name in SOURCES + HEADERS:
         digest.update(name.encode())
         digest.update((CSRC / name).read_bytes())
-    digest.update(" ".join((*CUDA_FLAGS, *tuning_defines())).encode())
+    digest.update(" ".join((*CUDA_FLAGS, *LINK_FLAGS, *tuning_defines())).encode())
     tag = f"torch{torch.__version__}-cuda{torch.version.cuda}-{digest.hexdigest()[:16]}"
     return root / tag.replace("+", "_")
 
@@ -73,6 +77,7 @@ def load_extension() -> tuple[bool, str]:
             sources=[str(CSRC / s) for s in SOURCES],
             extra_cuda_cflags=[*CUDA_FLAGS, *tuning_defines()],
             extra_cflags=["-O3"],
+            extra_ldflags=list(LINK_FLAGS),
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=os.environ.get("OVBATCH_KERNEL_VERBOSE") == "1",
