@@ -41,13 +41,30 @@ __device__ __forceinline__ float div_rn(float a, float b, float rb) {
 
 enum class Prologue { kNone, kRmsNorm };
 
-// Four consecutive input elements of one row as T values (8 bytes), the prologue applied.
+// A lane's share of one K group as loaded from memory: 4 consecutive elements (8 bytes) of block c for rows
+// gr and gr + 8 (zeros for rows past M), and for the RMSNorm prologue the norm weights of those columns.
+struct GroupInput {
+  uint2 x[2][4];
+  uint2 w[4];
+};
+
 template <typename T, Prologue P>
-__device__ __forceinline__ uint2 load_input(const T* x, const T* norm_w, int64_t off, int col, float rstd) {
-  const uint2 raw = *reinterpret_cast<const uint2*>(x + off);
+__device__ __forceinline__ void load_group(GroupInput& in, const T* x, const T* norm_w, int64_t off0, int64_t off1,
+                                           bool ok0, bool ok1, int g, int t) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int off = g * kGroup + 16 * c;
+    in.x[0][c] = ok0 ? *reinterpret_cast<const uint2*>(x + off0 + off) : make_uint2(0, 0);
+    in.x[1][c] = ok1 ? *reinterpret_cast<const uint2*>(x + off1 + off) : make_uint2(0, 0);
+    if (P == Prologue::kRmsNorm) in.w[c] = *reinterpret_cast<const uint2*>(norm_w + off + 4 * t);
+  }
+}
+
+// Four input elements with the prologue applied: T(w * T(x * rstd)) for the RMSNorm, x itself otherwise.
+template <typename T, Prologue P>
+__device__ __forceinline__ uint2 apply_prologue(uint2 raw, uint2 wraw, float rstd) {
   if (P == Prologue::kNone) return raw;
   const T* v = reinterpret_cast<const T*>(&raw);
-  const uint2 wraw = *reinterpret_cast<const uint2*>(norm_w + col);
   const T* w = reinterpret_cast<const T*>(&wraw);
   uint2 out;
   T* o = reinterpret_cast<T*>(&out);
@@ -130,14 +147,18 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 #pragma unroll
     for (int e = 0; e < 4; ++e) lacc[nt][e] = 0.f;
 
+  // Software pipeline: the warp's next group is loaded while this one is quantized, so its memory latency
+  // overlaps the arithmetic instead of following it.
+  GroupInput cur, next;
+  if (warp < G) load_group<T, P>(cur, x, norm_w, off0, off1, ok0, ok1, warp, t);
   for (int g = warp; g < G; g += kWarpsPerBlock) {
-    // raw[row][c]: 4 consecutive input elements (8 bytes) of block c of this group.
+    if (g + kWarpsPerBlock < G) load_group<T, P>(next, x, norm_w, off0, off1, ok0, ok1, g + kWarpsPerBlock, t);
+    // raw[row][c]: 4 consecutive input elements (8 bytes) of block c of this group, the prologue applied.
     uint2 raw[2][4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const int off = g * kGroup + 16 * c;
-      raw[0][c] = ok0 ? load_input<T, P>(x, norm_w, off0 + off, off + 4 * t, rstd[0]) : make_uint2(0, 0);
-      raw[1][c] = ok1 ? load_input<T, P>(x, norm_w, off1 + off, off + 4 * t, rstd[1]) : make_uint2(0, 0);
+      raw[0][c] = ok0 ? apply_prologue<T, P>(cur.x[0][c], cur.w[c], rstd[0]) : make_uint2(0, 0);
+      raw[1][c] = ok1 ? apply_prologue<T, P>(cur.x[1][c], cur.w[c], rstd[1]) : make_uint2(0, 0);
     }
 
     // Smoothed float32 values and the per-row max |x|.
@@ -204,6 +225,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
         mma_16816<T>(lacc[nt], a, b.x, b.y);
       }
     }
+    cur = next;
   }
 
 #pragma unroll
