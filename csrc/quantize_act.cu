@@ -148,11 +148,15 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     for (int e = 0; e < 4; ++e) lacc[nt][e] = 0.f;
 
   // Software pipeline: the warp's next group is loaded while this one is quantized, so its memory latency
-  // overlaps the arithmetic instead of following it.
+  // overlaps the arithmetic instead of following it. Not where the registers would spill: 16-warp blocks
+  // (128 registers a thread) with 96 low-rank columns load each group when they reach it.
+  constexpr bool kPrefetch = kWarpsPerBlock < 16 || R < 96;
   GroupInput cur, next;
-  if (warp < G) load_group<T, P>(cur, x, norm_w, off0, off1, ok0, ok1, warp, t);
+  if (kPrefetch && warp < G) load_group<T, P>(cur, x, norm_w, off0, off1, ok0, ok1, warp, t);
   for (int g = warp; g < G; g += kWarpsPerBlock) {
-    if (g + kWarpsPerBlock < G) load_group<T, P>(next, x, norm_w, off0, off1, ok0, ok1, g + kWarpsPerBlock, t);
+    if (!kPrefetch) load_group<T, P>(cur, x, norm_w, off0, off1, ok0, ok1, g, t);
+    if (kPrefetch && g + kWarpsPerBlock < G)
+      load_group<T, P>(next, x, norm_w, off0, off1, ok0, ok1, g + kWarpsPerBlock, t);
     // raw[row][c]: 4 consecutive input elements (8 bytes) of block c of this group, the prologue applied.
     uint2 raw[2][4];
 #pragma unroll
@@ -225,7 +229,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
         mma_16816<T>(lacc[nt], a, b.x, b.y);
       }
     }
-    cur = next;
+    if (kPrefetch) cur = next;
   }
 
 #pragma unroll
