@@ -148,8 +148,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     for (int e = 0; e < 4; ++e) lacc[nt][e] = 0.f;
 
   // Software pipeline: the warp's next group is loaded while this one is quantized, so its memory latency
-  // overlaps the arithmetic instead of following it. Single layers only (R <= 32): with a group's 48-96
-  // low-rank columns the second group's registers spill (up to 40 bytes) and group_qkv measured slower.
+  // overlaps the arithmetic instead of following it. Only up to 32 low-rank columns: with 48-96 the second
+  // group's registers spilled (up to 40 bytes).
   constexpr bool kPrefetch = R <= 32;
   GroupInput cur, next;
   if (kPrefetch && warp < G) load_group<T, P>(cur, x, norm_w, off0, off1, ok0, ok1, warp, t);

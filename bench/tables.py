@@ -1,0 +1,123 @@
+"""The README's and docs/kernels.md's benchmark tables, printed from the committed JSON results.
+
+After a benchmark rewrites bench/results/{generate,kernels,fused}-h200.json, run
+`python bench/tables.py` and paste each table over its old rows; tests/test_bench_tables.py fails while a
+document still shows rows the JSON does not hold.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GENERATE_CASES = {"B1": "1", "B8_same": "8, same lengths", "B16_vary": "16, varied", "B32_vary": "32, varied"}
+LAYERS = ("qkv", "o", "gate_up", "down")
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def generate_rows(result: dict) -> list[str]:
+    """README: generation speed against the official package, one row per batch case."""
+    rows = []
+    for key, label in GENERATE_CASES.items():
+        case = result["cases"][key]
+        ms = {name: round(v["ms"]) for name, v in case.items() if isinstance(v, dict)}
+        w4a4_ratio = case["ours_w4a4_graphs"]["ms"] / case["ours_bf16_graphs"]["ms"]
+        rows.append(
+            f"| {label} | {ms['official_fp16_eager']} | {ms['ours_bf16_eager']} | {ms['ours_bf16_graphs']} | "
+            f"{case['ours_bf16_graphs']['x_realtime']} | {case['speedup_ours_bf16_graphs']:.2f}x | "
+            f"{ms['ours_bf16_graphs_ungrouped']} | {ms['ours_bf16_graphs_unfused']} | "
+            f"{ms['ours_w4a4_graphs']} ({w4a4_ratio:.2f}x bf16) | {ms['ours_w4a4_graphs_ungrouped']} | "
+            f"{ms['ours_w4a4_graphs_unfused']} |"
+        )
+    return rows
+
+
+def kernel_summary_rows(result: dict) -> list[str]:
+    """README: whole W4A4 linear / cuBLAS bf16 / FP8 per M and layer."""
+    by_key = {(r["M"], r["layer"]): r for r in result["rows"]}
+    rows = []
+    for m in sorted({r["M"] for r in result["rows"]}):
+        cells = [by_key[m, layer] for layer in LAYERS]
+        rows.append(
+            f"| {m} | "
+            + " | ".join(
+                f"{r['w4a4_us']:.0f} / {r['bf16_us']:.0f} / {r['fp8_us']:.0f} us "
+                f"({r['speedup_vs_bf16']:.2f}x)"
+                for r in cells
+            )
+            + " |"
+        )
+    return rows
+
+
+def kernel_rows(result: dict) -> list[str]:
+    """docs/kernels.md: the current numbers, one row per M and layer."""
+    return [
+        f"| {r['M']} | {r['layer']} | {r['w4a4_us']:.1f} | {r['quantize_us']:.1f} | {r['gemm_us']:.1f} | "
+        f"{r['bf16_us']:.1f} | {r['fp8_us']:.1f} | {r['speedup_vs_bf16']:.2f}x | "
+        f"{r['speedup_vs_fp8']:.2f}x | {r['w4a4_tops']:.0f} |"
+        for r in result["rows"]
+    ]
+
+
+def _fused_case(result: dict, m: int, case: str) -> dict:
+    return next(r for r in result["rows"] if r["M"] == m and r["case"] == case)
+
+
+def fused_rows(result: dict) -> list[str]:
+    """docs/kernels.md: the fused kernels against torch, and RMSNorm + qkv."""
+    rows = []
+    for m in sorted({r["M"] for r in result["rows"]}):
+        norm, silu, rope, qkv = (
+            _fused_case(result, m, c) for c in ("rms_norm", "silu_mul", "qk_norm_rope", "norm_qkv")
+        )
+        rows.append(
+            f"| {m} | {norm['torch_us']:.1f} / {norm['fused_us']:.1f} "
+            f"({norm['speedup_fused_vs_torch']:.1f}x) | "
+            f"{silu['torch_us']:.1f} / {silu['fused_us']:.1f} ({silu['speedup_fused_vs_torch']:.2f}x) | "
+            f"{rope['torch_us']:.1f} / {rope['fused_us']:.1f} ({rope['speedup_fused_vs_torch']:.1f}x) | "
+            f"{qkv['bf16_us']:.1f} / {qkv['w4a4_unfused_us']:.1f} / {qkv['w4a4_fused_us']:.1f} |"
+        )
+    return rows
+
+
+def group_rows(result: dict) -> list[str]:
+    """docs/kernels.md: q/k/v and gate/up one by one and as one GEMM, bf16 and W4A4."""
+    rows = []
+    for m in sorted({r["M"] for r in result["rows"]}):
+        for case, label in (("group_qkv", "qkv"), ("group_gate_up", "gate_up")):
+            r = _fused_case(result, m, case)
+            rows.append(
+                f"| {m} | {label} | {r['bf16_separate_us']:.1f} | {r['bf16_grouped_us']:.1f} | "
+                f"{r['w4a4_separate_us']:.1f} | {r['w4a4_grouped_us']:.1f} "
+                f"({r['w4a4_separate_us'] / r['w4a4_grouped_us']:.2f}x) | "
+                f"{r['speedup_w4a4_grouped_vs_bf16_separate']:.2f}x / "
+                f"{r['bf16_grouped_us'] / r['w4a4_grouped_us']:.2f}x |"
+            )
+    return rows
+
+
+def tables() -> dict[str, tuple[str, list[str]]]:
+    """Table name -> (the document it lives in, its rows)."""
+    generate, kernels, fused = load("generate-h200.json"), load("kernels-h200.json"), load("fused-h200.json")
+    return {
+        "generation": ("README.md", generate_rows(generate)),
+        "W4A4 kernels": ("README.md", kernel_summary_rows(kernels)),
+        "current kernel numbers": ("docs/kernels.md", kernel_rows(kernels)),
+        "fused kernels": ("docs/kernels.md", fused_rows(fused)),
+        "groups": ("docs/kernels.md", group_rows(fused)),
+    }
+
+
+def main() -> None:
+    for name, (document, rows) in tables().items():
+        print(f"{name} ({document}):")
+        print("\n".join(rows), end="\n\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""The benchmark tables in README.md and docs/kernels.md show what the committed JSON results hold."""
+
+from pathlib import Path
+
+import pytest
+
+from bench.tables import GENERATE_CASES, generate_rows, tables
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", list(tables()))
+def test_documented_rows_match_the_results(name):
+    document, rows = tables()[name]
+    text = (REPO / document).read_text()
+    stale = [row for row in rows if row not in text.splitlines()]
+    assert not stale, f"{document}'s {name} table differs from bench/results: rerun bench/tables.py; {stale}"
+
+
+def test_generation_row_reads_every_variant():
+    case = {
+        "official_fp16_eager": {"ms": 1000.4},
+        "ours_bf16_eager": {"ms": 300.0},
+        "ours_bf16_graphs": {"ms": 100.0, "x_realtime": 60.0},
+        "ours_bf16_graphs_ungrouped": {"ms": 110.0},
+        "ours_bf16_graphs_unfused": {"ms": 220.0},
+        "ours_w4a4_graphs": {"ms": 150.0},
+        "ours_w4a4_graphs_ungrouped": {"ms": 160.0},
+        "ours_w4a4_graphs_unfused": {"ms": 300.0},
+        "speedup_ours_bf16_graphs": 10.004,
+    }
+    rows = generate_rows({"cases": dict.fromkeys(GENERATE_CASES, case)})
+    assert rows[0] == "| 1 | 1000 | 300 | 100 | 60.0 | 10.00x | 110 | 220 | 150 (1.50x bf16) | 160 | 300 |"
