@@ -19,6 +19,14 @@ def load(name: str) -> dict:
     return json.loads((RESULTS / name).read_text())
 
 
+def row(*cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def torch_vs_ours(r: dict, speedup_digits: int) -> str:
+    return f"{r['torch_us']:.1f} / {r['fused_us']:.1f} ({r['speedup_fused_vs_torch']:.{speedup_digits}f}x)"
+
+
 def generate_rows(result: dict) -> list[str]:
     """README: generation speed against the official package, one row per batch case."""
     rows = []
@@ -27,11 +35,19 @@ def generate_rows(result: dict) -> list[str]:
         ms = {name: round(v["ms"]) for name, v in case.items() if isinstance(v, dict)}
         w4a4_ratio = case["ours_w4a4_graphs"]["ms"] / case["ours_bf16_graphs"]["ms"]
         rows.append(
-            f"| {label} | {ms['official_fp16_eager']} | {ms['ours_bf16_eager']} | {ms['ours_bf16_graphs']} | "
-            f"{case['ours_bf16_graphs']['x_realtime']} | {case['speedup_ours_bf16_graphs']:.2f}x | "
-            f"{ms['ours_bf16_graphs_ungrouped']} | {ms['ours_bf16_graphs_unfused']} | "
-            f"{ms['ours_w4a4_graphs']} ({w4a4_ratio:.2f}x bf16) | {ms['ours_w4a4_graphs_ungrouped']} | "
-            f"{ms['ours_w4a4_graphs_unfused']} |"
+            row(
+                label,
+                ms["official_fp16_eager"],
+                ms["ours_bf16_eager"],
+                ms["ours_bf16_graphs"],
+                case["ours_bf16_graphs"]["x_realtime"],
+                f"{case['speedup_ours_bf16_graphs']:.2f}x",
+                ms["ours_bf16_graphs_ungrouped"],
+                ms["ours_bf16_graphs_unfused"],
+                f"{ms['ours_w4a4_graphs']} ({w4a4_ratio:.2f}x bf16)",
+                ms["ours_w4a4_graphs_ungrouped"],
+                ms["ours_w4a4_graphs_unfused"],
+            )
         )
     return rows
 
@@ -39,27 +55,27 @@ def generate_rows(result: dict) -> list[str]:
 def kernel_summary_rows(result: dict) -> list[str]:
     """README: whole W4A4 linear / cuBLAS bf16 / FP8 per M and layer."""
     by_key = {(r["M"], r["layer"]): r for r in result["rows"]}
-    rows = []
-    for m in sorted({r["M"] for r in result["rows"]}):
-        cells = [by_key[m, layer] for layer in LAYERS]
-        rows.append(
-            f"| {m} | "
-            + " | ".join(
-                f"{r['w4a4_us']:.0f} / {r['bf16_us']:.0f} / {r['fp8_us']:.0f} us "
-                f"({r['speedup_vs_bf16']:.2f}x)"
-                for r in cells
-            )
-            + " |"
-        )
-    return rows
+
+    def cell(r: dict) -> str:
+        return f"{r['w4a4_us']:.0f} / {r['bf16_us']:.0f} / {r['fp8_us']:.0f} us ({r['speedup_vs_bf16']:.2f}x)"
+
+    return [
+        row(m, *(cell(by_key[m, layer]) for layer in LAYERS))
+        for m in sorted({r["M"] for r in result["rows"]})
+    ]
 
 
 def kernel_rows(result: dict) -> list[str]:
     """docs/kernels.md: the current numbers, one row per M and layer."""
     return [
-        f"| {r['M']} | {r['layer']} | {r['w4a4_us']:.1f} | {r['quantize_us']:.1f} | {r['gemm_us']:.1f} | "
-        f"{r['bf16_us']:.1f} | {r['fp8_us']:.1f} | {r['speedup_vs_bf16']:.2f}x | "
-        f"{r['speedup_vs_fp8']:.2f}x | {r['w4a4_tops']:.0f} |"
+        row(
+            r["M"],
+            r["layer"],
+            *(f"{r[k]:.1f}" for k in ("w4a4_us", "quantize_us", "gemm_us", "bf16_us", "fp8_us")),
+            f"{r['speedup_vs_bf16']:.2f}x",
+            f"{r['speedup_vs_fp8']:.2f}x",
+            f"{r['w4a4_tops']:.0f}",
+        )
         for r in result["rows"]
     ]
 
@@ -72,15 +88,15 @@ def fused_rows(result: dict) -> list[str]:
     """docs/kernels.md: the fused kernels against torch, and RMSNorm + qkv."""
     rows = []
     for m in sorted({r["M"] for r in result["rows"]}):
-        norm, silu, rope, qkv = (
-            _fused_case(result, m, c) for c in ("rms_norm", "silu_mul", "qk_norm_rope", "norm_qkv")
-        )
+        qkv = _fused_case(result, m, "norm_qkv")
         rows.append(
-            f"| {m} | {norm['torch_us']:.1f} / {norm['fused_us']:.1f} "
-            f"({norm['speedup_fused_vs_torch']:.1f}x) | "
-            f"{silu['torch_us']:.1f} / {silu['fused_us']:.1f} ({silu['speedup_fused_vs_torch']:.2f}x) | "
-            f"{rope['torch_us']:.1f} / {rope['fused_us']:.1f} ({rope['speedup_fused_vs_torch']:.1f}x) | "
-            f"{qkv['bf16_us']:.1f} / {qkv['w4a4_unfused_us']:.1f} / {qkv['w4a4_fused_us']:.1f} |"
+            row(
+                m,
+                torch_vs_ours(_fused_case(result, m, "rms_norm"), 1),
+                torch_vs_ours(_fused_case(result, m, "silu_mul"), 2),
+                torch_vs_ours(_fused_case(result, m, "qk_norm_rope"), 1),
+                f"{qkv['bf16_us']:.1f} / {qkv['w4a4_unfused_us']:.1f} / {qkv['w4a4_fused_us']:.1f}",
+            )
         )
     return rows
 
@@ -92,11 +108,16 @@ def group_rows(result: dict) -> list[str]:
         for case, label in (("group_qkv", "qkv"), ("group_gate_up", "gate_up")):
             r = _fused_case(result, m, case)
             rows.append(
-                f"| {m} | {label} | {r['bf16_separate_us']:.1f} | {r['bf16_grouped_us']:.1f} | "
-                f"{r['w4a4_separate_us']:.1f} | {r['w4a4_grouped_us']:.1f} "
-                f"({r['w4a4_separate_us'] / r['w4a4_grouped_us']:.2f}x) | "
-                f"{r['speedup_w4a4_grouped_vs_bf16_separate']:.2f}x / "
-                f"{r['bf16_grouped_us'] / r['w4a4_grouped_us']:.2f}x |"
+                row(
+                    m,
+                    label,
+                    f"{r['bf16_separate_us']:.1f}",
+                    f"{r['bf16_grouped_us']:.1f}",
+                    f"{r['w4a4_separate_us']:.1f}",
+                    f"{r['w4a4_grouped_us']:.1f} ({r['w4a4_separate_us'] / r['w4a4_grouped_us']:.2f}x)",
+                    f"{r['speedup_w4a4_grouped_vs_bf16_separate']:.2f}x / "
+                    f"{r['bf16_grouped_us'] / r['w4a4_grouped_us']:.2f}x",
+                )
             )
     return rows
 
