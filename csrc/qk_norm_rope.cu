@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   T* y = reinterpret_cast<T*>(&normed);
 #pragma unroll
   for (int b = 0; b < kVec; ++b)
-    y[b] = from_float<T>(to_float<T>(wv[b]) * to_float<T>(from_float<T>(to_float<T>(x[b]) * rstd)));
+    y[b] = rms_normed<T>(x[b], wv[b], rstd);
   const int partner_distance = lanes_per_row / 2;
   uint4 other;
   other.x = __shfl_xor_sync(0xffffffffu, normed.x, partner_distance);

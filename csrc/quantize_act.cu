@@ -69,10 +69,7 @@ __device__ __forceinline__ uint2 apply_prologue(uint2 raw, uint2 wraw, float rst
   uint2 out;
   T* o = reinterpret_cast<T*>(&out);
 #pragma unroll
-  for (int b = 0; b < 4; ++b) {
-    const float normed = to_float<T>(from_float<T>(to_float<T>(v[b]) * rstd));
-    o[b] = from_float<T>(to_float<T>(w[b]) * normed);
-  }
+  for (int b = 0; b < 4; ++b) o[b] = rms_normed<T>(v[b], w[b], rstd);
   return out;
 }
 

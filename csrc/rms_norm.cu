@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32)
     T* o = reinterpret_cast<T*>(&out);
 #pragma unroll
     for (int b = 0; b < kVec; ++b)
-      o[b] = from_float<T>(to_float<T>(wv[b]) * to_float<T>(from_float<T>(to_float<T>(v[b]) * rstd)));
+      o[b] = rms_normed<T>(v[b], wv[b], rstd);
     *reinterpret_cast<uint4*>(yr + c) = out;
   }
 }

@@ -97,4 +97,10 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
+// One RMSNorm output element rounded as torch rounds it: T(w * T(x * rstd)).
+template <typename T>
+__device__ __forceinline__ T rms_normed(T x, T w, float rstd) {
+  return from_float<T>(to_float<T>(w) * to_float<T>(from_float<T>(to_float<T>(x) * rstd)));
+}
+
 }  // namespace w4a4
