@@ -192,9 +192,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
       scale[r] = amax[r] / 7.0f;
       rscale[r] = 1.0f / scale[r];
     }
-    if (t == 0) {
-      ascales[static_cast<int64_t>(g) * M_pad + row0] = scale[0];
-      ascales[static_cast<int64_t>(g) * M_pad + row1] = scale[1];
+    if (t == 0) {  // in the GEMM's order (w4a4_common.cuh: activation_scale_position of row0 and row1)
+      float* at = ascales + static_cast<int64_t>(g) * M_pad + activation_scale_position(row0);
+      at[0] = scale[0];
+      at[2] = scale[1];
     }
 
     // q = clamp(round_half_even(xs / scale), -8, 7), stored as the int8 16 * q (a zero group stays 0, no

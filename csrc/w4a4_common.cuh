@@ -63,6 +63,13 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
 // with columns k and k + 4 of each 8-wide block side by side, so one 8-byte load is an MMA B fragment.
 __host__ __device__ constexpr int lora_position(int col) { return (col & ~7) + 2 * (col & 3) + ((col >> 2) & 1); }
 
+// The activation scales [K/64, M_pad] are stored in the GEMM's reading order within each 16 rows: the
+// fold's thread t needs rows 2t, 2t + 1, 8 + 2t, 8 + 2t + 1 together, so they sit at 4t .. 4t + 3 (row r + 8
+// two places after row r).
+__host__ __device__ constexpr int activation_scale_position(int row) {
+  return (row & ~15) + 4 * ((row >> 1) & 3) + 2 * ((row >> 3) & 1) + (row & 1);
+}
+
 // D += A * B in tf32 with float32 accumulators (m16n8k8).
 __device__ __forceinline__ void mma_tf32_1688(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm(

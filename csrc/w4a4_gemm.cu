@@ -234,15 +234,21 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     fence_operands(a0);
     fence_operands(a1);
 
-    // Fold: d[4j + 2h + c] is weight row wrow0 + 8h, activation row 8j + 2t + c.
+    // Fold: d[4j + 2h + c] is weight row wrow0 + 8h, activation row 8j + 2t + c. The scales of this
+    // thread's activation rows in j = 2p and 2p + 1 lie side by side (activation_scale_position).
 #pragma unroll
-    for (int j = 0; j < BM / 8; ++j) {
-      const float2 as = *reinterpret_cast<const float2*>(&s.as[8 * j + 2 * t]);
-      float* a = &acc[4 * j];
-      a[0] = fmaf(fmaf(__int_as_float(d[4 * j + 0] + kMagic), ws0.x, ws0.y), as.x, a[0]);
-      a[1] = fmaf(fmaf(__int_as_float(d[4 * j + 1] + kMagic), ws0.x, ws0.y), as.y, a[1]);
-      a[2] = fmaf(fmaf(__int_as_float(d[4 * j + 2] + kMagic), ws1.x, ws1.y), as.x, a[2]);
-      a[3] = fmaf(fmaf(__int_as_float(d[4 * j + 3] + kMagic), ws1.x, ws1.y), as.y, a[3]);
+    for (int p = 0; p < BM / 16; ++p) {
+      const float4 as4 = *reinterpret_cast<const float4*>(&s.as[16 * p + 4 * t]);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float2 as = half ? make_float2(as4.z, as4.w) : make_float2(as4.x, as4.y);
+        const int j = 2 * p + half;
+        float* a = &acc[4 * j];
+        a[0] = fmaf(fmaf(__int_as_float(d[4 * j + 0] + kMagic), ws0.x, ws0.y), as.x, a[0]);
+        a[1] = fmaf(fmaf(__int_as_float(d[4 * j + 1] + kMagic), ws0.x, ws0.y), as.y, a[1]);
+        a[2] = fmaf(fmaf(__int_as_float(d[4 * j + 2] + kMagic), ws1.x, ws1.y), as.x, a[2]);
+        a[3] = fmaf(fmaf(__int_as_float(d[4 * j + 3] + kMagic), ws1.x, ws1.y), as.y, a[3]);
+      }
     }
     __syncthreads();
   }

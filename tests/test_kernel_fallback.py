@@ -11,6 +11,8 @@ from engine.kernels.build import load_extension
 from engine.kernels.w4a4 import (
     MAGIC,
     OPERAND_SCALE,
+    activation_scale_positions,
+    activation_scales_in_row_order,
     kernel_weight_scales,
     pack_activations,
     pack_operand,
@@ -116,6 +118,23 @@ def test_activation_tiles_are_wgmma_canonical_k_major():
         offset = core_k * 128 * 16 + core_m * 128 + (m % 8) * 16 + k % 16
         assert tiles[block, grp, offset] == 16 * q[128 * block + m, 64 * grp + k]
     assert torch.equal(unpack_activations(tiles), q)
+
+
+def test_activation_scales_sit_where_the_fold_reads_them():
+    """The GEMM's fold thread t loads scales 16p + 4t .. 16p + 4t + 3 at once and uses them for activation
+    rows 8j + 2t + c, j = 2p + half, at index 2 * half + c of the load."""
+    positions = activation_scale_positions(256)
+    assert sorted(positions.tolist()) == list(range(256))
+    for p in range(16):
+        for t in range(4):
+            for half in range(2):
+                for c in range(2):
+                    row = 8 * (2 * p + half) + 2 * t + c
+                    assert positions[row] == 16 * p + 4 * t + 2 * half + c
+    scales = torch.arange(2 * 256, dtype=torch.float32).reshape(2, 256)
+    stored = torch.empty_like(scales)
+    stored[:, positions] = scales
+    assert torch.equal(activation_scales_in_row_order(stored), scales)
 
 
 def test_one_fma_recovers_dot_times_scale_exactly():

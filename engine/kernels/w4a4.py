@@ -87,6 +87,19 @@ def unpack_activations(tiles: torch.Tensor) -> torch.Tensor:
     return (q.reshape(blocks * ops.ACT_BLOCK_ROWS, groups * GROUP_SIZE) // 16).to(torch.int8)
 
 
+def activation_scale_positions(rows: int) -> torch.Tensor:
+    """Where the quantize kernel stores each row's activation scale: in the GEMM fold's reading order
+    within 16 rows (thread t reads rows 2t, 2t + 1, 2t + 8, 2t + 9 with one 16-byte load), as
+    csrc/w4a4_common.cuh's activation_scale_position."""
+    r = torch.arange(rows)
+    return (r & ~15) + 4 * ((r >> 1) & 3) + 2 * ((r >> 3) & 1) + (r & 1)
+
+
+def activation_scales_in_row_order(ascales: torch.Tensor) -> torch.Tensor:
+    """The quantize kernel's activation scales [K/64, M_pad] with columns back in row order."""
+    return ascales[:, activation_scale_positions(ascales.shape[1]).to(ascales.device)]
+
+
 def kernel_weight_scales(wscales: torch.Tensor, n_pad: int) -> torch.Tensor:
     """[N, K/64] -> float32 [K/64, N_pad, 2] = (ws / 256, -MAGIC * ws / 256), ws rounded to 22 bits.
 
