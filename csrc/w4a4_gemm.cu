@@ -80,6 +80,19 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// The value, opaque to the compiler: it stays in a register instead of being recomputed from threadIdx
+// (a long-latency S2R) wherever it is used.
+__device__ __forceinline__ uint32_t opaque(uint32_t v) {
+  asm volatile("" : "+r"(v));
+  return v;
+}
+
+// The V at byte `offset` of shared-memory object `base`.
+template <typename V>
+__device__ __forceinline__ const V& at_offset(const void* base, uint32_t offset) {
+  return *reinterpret_cast<const V*>(static_cast<const unsigned char*>(base) + offset);
+}
+
 // Pins registers that the asynchronous wgmma reads or writes (accumulators, A fragments) around its
 // fence/wait instructions, so the compiler moves no access to them across.
 template <typename T, int N>
@@ -138,31 +151,32 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   const int gr = lane >> 2, t = lane & 3;
 
   // Static copy plan: 16-byte activation chunks tid + 128 h (chunk j of the stage's tile is its row j % BM
-  // of k chunk j / BM, which lies in the 128-row tile of global memory at (j / BM) * 2048 + 16 * row), weight
+  // of k chunk j / BM, which lies in the 128-row tile of global memory at (j / BM) * 2048 + 16 * row: the
+  // thread's first chunk plus h times a constant, so one pointer and immediate offsets address them), weight
   // record tid (this warp's own fragment tile), and for the first BM/4 + 32 threads one 16-byte piece of
   // the scales (activation scales, then weight scales, which land back to back in the stage). Stages are
   // loaded in group order, so the sources just advance.
   static_assert(offsetof(RawStage, ws) == offsetof(RawStage, as) + sizeof(float) * BM, "scales adjoin");
-  const int8_t* act_src =
-      qact + static_cast<int64_t>(m0 / kActBlockRows) * G * kActTileBytes + (m0 % kActBlockRows) * 16;
-  int act_offset[T::kActChunksPerThread];
-#pragma unroll
-  for (int h = 0; h < T::kActChunksPerThread; ++h) {
-    const int j = tid + h * kThreads;
-    act_offset[h] = (j / BM) * kActChunkBytes + (j % BM) * 16;
-  }
+  static_assert(kThreads % BM == 0, "chunk tid + 128 h is chunk tid's row, k chunks further");
+  constexpr int kActChunkStride = kThreads / BM * kActChunkBytes;  // global bytes from chunk j to j + 128
+  const int8_t* act_src = qact + static_cast<int64_t>(m0 / kActBlockRows) * G * kActTileBytes +
+                          (m0 % kActBlockRows) * 16 + (tid / BM) * kActChunkBytes + (tid % BM) * 16;
   const int4* w_src = qweight + static_cast<int64_t>(n0 / 16 + warp) * G * 32 + lane;
   const bool copies_scales = tid < BM / 4 + kTileN / 2, act_scales = tid < BM / 4;
   const float* s_src = act_scales ? ascales + m0 + 4 * tid
                                   : reinterpret_cast<const float*>(wscales + n0) + 4 * (tid - BM / 4);
   const int s_stride = act_scales ? M_pad : 2 * N_pad;
   const uint32_t ring = smem_addr(sm.ring);
+  const int wrow0 = warp * 16 + gr;  // this thread's weight rows: wrow0 and wrow0 + 8
+  // Byte offsets of this thread's pieces of a ring slot: its 16-byte copy, its weights' scales, its
+  // activation rows' scales.
+  const uint32_t thr16 = opaque(16 * tid), ws_off = opaque(sizeof(float2) * wrow0), as_off = opaque(16 * t);
 
   auto load_next_stage = [&](int g) {
-    const uint32_t slot = ring + (g & (kStages - 1)) * static_cast<uint32_t>(sizeof(RawStage)) + 16 * tid;
+    const uint32_t slot = ring + (g & (kStages - 1)) * static_cast<uint32_t>(sizeof(RawStage)) + thr16;
 #pragma unroll
     for (int h = 0; h < T::kActChunksPerThread; ++h)
-      cp_async_16(slot + offsetof(RawStage, act) + 16 * kThreads * h, act_src + act_offset[h]);
+      cp_async_16(slot + offsetof(RawStage, act) + 16 * kThreads * h, act_src + h * kActChunkStride);
     cp_async_16(slot + offsetof(RawStage, w), w_src);
     if (copies_scales) cp_async_16(slot + offsetof(RawStage, as), s_src);
     act_src += kActTileBytes;
@@ -188,15 +202,14 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
   int d[BM / 2];
 
-  const int wrow0 = warp * 16 + gr;  // this thread's weight rows: wrow0 and wrow0 + 8
-
   // Software pipeline, one barrier per group: group g's wgmma runs while the copies of later groups land,
   // then group g is folded. Each thread waits for its own copies of group g + 1 and fences them for the
   // async proxy (wgmma reads shared memory through it); the barrier that ends iteration g publishes them
   // to the whole block and frees the ring slot that iteration g + 1 refills.
   cp_async_wait<kStages - 2>();
   fence_proxy_async();
-  int4 wrec = sm.ring[0].w[tid];  // this thread's packed weight record of the next group
+  // This thread's packed weight record of the next group.
+  int4 wrec = at_offset<int4>(sm.ring[0].w, thr16);
   __syncthreads();
 
   for (int g = 0; g < G; ++g) {
@@ -225,9 +238,9 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     if (g + 1 < G) {
       cp_async_wait<kStages - 2>();
       fence_proxy_async();
-      wrec = sm.ring[(g + 1) & (kStages - 1)].w[tid];
+      wrec = at_offset<int4>(sm.ring[(g + 1) & (kStages - 1)].w, thr16);
     }
-    const float2 ws0 = s.ws[wrow0], ws1 = s.ws[wrow0 + 8];
+    const float2 ws0 = at_offset<float2>(s.ws, ws_off), ws1 = at_offset<float2>(s.ws, ws_off + 8 * sizeof(float2));
 
     wgmma_wait_all();
     fence_operands(d);
@@ -238,7 +251,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     // thread's activation rows in j = 2p and 2p + 1 lie side by side (activation_scale_position).
 #pragma unroll
     for (int p = 0; p < BM / 16; ++p) {
-      const float4 as4 = *reinterpret_cast<const float4*>(&s.as[16 * p + 4 * t]);
+      const float4 as4 = at_offset<float4>(s.as, as_off + 16 * sizeof(float) * p);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const float2 as = half ? make_float2(as4.z, as4.w) : make_float2(as4.x, as4.y);
@@ -335,7 +348,8 @@ cudaError_t launch_rank(const GemmArgs& a, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t launch_w4a4_gemm_lora_up(const GemmArgs& a, cudaStream_t stream) {
-  if (a.M_pad % kMPad || a.M > a.M_pad || a.N_pad % kBlockN || a.N > a.N_pad || a.N % kTileN || a.K % kGroup)
+  if (a.M_pad % kMPad || a.M > a.M_pad || a.N_pad % kBlockN || a.N > a.N_pad || a.N % kTileN || a.K < kGroup ||
+      a.K % kGroup)
     return cudaErrorInvalidValue;
   if (a.segments < 1 || a.segments > kMaxSegments || a.lora_ld != a.segments * a.R) return cudaErrorInvalidValue;
   for (int s = 0; s + 1 < a.segments; ++s)

@@ -180,6 +180,7 @@ def test_w4a4_linear_matches_reference(m, n, k):
         (129, 192, 128, 16, True, True, torch.bfloat16),  # N a multiple of 64, not of 128
         (64, 320, 640, 32, False, False, torch.float16),
         (5000, 3072, 1024, 16, True, False, torch.bfloat16),
+        (77, 128, 64, 16, False, True, torch.bfloat16),  # one K group: fewer groups than ring slots
     ],
 )
 def test_w4a4_linear_variants(m, n, k, rank, smooth, bias, dtype):
