@@ -1,7 +1,7 @@
 // RMSNorm of rows (Qwen3's: y = T(w * T(x * rsqrt(mean(x^2) + eps))), float32 inside), for the paths whose
 // consumer is not a W4A4 linear (the bf16 engine's q/k/v and gate/up inputs, the final norm). torch runs
-// it as a chain of elementwise and reduction kernels with float32 intermediates (3.6x-11x slower in
-// bench/results/fused-h200.json); this reads x once from memory and writes y once.
+// it as a chain of elementwise and reduction kernels with float32 intermediates (bench/fused.py measures
+// both); this reads x once from memory and writes y once.
 // One warp per row, 16-byte accesses: the squares are summed on the first read, the second read of the
 // row comes from L1/L2.
 #include "w4a4_common.cuh"

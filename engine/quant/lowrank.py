@@ -159,16 +159,15 @@ def quantize_siblings(
     names: list[str],
 ) -> list[LayerResult]:
     """Quantize weights [N_i, K] that read one input (its calibration statistics), one smoothing for all."""
-    k = ws[0].shape[1]
+    k = stats.sample.shape[1]
+    if stats.rows == 0 or stats.sample.shape[0] == 0:
+        raise QuantError(
+            f"{', '.join(names)}: no calibration rows reached the input; give calibration requests."
+        )
     for w, name in zip(ws, names):
         check_group_multiple(name, w.shape[1])
-        if w.shape[1] != k or stats.hessian.shape != (k, k) or stats.sample.shape[1] != k:
-            raise QuantError(
-                f"{name}: calibration statistics are for {stats.sample.shape[1]} inputs, weight has "
-                f"{w.shape[1]}."
-            )
-        if stats.rows == 0 or stats.sample.shape[0] == 0:
-            raise QuantError(f"{name}: no calibration rows reached this layer; give calibration requests.")
+        if w.shape[1] != k or stats.hessian.shape != (k, k):
+            raise QuantError(f"{name}: calibration statistics are for {k} inputs, weight has {w.shape[1]}.")
     results = [_unsmoothed(w, bias, stats, cfg) for w, bias in zip(ws, biases)]
     if cfg.alphas:
         _smooth_together(results, ws, stats, cfg, biases)
