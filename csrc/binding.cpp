@@ -49,7 +49,7 @@ void check_rows(const Tensor& t, const char* name) {
 }
 
 // Activation quantization + low-rank down-projection of the input `a` describes (x, or a prologue of it):
-// -> (qact int8 [M_pad/128, K/64, 8192], ascales f32 [K/64, M_pad], lora f32 [M_pad, R]).
+// -> (qact int8 [M_pad/128, K/64, 8192] of e4m3 bytes, ascales f32 [K/64, M_pad], lora f32 [M_pad, R]).
 std::tuple<Tensor, Tensor, Tensor> quantize_input(const Tensor& x, const std::optional<Tensor>& smooth,
                                                   const Tensor& pd_t, w4a4::QuantizeArgs a) {
   check_rows(x, "x");
@@ -253,8 +253,8 @@ Tensor gemm_lora_up(const Tensor& qact, const Tensor& ascales, const Tensor& lor
               proj_up.sizes());
   TORCH_CHECK(lora.dim() == 2 && lora.size(0) == M_pad && lora.size(1) == segments * R, "ovbatch_w4a4: lora must be [",
               M_pad, ", ", segments * R, "] (", segments, " layers of rank ", R, "), got ", lora.sizes());
-  TORCH_CHECK(wscales.sizes() == torch::IntArrayRef({G, N_pad, 2}), "ovbatch_w4a4: wscales must be [", G, ", ",
-              N_pad, ", 2], got ", wscales.sizes());
+  TORCH_CHECK(wscales.sizes() == torch::IntArrayRef({G, N_pad}), "ovbatch_w4a4: wscales must be [", G, ", ", N_pad,
+              "], got ", wscales.sizes());
   TORCH_CHECK(proj_up.sizes() == torch::IntArrayRef({N_pad, R}), "ovbatch_w4a4: proj_up must be [", N_pad, ", ", R,
               "], got ", proj_up.sizes());
   if (bias) {

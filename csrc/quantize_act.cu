@@ -1,5 +1,5 @@
-// Kernel 1: per-token, per-64 int4 activation quantization into the GEMM's activation layout (int8 16 * q
-// in wgmma's shared-memory layout: csrc/w4a4_common.cuh), fused with the low-rank down-projection
+// Kernel 1: per-token, per-64 int4 activation quantization into the GEMM's activation layout (e4m3 bytes
+// of q * 2^-9 in wgmma's shared-memory layout: csrc/w4a4_common.cuh), fused with the low-rank down-projection
 // (x @ proj_down) so that x is read from memory once.
 //
 // A block owns 16 rows; its warps take the K groups in turn (warp w: groups w, w + W, ...), and the
@@ -198,8 +198,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
       at[2] = scale[1];
     }
 
-    // q = clamp(round_half_even(xs / scale), -8, 7), stored as the int8 16 * q (a zero group stays 0, no
-    // division): rows gr and gr + 8 of this 16-row block, k = 16c + 4t .. 16c + 4t + 3, one word each.
+    // q = clamp(round_half_even(xs / scale), -8, 7), stored as the e4m3 byte of q * 2^-9 (a zero group stays
+    // 0, no division): rows gr and gr + 8 of this 16-row block, k = 16c + 4t .. 16c + 4t + 3, one word each.
     int8_t* tile =
         qact + (static_cast<int64_t>(mtile / 8) * G + g) * kActTileBytes + ((mtile % 8) * 16 + gr) * 16 + 4 * t;
 #pragma unroll
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
         for (int b = 0; b < 4; ++b) {
           int q = 0;
           if (scale[r] > 0.f) q = min(7, max(-8, __float2int_rn(div_rn(xs[r][c][b], scale[r], rscale[r]))));
-          word |= (static_cast<uint32_t>(q & 0xF) << 4) << (8 * b);
+          word |= e4m3_of_int(q) << (8 * b);
         }
         *reinterpret_cast<uint32_t*>(tile + c * kActChunkBytes + r * 8 * 16) = word;
       }

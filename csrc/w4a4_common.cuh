@@ -1,12 +1,18 @@
-// Shared pieces of the W4A4 kernels: the operand layouts, int4 -> int8 unpacking, MMA wrappers.
+// Shared pieces of the W4A4 kernels: the operand layouts, int4 -> e4m3 unpacking, MMA wrappers.
+//
+// Both GEMM operands are e4m3 bytes holding integers: the byte (s << 7) | n is (-1)^s * n * 2^-9 for n in
+// 0..15 (subnormals 0..7, the smallest normals 8..15), so a value's sign and magnitude are its bits, and
+// the FP8 tensor cores sum the products of two such bytes exactly (each 2^-18 times an integer product;
+// measured exact on the H200 for k = 32 .. 1024, docs/kernels.md). The weight scale carries the 2^18 back.
 //
 // Packed weight layout: one 16-byte record per lane of a warp for each 16 x 64 tile (16 rows of N, one
 // 64-wide K group), records of a tile contiguous (512 bytes). Lane l = 4 * gr + t holds four 32-bit words;
 // word i holds rows gr + 8 * (i & 1), k = 16 * (i >> 1) + 4t + b (b the byte): low nibbles for k 0..31 of
-// the group, high nibbles for k 32..63. A word's low (high) nibbles are thus exactly the int8 A-fragment
-// register i of a wgmma m64nNk32 for the warp's 16 rows, for k-step 0 (1).
+// the group, high nibbles for k 32..63. A word's low (high) nibbles are thus exactly the 8-bit A-fragment
+// register i of a wgmma m64nNk32 for the warp's 16 rows, for k-step 0 (1). A nibble codes w in [-8, 7]
+// as w itself for w >= 0 and as 8 | (-w - 1) below, so that e4m3(w) = nibble + 121 * (nibble >> 3).
 //
-// Activation layout: the quantize kernel writes int8 values 16 * q straight into wgmma's canonical K-major
+// Activation layout: the quantize kernel writes e4m3 bytes straight into wgmma's canonical K-major
 // no-swizzle shared-memory layout, so the GEMM copies them with no unpacking: per block of 128 rows and
 // 64-wide K group an 8 KB tile, byte (m, k) at (k / 16) * 2048 + 16 * m + k % 16; tiles in (block, group)
 // order. 4-bit values in 8-bit containers: twice the bytes of packed nibbles in this transient buffer
@@ -25,10 +31,16 @@ constexpr int kGroup = 64;
 constexpr int kActChunkBytes = kActBlockRows * 16;  // one 16-wide k chunk of an activation tile
 static_assert(kActTileBytes == kActBlockRows * kGroup, "an activation tile is 128 rows x one K group");
 
-// Nibbles moved to the high half of each byte: int8 lanes holding 16 * q, exact for q in [-8, 7].
-// Both operands carry the factor 16, so every int32 dot product carries 256 (folded into the weight scale).
-__device__ __forceinline__ uint32_t nibbles_step0(uint32_t w) { return (w << 4) & 0xF0F0F0F0u; }
-__device__ __forceinline__ uint32_t nibbles_step1(uint32_t w) { return w & 0xF0F0F0F0u; }
+// The e4m3 bytes of a packed word's low (k-step 0) or high (k-step 1) nibbles: 121 = 0x80 + 1 - 8 turns the
+// code 8 | m of w = -(m + 1) into the byte 0x80 | (m + 1).
+__device__ __forceinline__ uint32_t e4m3_from_code(uint32_t codes) {
+  return (codes & 0x0F0F0F0Fu) + 121u * ((codes >> 3) & 0x01010101u);
+}
+__device__ __forceinline__ uint32_t e4m3_step0(uint32_t w) { return e4m3_from_code(w); }
+__device__ __forceinline__ uint32_t e4m3_step1(uint32_t w) { return e4m3_from_code(w >> 4); }
+
+// An activation q in [-8, 7] as the e4m3 byte of q * 2^-9.
+__device__ __forceinline__ uint32_t e4m3_of_int(int q) { return q < 0 ? 0x80u | static_cast<uint32_t>(-q) : q; }
 
 // D += A * B with bf16 or fp16 inputs and float32 accumulators (m16n8k16).
 template <typename T>

@@ -1,5 +1,6 @@
-// Kernel 2: W4A4 GEMM on Hopper's warpgroup INT8 tensor cores (wgmma, sm_90a) with per-group float32
-// scaling and the low-rank up-projection fused into the epilogue; one write of the output.
+// Kernel 2: W4A4 GEMM on Hopper's warpgroup FP8 tensor cores (wgmma e4m3, sm_90a: exact on these integer
+// operands, csrc/w4a4_common.cuh) with per-group float32 scaling and the low-rank up-projection fused into
+// the epilogue; one write of the output.
 //
 // Roles: the weights are wgmma's A operand (registers), the activations its B operand (shared memory), so
 // the block computes a transposed tile acc[n, m] (64 weight rows x BM activation rows, BM = 64 or 128) and
@@ -8,16 +9,14 @@
 // tensor cores.
 //
 // Per 64-wide K group (kStages-deep cp.async ring of the operands and their scales):
-//   1. the activation tile arrives as the quantize kernel wrote it, int8 16 * q in wgmma's canonical
+//   1. the activation tile arrives as the quantize kernel wrote it, e4m3 bytes in wgmma's canonical
 //      K-major layout (csrc/w4a4_common.cuh), and wgmma reads it from the ring slot as it is;
-//   2. each warp unpacks its 16 packed 4-bit weight rows straight into wgmma A-fragment registers (the
-//      nibble moved to the high half of each byte, times 16 like the activations: two bit operations);
-//   3. two wgmma m64nBMk32 (k 0..31, then k 32..63) give int32 sums 256 * dot per output;
-//   4. three instructions per output fold the group into the float32 accumulators:
-//        f = float_bits(256 * dot + 0x4B400000) = 12582912 + 256 * dot      (exact: |256 dot| <= 2^20)
-//        t = fma(f, ws', -12582912 * ws') = round(dot * wscale)   with ws' = wscale / 256
+//   2. each warp turns its 16 packed 4-bit weight rows straight into e4m3 A-fragment registers (a mask, a
+//      shift and a multiply-add per 4 bytes);
+//   3. two wgmma m64nBMk32 (k 0..31, then k 32..63) give float32 sums dot * 2^-18, exact;
+//   4. two instructions per output fold the group into the float32 accumulators:
+//        t = dot * 2^-18 * ws'  = round(dot * wscale)     with ws' = wscale * 2^18 (exact: a power of two)
 //        acc = fma(t, ascale, acc)
-//      12582912 * ws' is exact because wscale has at most 22 significant bits (the loader rounds to 22).
 // Epilogue: acc += proj_up[n, :] . lora[m, :] on tf32 mma.sync (its C fragment matches wgmma's D layout),
 // + bias, cast, transpose through shared memory, 16-byte stores of rows < M. A grouped GEMM (layers that
 // read one input, weights stacked along N) gives each layer's 64-row weight tiles that layer's R low-rank
@@ -40,7 +39,6 @@ static_assert((kStages & (kStages - 1)) == 0, "stage count must be a power of tw
 
 constexpr int kThreads = 128;  // one warpgroup
 constexpr int kTileN = 64;     // weight rows per block: wgmma's M
-constexpr int kMagic = 0x4B400000;
 
 // Per activation-tile height BM (wgmma's N). 128 rows is faster wherever the grid fills the GPU (fewer
 // instructions per output); 64-row tiles (half the registers, twice the blocks) win on small grids.
@@ -49,17 +47,17 @@ struct Tile {
   static_assert(BM == 64 || BM == 128, "activation tiles of 64 or 128 rows");
   static_assert(kMPad % BM == 0, "padded activations hold whole tiles");
   static constexpr int kMinBlocks = BM == 64 ? 4 : 3;  // register budget: 128 or 168 per thread
-  // The int8 activation tile, K-major in wgmma's canonical no-swizzle layout: 8 x 16-byte core matrices,
+  // The e4m3 activation tile, K-major in wgmma's canonical no-swizzle layout: 8 x 16-byte core matrices,
   // byte (m, k) at (k / 16) * kCoreK + (m / 8) * kCoreM + (m % 8) * 16 + k % 16.
   static constexpr int kCoreK = BM * 16;  // bytes between core matrices adjacent in K (leading byte offset)
   static constexpr int kCoreM = 128;      // bytes between core matrices adjacent in M (stride byte offset)
   static constexpr int kActChunksPerThread = BM * kGroup / 16 / kThreads;  // 16-byte copies a stage
 
   struct RawStage {
-    alignas(128) int8_t act[BM * kGroup];  // int8 activations (16 * q), wgmma's layout: the B operand
+    alignas(128) int8_t act[BM * kGroup];  // e4m3 activations, wgmma's layout: the B operand
     int4 w[kTileN / 16 * 32];  // packed 4-bit weights in A-fragment layout: one 16-byte record per lane
     float as[BM];
-    float2 ws[kTileN];
+    float ws[kTileN];  // wscale * 2^18
   };
 
   template <int R>
@@ -95,38 +93,43 @@ __device__ __forceinline__ const V& at_offset(const void* base, uint32_t offset)
 
 // Pins registers that the asynchronous wgmma reads or writes (accumulators, A fragments) around its
 // fence/wait instructions, so the compiler moves no access to them across.
-template <typename T, int N>
-__device__ __forceinline__ void fence_operands(T (&regs)[N]) {
+template <int N>
+__device__ __forceinline__ void fence_operands(uint32_t (&regs)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(regs[i])::"memory");
 }
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&regs)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(regs[i])::"memory");
+}
 
-#define W4A4_D8(i) "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3]), "+r"(d[i + 4]), "+r"(d[i + 5]), \
-                   "+r"(d[i + 6]), "+r"(d[i + 7])
+#define W4A4_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                   "+f"(d[i + 6]), "+f"(d[i + 7])
 
-// d (+)= a * b: m64nNk32, s8 x s8 -> s32, A from registers (this warp's 16 rows), B from shared memory;
+// d (+)= a * b: m64nNk32, e4m3 x e4m3 -> f32, A from registers (this warp's 16 rows), B from shared memory;
 // scale_d = 0 starts a fresh sum.
-__device__ __forceinline__ void wgmma_s8_rs(int (&d)[64], const uint32_t (&a)[4], uint64_t b_desc, int scale_d) {
+__device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t b_desc, int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p;\n}\n"
+      "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
       : W4A4_D8(0), W4A4_D8(8), W4A4_D8(16), W4A4_D8(24), W4A4_D8(32), W4A4_D8(40), W4A4_D8(48), W4A4_D8(56)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d)
       : "memory");
 }
 
-__device__ __forceinline__ void wgmma_s8_rs(int (&d)[32], const uint32_t (&a)[4], uint64_t b_desc, int scale_d) {
+__device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc, int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p;\n}\n"
+      "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
       : W4A4_D8(0), W4A4_D8(8), W4A4_D8(16), W4A4_D8(24)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d)
       : "memory");
@@ -136,7 +139,7 @@ __device__ __forceinline__ void wgmma_s8_rs(int (&d)[32], const uint32_t (&a)[4]
 template <int BM, int R, typename OutT>
 __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     w4a4_gemm_lora_up_kernel(const int8_t* __restrict__ qact, const float* __restrict__ ascales,
-                             const int4* __restrict__ qweight, const float2* __restrict__ wscales,
+                             const int4* __restrict__ qweight, const float* __restrict__ wscales,
                              const float* __restrict__ lora, const float* __restrict__ proj_up,
                              const float* __restrict__ bias, OutT* __restrict__ y, int M, int M_pad, int N,
                              int N_pad, int K, int lora_ld, int2 segment_start) {
@@ -153,7 +156,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   // Static copy plan: 16-byte activation chunks tid + 128 h (chunk j of the stage's tile is its row j % BM
   // of k chunk j / BM, which lies in the 128-row tile of global memory at (j / BM) * 2048 + 16 * row: the
   // thread's first chunk plus h times a constant, so one pointer and immediate offsets address them), weight
-  // record tid (this warp's own fragment tile), and for the first BM/4 + 32 threads one 16-byte piece of
+  // record tid (this warp's own fragment tile), and for the first BM/4 + 16 threads one 16-byte piece of
   // the scales (activation scales, then weight scales, which land back to back in the stage). Stages are
   // loaded in group order, so the sources just advance.
   static_assert(offsetof(RawStage, ws) == offsetof(RawStage, as) + sizeof(float) * BM, "scales adjoin");
@@ -162,15 +165,14 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   const int8_t* act_src = qact + static_cast<int64_t>(m0 / kActBlockRows) * G * kActTileBytes +
                           (m0 % kActBlockRows) * 16 + (tid / BM) * kActChunkBytes + (tid % BM) * 16;
   const int4* w_src = qweight + static_cast<int64_t>(n0 / 16 + warp) * G * 32 + lane;
-  const bool copies_scales = tid < BM / 4 + kTileN / 2, act_scales = tid < BM / 4;
-  const float* s_src = act_scales ? ascales + m0 + 4 * tid
-                                  : reinterpret_cast<const float*>(wscales + n0) + 4 * (tid - BM / 4);
-  const int s_stride = act_scales ? M_pad : 2 * N_pad;
+  const bool copies_scales = tid < BM / 4 + kTileN / 4, act_scales = tid < BM / 4;
+  const float* s_src = act_scales ? ascales + m0 + 4 * tid : wscales + n0 + 4 * (tid - BM / 4);
+  const int s_stride = act_scales ? M_pad : N_pad;
   const uint32_t ring = smem_addr(sm.ring);
   const int wrow0 = warp * 16 + gr;  // this thread's weight rows: wrow0 and wrow0 + 8
   // Byte offsets of this thread's pieces of a ring slot: its 16-byte copy, its weights' scales, its
   // activation rows' scales.
-  const uint32_t thr16 = opaque(16 * tid), ws_off = opaque(sizeof(float2) * wrow0), as_off = opaque(16 * t);
+  const uint32_t thr16 = opaque(16 * tid), ws_off = opaque(sizeof(float) * wrow0), as_off = opaque(16 * t);
 
   auto load_next_stage = [&](int g) {
     const uint32_t slot = ring + (g & (kStages - 1)) * static_cast<uint32_t>(sizeof(RawStage)) + thr16;
@@ -200,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   float acc[BM / 2];
 #pragma unroll
   for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
-  int d[BM / 2];
+  float d[BM / 2];
 
   // Software pipeline, one barrier per group: group g's wgmma runs while the copies of later groups land,
   // then group g is folded. Each thread waits for its own copies of group g + 1 and fences them for the
@@ -220,8 +222,8 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     uint32_t a0[4], a1[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      a0[i] = nibbles_step0(wv[i]);
-      a1[i] = nibbles_step1(wv[i]);
+      a0[i] = e4m3_step0(wv[i]);
+      a1[i] = e4m3_step1(wv[i]);
     }
     const uint32_t tile = ring + (g & (kStages - 1)) * static_cast<uint32_t>(sizeof(RawStage)) +
                           static_cast<uint32_t>(offsetof(RawStage, act));
@@ -229,8 +231,8 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     fence_operands(a1);
     fence_operands(d);
     wgmma_fence();
-    wgmma_s8_rs(d, a0, T::desc(tile), 0);
-    wgmma_s8_rs(d, a1, T::desc(tile + 2 * T::kCoreK), 1);
+    wgmma_e4m3_rs(d, a0, T::desc(tile), 0);
+    wgmma_e4m3_rs(d, a1, T::desc(tile + 2 * T::kCoreK), 1);
     wgmma_commit();
 
     if (g + kStages - 1 < G) load_next_stage(g + kStages - 1);
@@ -240,7 +242,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
       fence_proxy_async();
       wrec = at_offset<int4>(sm.ring[(g + 1) & (kStages - 1)].w, thr16);
     }
-    const float2 ws0 = at_offset<float2>(s.ws, ws_off), ws1 = at_offset<float2>(s.ws, ws_off + 8 * sizeof(float2));
+    const float ws0 = at_offset<float>(s.ws, ws_off), ws1 = at_offset<float>(s.ws, ws_off + 8 * sizeof(float));
 
     wgmma_wait_all();
     fence_operands(d);
@@ -257,10 +259,10 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
         const float2 as = half ? make_float2(as4.z, as4.w) : make_float2(as4.x, as4.y);
         const int j = 2 * p + half;
         float* a = &acc[4 * j];
-        a[0] = fmaf(fmaf(__int_as_float(d[4 * j + 0] + kMagic), ws0.x, ws0.y), as.x, a[0]);
-        a[1] = fmaf(fmaf(__int_as_float(d[4 * j + 1] + kMagic), ws0.x, ws0.y), as.y, a[1]);
-        a[2] = fmaf(fmaf(__int_as_float(d[4 * j + 2] + kMagic), ws1.x, ws1.y), as.x, a[2]);
-        a[3] = fmaf(fmaf(__int_as_float(d[4 * j + 3] + kMagic), ws1.x, ws1.y), as.y, a[3]);
+        a[0] = fmaf(__fmul_rn(d[4 * j + 0], ws0), as.x, a[0]);
+        a[1] = fmaf(__fmul_rn(d[4 * j + 1], ws0), as.y, a[1]);
+        a[2] = fmaf(__fmul_rn(d[4 * j + 2], ws1), as.x, a[2]);
+        a[3] = fmaf(__fmul_rn(d[4 * j + 3], ws1), as.y, a[3]);
       }
     }
     __syncthreads();
@@ -324,7 +326,7 @@ cudaError_t launch_tile(const GemmArgs& a, cudaStream_t stream) {
   for (int s = 0; s < kMaxSegments - 1; ++s) starts[s] = s + 1 < a.segments ? a.segment_start[s] : INT_MAX;
   kernel<<<grid, kThreads, smem, stream>>>(
       static_cast<const int8_t*>(a.qact), a.ascales, static_cast<const int4*>(a.qweight),
-      reinterpret_cast<const float2*>(a.wscales), a.lora, a.proj_up, a.bias, static_cast<OutT*>(a.y), a.M,
+      a.wscales, a.lora, a.proj_up, a.bias, static_cast<OutT*>(a.y), a.M,
       a.M_pad, a.N, a.N_pad, a.K, a.lora_ld, make_int2(starts[0], starts[1]));
   return cudaGetLastError();
 }

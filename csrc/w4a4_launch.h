@@ -24,7 +24,7 @@ struct QuantizeArgs {
   int ldx;                  // row stride of x in elements, a multiple of 4
   const float* smooth;  // [2, K]: smooth and its correctly rounded reciprocal, or nullptr
   const void* pd_t;     // [R, K], x's dtype: proj_down.T / smooth (smoothing folded in); R = 16 * (1..6)
-  void* qact;           // int8 [M_pad/128, K/64, 8192]: 16 * q in wgmma's layout (w4a4_common.cuh)
+  void* qact;           // int8 [M_pad/128, K/64, 8192]: e4m3 bytes of q in wgmma's layout (w4a4_common.cuh)
   float* ascales;       // [K/64, M_pad]
   float* lora;          // [M_pad, R] = x_smoothed @ proj_down, tf32-rounded, columns in lora_position order
   int M, M_pad, K, R;
@@ -35,7 +35,7 @@ struct GemmArgs {
   const void* qact;        // as written by the quantize kernel
   const float* ascales;    // [K/64, M_pad]
   const void* qweight;     // int32 [N_pad/16, K/64, 32, 4] packed int4, A-fragment layout
-  const float* wscales;    // [K/64, N_pad, 2]: (wscale / 256, -12582912 * wscale / 256)
+  const float* wscales;    // [K/64, N_pad]: wscale * 2^18 (the e4m3 operands' 2^-9 each)
   const float* lora;       // [M_pad, lora_ld] as the quantize kernel writes it
   const float* proj_up;    // [N_pad, R]: output row n's R low-rank weights
   const float* bias;       // [N] or nullptr

@@ -1,4 +1,5 @@
-"""CPU side of engine.kernels: backend choice and fallback, the packed operand layout, the scale identity."""
+"""CPU side of engine.kernels: backend choice and fallback, the packed operand layouts and their e4m3
+codes, the scale identity."""
 
 import logging
 
@@ -9,10 +10,11 @@ from engine.errors import BackendUnavailable
 from engine.kernels import CudaW4A4Backend, build, choose_w4a4_backend, w4a4_backend_report
 from engine.kernels.build import load_extension
 from engine.kernels.w4a4 import (
-    MAGIC,
-    OPERAND_SCALE,
+    DOT_SCALE,
     activation_scale_positions,
     activation_scales_in_row_order,
+    e4m3_bytes,
+    integers_of_e4m3,
     kernel_weight_scales,
     pack_activations,
     pack_operand,
@@ -83,8 +85,37 @@ def test_cuda_prepare_refuses_cpu_tensors():
         CudaW4A4Backend().prepare(layer)
 
 
+def test_e4m3_bytes_are_the_fp8_encoding_of_small_integers():
+    """n * 2^-9 for n in [-15, 15] is exact in e4m3 and its byte is sign | magnitude (torch's float8
+    agrees)."""
+    n = torch.arange(-15, 16)
+    as_fp8 = (n.float() * 2.0**-9).to(torch.float8_e4m3fn)
+    assert torch.equal(as_fp8.float() * 2.0**9, n.float())
+    assert torch.equal(e4m3_bytes(n), as_fp8.view(torch.uint8))
+    assert torch.equal(integers_of_e4m3(e4m3_bytes(n)), n.to(torch.int8))
+
+
+def test_kernel_turns_weight_codes_into_e4m3_bytes():
+    """csrc/w4a4_common.cuh's e4m3_from_code, (codes & 0x0F0F0F0F) + 121 * ((codes >> 3) & 0x01010101), on
+    every nibble code in both halves of each byte, against the e4m3 bytes of the values pack_operand coded."""
+    q = torch.arange(-8, 8).repeat(16 * 4).reshape(16, 64)
+    raw = pack_operand(q).view(torch.uint8).reshape(-1, 4)  # 4-byte words
+    words = sum(raw[:, b].to(torch.int64) << (8 * b) for b in range(4))
+
+    def e4m3_from_code(codes):
+        return ((codes & 0x0F0F0F0F) + 121 * ((codes >> 3) & 0x01010101)) & 0xFFFFFFFF
+
+    for step, codes in ((0, words), (1, words >> 4)):
+        out = e4m3_from_code(codes)
+        got = torch.stack([(out >> (8 * b)) & 0xFF for b in range(4)], -1).to(torch.uint8)
+        nibbles = torch.stack([(raw[:, b] >> (4 * step)) & 0xF for b in range(4)], -1).to(torch.int16)
+        values = torch.where(nibbles > 7, 7 - nibbles, nibbles)
+        assert torch.equal(got, e4m3_bytes(values))
+    assert sorted(set(unpack_operand(pack_operand(q)).flatten().tolist())) == list(range(-8, 8))
+
+
 def test_packed_layout_follows_the_mma_fragments():
-    """Each nibble sits where the int8 A fragment of its lane, register and k-step expects it (PTX ISA,
+    """Each nibble sits where the 8-bit A fragment of its lane, register and k-step expects it (PTX ISA,
     m16n8k32 and wgmma m64nNk32 alike: rows gr / gr+8 for registers 0,2 / 1,3, columns 4t (+16 for
     registers 2,3)), written out here element by element."""
     g = torch.Generator().manual_seed(0)
@@ -101,22 +132,23 @@ def test_packed_layout_follows_the_mma_fragments():
                     for b in range(4):
                         byte = int(raw[tile, grp, lane, word, b])
                         for step, nib in ((0, byte & 0xF), (1, byte >> 4)):
-                            value = nib - 16 if nib > 7 else nib
+                            value = 7 - nib if nib > 7 else nib
                             k = grp * 64 + 32 * step + kofs + 4 * t + b
                             assert value == q[tile * 16 + row, k]
     assert torch.equal(unpack_operand(packed), q)
 
 
 def test_activation_tiles_are_wgmma_canonical_k_major():
-    """Each byte is 16 * q where wgmma's no-swizzle K-major B layout (8 x 16-byte core matrices, leading
-    byte offset 128 rows * 16, stride byte offset 128) puts it for a 128-row tile and one K group."""
+    """Each byte is the e4m3 byte of q * 2^-9 where wgmma's no-swizzle K-major B layout (8 x 16-byte core
+    matrices, leading byte offset 128 rows * 16, stride byte offset 128) puts it for a 128-row tile and one
+    K group."""
     q = torch.randint(-8, 8, (256, 128), dtype=torch.int8)
     tiles = pack_activations(q)
     assert tiles.shape == (2, 2, 8192) and tiles.dtype == torch.int8
     for block, grp, m, k in ((0, 0, 0, 0), (1, 1, 127, 63), (0, 1, 9, 17), (1, 0, 64, 40)):
         core_k, core_m = k // 16, m // 8
         offset = core_k * 128 * 16 + core_m * 128 + (m % 8) * 16 + k % 16
-        assert tiles[block, grp, offset] == 16 * q[128 * block + m, 64 * grp + k]
+        assert tiles[block, grp, offset].view(torch.uint8) == e4m3_bytes(q[128 * block + m, 64 * grp + k])
     assert torch.equal(unpack_activations(tiles), q)
 
 
@@ -137,26 +169,23 @@ def test_activation_scales_sit_where_the_fold_reads_them():
     assert torch.equal(activation_scales_in_row_order(stored), scales)
 
 
-def test_one_fma_recovers_dot_times_scale_exactly():
-    """t = fma(MAGIC + 256 dot, ws/256, -MAGIC ws/256) equals round(dot * ws): checked exactly in float64
-    (every product of two 24-bit significands fits in 53 bits) for fp16 scales and wider float32 ones."""
+def test_one_multiply_recovers_dot_times_scale_exactly():
+    """The GEMM's float32 sum is dot * 2^-18 (exact: |dot| <= 64 * 64); times ws * 2^18, rounded once, it is
+    round(dot * ws), checked in float64 for fp16 scales (the stored format) and wider float32 ones."""
     g = torch.Generator().manual_seed(0)
     scales = torch.cat(
-        [(torch.rand(4000, generator=g) * 0.05).half().float(), torch.rand(4000, generator=g) * 3]
+        [(torch.rand(4000, generator=g) * 0.05).half().float(), torch.rand(4000, generator=g) * 3,
+         torch.tensor([65504.0, 2.0**-24])]  # the fp16 extremes stay finite and normal
     )
-    packed = kernel_weight_scales(scales.reshape(-1, 1), n_pad=scales.numel())
-    ws, neg = packed[0, :, 0].double(), packed[0, :, 1].double()
-    assert torch.equal(neg, -MAGIC * ws), "MAGIC * ws must be exact in float32"
-    dots = torch.randint(-4096, 4097, (scales.numel(),), generator=g).double()
-    f = MAGIC + OPERAND_SCALE * dots
-    assert torch.equal(f.float().double(), f), "the int32 accumulator's float bits must be exact"
-    recovered = (f * ws + neg).float()
-    assert torch.equal(recovered, (dots * ws * OPERAND_SCALE).float())
-    fp16_part = slice(0, 4000)
-    assert torch.equal(ws[fp16_part] * OPERAND_SCALE, scales[fp16_part].double()), (
-        "fp16 scales stay as stored"
-    )
-    assert ((ws * OPERAND_SCALE - scales.double()).abs() <= scales.double() * 2.0**-22).all()
+    packed = kernel_weight_scales(scales.reshape(-1, 1), n_pad=scales.numel() + 64)
+    assert packed.shape == (1, scales.numel() + 64) and packed.dtype == torch.float32
+    assert torch.equal(packed[0, scales.numel():], torch.zeros(64))
+    ws = packed[0, : scales.numel()]
+    dots = torch.randint(-4096, 4097, (scales.numel(),), generator=g).float()
+    sums = dots * 2.0**-18
+    assert torch.equal(sums.double() * 2.0**18, dots.double()), "the FP8 sums are exact in float32"
+    assert torch.equal(sums * ws, (dots.double() * scales.double()).float())
+    assert torch.equal(ws.double() / DOT_SCALE, scales.double())
 
 
 def test_kernel_builds_are_cached_under_ovbatch_cache(monkeypatch, tmp_path):

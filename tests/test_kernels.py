@@ -13,7 +13,12 @@ import torch
 from engine.errors import QuantError
 from engine.kernels import CudaW4A4Backend, choose_w4a4_backend
 from engine.kernels import ops as kops
-from engine.kernels.w4a4 import activation_scales_in_row_order, unpack_activations
+from engine.kernels.w4a4 import (
+    activation_scale_positions,
+    activation_scales_in_row_order,
+    pack_activations,
+    unpack_activations,
+)
 from engine.quant.format import W4A4Tensors, pack_int4
 from engine.quant.reference import quantize_activations, w4a4_linear_reference
 
@@ -214,6 +219,42 @@ def test_quantized_term_tight():
     cpu_layer = W4A4Tensors(**{f.name: _cpu(getattr(layer, f.name)) for f in dataclasses.fields(layer)})
     ref = w4a4_linear_reference(x.cpu(), cpu_layer)
     assert rel_err(y.cpu(), ref) < 1e-3
+
+
+def test_group_dots_are_exact():
+    """The FP8 tensor cores' sums of the e4m3-coded integers are exact: with power-of-two scales every float32
+    step is exact too, so the output is the float64 reference rounded once to fp16, bit for bit. Extremes
+    included: weight rows of all -8 against activation rows of all 7 and -7 (|dot| = 3584 per group)."""
+    g = fresh_generator()
+    m, n, k = 300, 256, 1024
+    groups = k // 64
+    qw = torch.randint(-8, 8, (n, k), generator=g, device=DEV)
+    qw[:8] = -8
+    qw[8:16] = 7
+    qx = torch.randint(-7, 8, (m, k), generator=g, device=DEV)
+    qx[:5] = 7
+    qx[5:10] = -7
+    wexp = torch.randint(0, 4, (n, groups), generator=g, device=DEV)
+    aexp = torch.randint(1, 5, (m, groups), generator=g, device=DEV)
+    layer = W4A4Tensors(
+        qweight=pack_int4(qw),
+        wscales=(2.0 ** -wexp.double()).half(),
+        proj_down=torch.zeros(k, 16, device=DEV, dtype=torch.float16),
+        proj_up=torch.zeros(n, 16, device=DEV, dtype=torch.float16),
+    )
+    packed = CudaW4A4Backend().prepare(layer)
+    m_pad = 512
+    qact = pack_activations(torch.nn.functional.pad(qx, (0, 0, 0, m_pad - m)).cpu()).to(DEV)
+    ascales = torch.zeros(groups, m_pad, device=DEV)
+    ascales[:, activation_scale_positions(m_pad)[:m].to(DEV)] = (2.0 ** -aexp.float()).t()
+    lora = torch.zeros(m_pad, 16, device=DEV)
+    y = kops.load().gemm_lora_up(
+        qact, ascales, lora, packed.qweight, packed.wscales, packed.proj_up, None, m, n, torch.float16
+    )
+    by_group = (qx.double().reshape(m, groups, 64), qw.double().reshape(n, groups, 64))
+    dots = torch.einsum("mgk,ngk->mng", *by_group)
+    exact = (dots * 2.0 ** -aexp.double()[:, None, :] * 2.0 ** -wexp.double()[None]).sum(-1)
+    assert torch.equal(y, exact.float().half())
 
 
 def test_cuda_graph_capture_and_fake():

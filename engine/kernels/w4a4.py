@@ -4,14 +4,15 @@ Each backend has `name`, `can_use(device) -> (ok, reason)`, `prepare(layer) -> p
 and `forward(x, packed) -> y`.
 
 - `CudaW4A4Backend`: the csrc/ kernels (Hopper, sm_90a): activation quantization + low-rank down in one
-  kernel, the wgmma INT8 GEMM + low-rank up in the other. `prepare` repacks the canonical layout once;
+  kernel, the wgmma GEMM (integers as e4m3 bytes on the FP8 tensor cores) + low-rank up in the other.
+  `prepare` repacks the canonical layout once;
   `prepare_group` packs layers that read one input (q/k/v, gate/up) as one GEMM whose weights are stacked
   along N: one activation quantization computes every layer's low-rank input, and each layer's output
   rows read their own low-rank columns.
 - `ReferenceW4A4Backend`: engine/quant/reference.py in plain torch, on any device.
 
 The kernels' operand layouts are defined here in torch (`pack_operand` / `unpack_operand` for the packed
-4-bit weights, `pack_activations` / `unpack_activations` for the int8 activation tiles) and in
+4-bit weights, `pack_activations` / `unpack_activations` for the e4m3 activation tiles) and in
 csrc/w4a4_common.cuh; the tests hold the two to each other.
 """
 
@@ -31,9 +32,9 @@ from engine.quant.reference import ReferenceW4A4Backend, layer_tensors
 
 log = logging.getLogger(__name__)
 
-# the GEMM reads int32 sums plus the float bits of 1.5 * 2^23 (csrc/w4a4_gemm.cu); operands carry 16 each.
-MAGIC = 12582912.0
-OPERAND_SCALE = 256.0
+# Both GEMM operands hold integers n as the e4m3 value n * 2^-9 (csrc/w4a4_common.cuh), so its float32 sums
+# are dot * 2^-18; the weight scales carry the 2^18 back.
+DOT_SCALE = 2.0**18
 
 # reshape of one 16 x 64 tile as (row split, k split) and the permutation to (gr, t, word, byte, step):
 # row = 8 * ri + gr, k = 32 * s + 16 * ki + 4 * t + b, word = 2 * ki + ri
@@ -41,17 +42,30 @@ _PERM = (0, 3, 2, 6, 5, 1, 7, 4)
 _INVERSE_PERM = tuple(_PERM.index(i) for i in range(8))
 
 
+def e4m3_bytes(q: torch.Tensor) -> torch.Tensor:
+    """Integers in [-15, 15] -> uint8: the e4m3 encoding of q * 2^-9, sign bit and magnitude (0..7 subnormal,
+    8..15 the smallest normals)."""
+    return torch.where(q < 0, 0x80 | -q.to(torch.int16), q.to(torch.int16)).to(torch.uint8)
+
+
+def integers_of_e4m3(raw: torch.Tensor) -> torch.Tensor:
+    """Inverse of e4m3_bytes: uint8 -> int8."""
+    magnitude = (raw & 0x7F).to(torch.int8)
+    return torch.where(raw >= 0x80, -magnitude, magnitude)
+
+
 def pack_operand(q: torch.Tensor) -> torch.Tensor:
     """int values in [-8, 7], [rows, K] (rows % 16 == 0, K % 64 == 0) -> int32 [rows/16, K/64, 128].
 
-    The kernels' packed layout for activations and weights alike (csrc/w4a4_common.cuh): per 16 x 64 tile,
-    lane (gr, t) holds the int8 A-fragment registers of both 32-wide k-steps as nibbles.
+    The GEMM's packed weights (csrc/w4a4_common.cuh): per 16 x 64 tile, lane (gr, t) holds the A-fragment
+    registers of both 32-wide k-steps as nibbles, w coded as w for w >= 0 and 8 | (-w - 1) below.
     """
     rows, k = q.shape
     if rows % 16 or k % GROUP_SIZE:
         raise QuantError(f"pack_operand needs rows % 16 == 0 and K % 64 == 0, got {tuple(q.shape)}")
     t, g = rows // 16, k // GROUP_SIZE
-    nib = (q.to(torch.int16) & 0xF).to(torch.uint8)
+    q16 = q.to(torch.int16)
+    nib = torch.where(q16 < 0, 8 | (-q16 - 1), q16).to(torch.uint8)
     tiles = nib.reshape(t, 2, 8, g, 2, 2, 4, 4).permute(*_PERM).contiguous()
     packed = tiles[..., 0] | (tiles[..., 1] << 4)
     return packed.reshape(t, g, 512).view(torch.int32)
@@ -61,30 +75,30 @@ def unpack_operand(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of pack_operand: int32 [rows/16, K/64, 128] -> int8 [rows, K]."""
     t, g, _ = packed.shape
     raw = packed.contiguous().view(torch.uint8).reshape(t, g, 8, 4, 2, 2, 4)
-    both = torch.stack((raw & 0xF, raw >> 4), dim=-1).to(torch.int8)
-    both = torch.where(both > 7, both - 16, both)
-    return both.permute(*_INVERSE_PERM).reshape(t * 16, g * GROUP_SIZE)
+    codes = torch.stack((raw & 0xF, raw >> 4), dim=-1).to(torch.int8)
+    values = torch.where(codes > 7, 7 - codes, codes)  # 8 | m -> -(m + 1)
+    return values.permute(*_INVERSE_PERM).reshape(t * 16, g * GROUP_SIZE)
 
 
 def pack_activations(q: torch.Tensor) -> torch.Tensor:
     """int values in [-8, 7], [M_pad, K] (M_pad % 128 == 0, K % 64 == 0) -> int8 [M_pad/128, K/64, 8192].
 
-    The quantize kernel's output and the GEMM's B operand as it lands in shared memory: 16 * q per byte,
-    per 128-row block and K group byte (m, k) at (k // 16) * 2048 + 16 * m + k % 16.
+    The quantize kernel's output and the GEMM's B operand as it lands in shared memory: the e4m3 byte of
+    q * 2^-9, per 128-row block and K group byte (m, k) at (k // 16) * 2048 + 16 * m + k % 16.
     """
     rows, k = q.shape
     if rows % ops.ACT_BLOCK_ROWS or k % GROUP_SIZE:
         raise QuantError(f"pack_activations needs rows % 128 == 0 and K % 64 == 0, got {tuple(q.shape)}")
     blocks, groups = rows // ops.ACT_BLOCK_ROWS, k // GROUP_SIZE
-    tiles = (q.to(torch.int8) * 16).reshape(blocks, ops.ACT_BLOCK_ROWS, groups, 4, 16)
+    tiles = e4m3_bytes(q).view(torch.int8).reshape(blocks, ops.ACT_BLOCK_ROWS, groups, 4, 16)
     return tiles.permute(0, 2, 3, 1, 4).reshape(blocks, groups, -1).contiguous()
 
 
 def unpack_activations(tiles: torch.Tensor) -> torch.Tensor:
     """Inverse of pack_activations: int8 [M_pad/128, K/64, 8192] -> int8 q [M_pad, K]."""
     blocks, groups, _ = tiles.shape
-    q = tiles.reshape(blocks, groups, 4, ops.ACT_BLOCK_ROWS, 16).permute(0, 3, 1, 2, 4)
-    return (q.reshape(blocks * ops.ACT_BLOCK_ROWS, groups * GROUP_SIZE) // 16).to(torch.int8)
+    raw = tiles.reshape(blocks, groups, 4, ops.ACT_BLOCK_ROWS, 16).permute(0, 3, 1, 2, 4)
+    return integers_of_e4m3(raw.reshape(blocks * ops.ACT_BLOCK_ROWS, groups * GROUP_SIZE).view(torch.uint8))
 
 
 def activation_scale_positions(rows: int) -> torch.Tensor:
@@ -101,21 +115,16 @@ def activation_scales_in_row_order(ascales: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_weight_scales(wscales: torch.Tensor, n_pad: int) -> torch.Tensor:
-    """[N, K/64] -> float32 [K/64, N_pad, 2] = (ws / 256, -MAGIC * ws / 256), ws rounded to 22 bits.
-
-    Rounding to 22 significant bits makes MAGIC * ws exact (fp16 scales, the stored format, have 11, so
-    for them this is the identity); the GEMM then recovers round(dot * ws) with a single FMA.
-    """
-    bits = wscales.float().contiguous().view(torch.int32)
-    ws = ((bits + 2) & ~3).view(torch.float32) / OPERAND_SCALE
-    ws = torch.nn.functional.pad(ws, (0, 0, 0, n_pad - ws.shape[0]))
-    return torch.stack((ws, -MAGIC * ws), dim=-1).transpose(0, 1).contiguous()
+    """[N, K/64] -> float32 [K/64, N_pad] = ws * 2^18: the GEMM's one multiplication of its float32 sum
+    dot * 2^-18 then gives round(dot * ws) exactly (scaling by a power of two is exact)."""
+    ws = wscales.float() * DOT_SCALE
+    return torch.nn.functional.pad(ws, (0, 0, 0, n_pad - ws.shape[0])).t().contiguous()
 
 
 @dataclass
 class CudaW4A4Packed:
     qweight: torch.Tensor  # int32 [N_pad/16, K/64, 128] (pack_operand: weights are wgmma's A operand)
-    wscales: torch.Tensor  # float32 [K/64, N_pad, 2]
+    wscales: torch.Tensor  # float32 [K/64, N_pad]: ws * 2^18 (kernel_weight_scales)
     proj_up: torch.Tensor  # float32 [N_pad, r]
     pd_t: dict[torch.dtype, torch.Tensor]  # [r, K] per activation dtype: (proj_down / smooth).T
     smooth: torch.Tensor | None  # float32 [2, K]: smooth, 1 / smooth
