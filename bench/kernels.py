@@ -1,4 +1,4 @@
-"""W4A4 linear (activation quantization + wgmma INT8 GEMM + low-rank branch) against cuBLAS bf16 and
+"""W4A4 linear (activation quantization + wgmma GEMM + low-rank branch) against cuBLAS bf16 and
 FP8 `torch._scaled_mm`, at OmniVoice's layer shapes, in one run on one GPU.
 
 Every variant is captured in a CUDA graph (what the engine replays) and timed with
@@ -29,8 +29,8 @@ LAYERS = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down
 M_VALUES = (512, 2048, 8192, 32768)
 RANK = 32
 # Ceilings: device-to-device copy (read + write) and cuBLAS bf16 at 8192^3 measured on an H200
-# (../shared/anchors/README.md); dense INT8 wgmma from NVIDIA's H100/H200 SXM datasheet (the anchors
-# measured mma.sync s8 at 1279.5 TOPS and cuBLAS fp8, the same tensor-core rate, at up to 1155).
+# (../shared/anchors/README.md); dense INT8 wgmma, FP8's rate too, from NVIDIA's H100/H200 SXM datasheet
+# (the anchors measured mma.sync s8 at 1279.5 TOPS and cuBLAS fp8 at up to 1155).
 HBM_BYTES_PER_S = 4.3e12
 WGMMA_S8_OPS_PER_S = 1979e12
 BF16_FLOPS_PER_S = 790e12

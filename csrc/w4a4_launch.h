@@ -8,7 +8,7 @@ namespace w4a4 {
 
 // Rows of the activation buffers are padded to a multiple of this (the GEMM's largest M tile).
 constexpr int kMPad = 128;
-// The quantized activations: int8 tiles of 128 rows x one 64-wide K group (csrc/w4a4_common.cuh).
+// The quantized activations: tiles of e4m3 bytes, 128 rows x one 64-wide K group (csrc/w4a4_common.cuh).
 constexpr int kActBlockRows = kMPad;
 constexpr int kActTileBytes = kActBlockRows * 64;
 // Packed weights are padded with zero rows to a multiple of this (N itself must be a multiple of 64).
