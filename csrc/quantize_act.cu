@@ -115,8 +115,13 @@ __device__ __forceinline__ void row_rstd(const T* x0, const T* x1, bool ok0, boo
   }
 }
 
+// 4-warp blocks of the wide low-rank products (R > 32: a group's) are capped at 128 registers, so 4 blocks fit
+// an SM; left alone they take up to 147 and 3 fit (docs/kernels.md, the grouped quantize).
+template <int R, int kWarpsPerBlock>
+constexpr int kQuantizeMinBlocks = kWarpsPerBlock == 4 && R > 32 ? 4 : 1;
+
 template <typename T, Prologue P, bool kSmooth, int R, int kWarpsPerBlock>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+__global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kWarpsPerBlock>))
     quantize_act_lora_down_kernel(const T* __restrict__ x, const T* __restrict__ norm_w,
                                   float eps, int ldx, const float* __restrict__ smooth,
                                   const float* __restrict__ rsmooth, const T* __restrict__ pd_t,
