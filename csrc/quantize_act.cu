@@ -115,10 +115,11 @@ __device__ __forceinline__ void row_rstd(const T* x0, const T* x1, bool ok0, boo
   }
 }
 
-// 4-warp blocks of the wide low-rank products (R > 32: a group's) are capped at 128 registers, so 4 blocks fit
-// an SM; left alone they take up to 147 and 3 fit (docs/kernels.md, the grouped quantize).
+// 4-warp blocks of rank-32 groups' low-rank products (R = 64, 96) are capped at 128 registers, so 4 blocks fit
+// an SM; left alone they take up to 147 and 3 fit (docs/kernels.md, the grouped quantize). 0 leaves the other
+// kernels to the compiler's choice: an explicit 1 made it spend up to 168 registers on R <= 32.
 template <int R, int kWarpsPerBlock>
-constexpr int kQuantizeMinBlocks = kWarpsPerBlock == 4 && R > 32 ? 4 : 1;
+constexpr int kQuantizeMinBlocks = kWarpsPerBlock == 4 && R > 48 ? 4 : 0;
 
 template <typename T, Prologue P, bool kSmooth, int R, int kWarpsPerBlock>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kWarpsPerBlock>))
