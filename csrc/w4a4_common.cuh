@@ -3,7 +3,8 @@
 // Both GEMM operands are e4m3 bytes holding integers: the byte (s << 7) | n is (-1)^s * n * 2^-9 for n in
 // 0..15 (subnormals 0..7, the smallest normals 8..15), so a value's sign and magnitude are its bits, and
 // the FP8 tensor cores sum the products of two such bytes exactly (each 2^-18 times an integer product;
-// measured exact on the H200 for k = 32 .. 1024, docs/kernels.md). The weight scale carries the 2^18 back.
+// tests/test_kernels.py's test_group_dots_are_exact checks it bit for bit). The weight scale carries the 2^18
+// back.
 //
 // Packed weight layout: one 16-byte record per lane of a warp for each 16 x 64 tile (16 rows of N, one
 // 64-wide K group), records of a tile contiguous (512 bytes). Lane l = 4 * gr + t holds four 32-bit words;
