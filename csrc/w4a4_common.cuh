@@ -32,13 +32,11 @@ constexpr int kGroup = 64;
 constexpr int kActChunkBytes = kActBlockRows * 16;  // one 16-wide k chunk of an activation tile
 static_assert(kActTileBytes == kActBlockRows * kGroup, "an activation tile is 128 rows x one K group");
 
-// The e4m3 bytes of a packed word's low (k-step 0) or high (k-step 1) nibbles: 121 = 0x80 + 1 - 8 turns the
-// code 8 | m of w = -(m + 1) into the byte 0x80 | (m + 1).
+// The e4m3 bytes of the low nibbles of `codes` (a packed word for k-step 0, the word >> 4 for k-step 1):
+// 121 = 0x80 + 1 - 8 turns the code 8 | m of w = -(m + 1) into the byte 0x80 | (m + 1).
 __device__ __forceinline__ uint32_t e4m3_from_code(uint32_t codes) {
   return (codes & 0x0F0F0F0Fu) + 121u * ((codes >> 3) & 0x01010101u);
 }
-__device__ __forceinline__ uint32_t e4m3_step0(uint32_t w) { return e4m3_from_code(w); }
-__device__ __forceinline__ uint32_t e4m3_step1(uint32_t w) { return e4m3_from_code(w >> 4); }
 
 // An activation q in [-8, 7] as the e4m3 byte of q * 2^-9.
 __device__ __forceinline__ uint32_t e4m3_of_int(int q) { return q < 0 ? 0x80u | static_cast<uint32_t>(-q) : q; }

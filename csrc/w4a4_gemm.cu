@@ -222,8 +222,8 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     uint32_t a0[4], a1[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      a0[i] = e4m3_step0(wv[i]);
-      a1[i] = e4m3_step1(wv[i]);
+      a0[i] = e4m3_from_code(wv[i]);
+      a1[i] = e4m3_from_code(wv[i] >> 4);
     }
     const uint32_t tile = ring + (g & (kStages - 1)) * static_cast<uint32_t>(sizeof(RawStage)) +
                           static_cast<uint32_t>(offsetof(RawStage, act));
