@@ -35,6 +35,10 @@ namespace {
 #define W4A4_GEMM_STAGES 4
 #endif
 constexpr int kStages = W4A4_GEMM_STAGES;
+// Tuning knob: 128-row activation tiles from this many such blocks per SM up (64-row tiles below).
+#ifndef W4A4_GEMM_BIG_TILES_FROM
+#define W4A4_GEMM_BIG_TILES_FROM 1
+#endif
 static_assert((kStages & (kStages - 1)) == 0, "stage count must be a power of two");
 
 constexpr int kThreads = 128;  // one warpgroup
@@ -337,7 +341,7 @@ cudaError_t launch_typed(const GemmArgs& a, cudaStream_t stream) {
   const cudaError_t err = sm_count(&sms);
   if (err != cudaSuccess) return err;
   const int big_tiles = (a.N / kTileN) * ((a.M + 127) / 128);
-  return big_tiles >= sms ? launch_tile<128, R, OutT>(a, stream) : launch_tile<64, R, OutT>(a, stream);
+  return big_tiles >= W4A4_GEMM_BIG_TILES_FROM * sms ? launch_tile<128, R, OutT>(a, stream) : launch_tile<64, R, OutT>(a, stream);
 }
 
 template <typename OutT>
