@@ -169,9 +169,11 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   const int8_t* act_src = qact + static_cast<int64_t>(m0 / kActBlockRows) * G * kActTileBytes +
                           (m0 % kActBlockRows) * 16 + (tid / BM) * kActChunkBytes + (tid % BM) * 16;
   const int4* w_src = qweight + static_cast<int64_t>(n0 / 16 + warp) * G * 32 + lane;
-  const bool copies_scales = tid < BM / 4 + kTileN / 4, act_scales = tid < BM / 4;
+  const bool act_scales = tid < BM / 4;
+  // Opaque, so each refill does not re-read threadIdx (S2R) and the stride from constant memory (v16 profile).
+  const bool copies_scales = opaque(tid < BM / 4 + kTileN / 4);
   const float* s_src = act_scales ? ascales + m0 + 4 * tid : wscales + n0 + 4 * (tid - BM / 4);
-  const int s_stride = act_scales ? M_pad : N_pad;
+  const int s_stride = static_cast<int>(opaque(act_scales ? M_pad : N_pad));
   const uint32_t ring = smem_addr(sm.ring);
   const int wrow0 = warp * 16 + gr;  // this thread's weight rows: wrow0 and wrow0 + 8
   // Byte offsets of this thread's pieces of a ring slot: its 16-byte copy, its weights' scales, its
@@ -238,6 +240,9 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     wgmma_e4m3_rs(d, a0, T::desc(tile), 0);
     wgmma_e4m3_rs(d, a1, T::desc(tile + 2 * T::kCoreK), 1);
     wgmma_commit();
+    // The weight scales are read before the refill's copies are issued: a shared-memory load issued after
+    // them may have to wait until they have read their address registers (ncu: long-scoreboard stalls).
+    const float ws0 = at_offset<float>(s.ws, ws_off), ws1 = at_offset<float>(s.ws, ws_off + 8 * sizeof(float));
 
     if (g + kStages - 1 < G) load_next_stage(g + kStages - 1);
     cp_async_commit();
@@ -246,7 +251,6 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
       fence_proxy_async();
       wrec = at_offset<int4>(sm.ring[(g + 1) & (kStages - 1)].w, thr16);
     }
-    const float ws0 = at_offset<float>(s.ws, ws_off), ws1 = at_offset<float>(s.ws, ws_off + 8 * sizeof(float));
 
     wgmma_wait_all();
     fence_operands(d);
@@ -341,7 +345,8 @@ cudaError_t launch_typed(const GemmArgs& a, cudaStream_t stream) {
   const cudaError_t err = sm_count(&sms);
   if (err != cudaSuccess) return err;
   const int big_tiles = (a.N / kTileN) * ((a.M + 127) / 128);
-  return big_tiles >= W4A4_GEMM_BIG_TILES_FROM * sms ? launch_tile<128, R, OutT>(a, stream) : launch_tile<64, R, OutT>(a, stream);
+  return big_tiles >= W4A4_GEMM_BIG_TILES_FROM * sms ? launch_tile<128, R, OutT>(a, stream)
+                                                     : launch_tile<64, R, OutT>(a, stream);
 }
 
 template <typename OutT>
