@@ -35,11 +35,11 @@ namespace {
 #define W4A4_GEMM_STAGES 4
 #endif
 constexpr int kStages = W4A4_GEMM_STAGES;
+static_assert((kStages & (kStages - 1)) == 0, "stage count must be a power of two");
 // Tuning knob: 128-row activation tiles from this many such blocks per SM up (64-row tiles below).
 #ifndef W4A4_GEMM_BIG_TILES_FROM
 #define W4A4_GEMM_BIG_TILES_FROM 1
 #endif
-static_assert((kStages & (kStages - 1)) == 0, "stage count must be a power of two");
 
 constexpr int kThreads = 128;  // one warpgroup
 constexpr int kTileN = 64;     // weight rows per block: wgmma's M
