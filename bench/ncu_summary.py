@@ -8,8 +8,8 @@ On the GPU machine (bench/gemm_once.py runs one linear):
     ncu -i gemm.ncu-rep --page source --csv --print-source sass > source.csv
 
 then `python bench/ncu_summary.py details.csv source.csv --k-groups 16 --title "..."`. Prints the details
-sections, the warp stall samples, and the executed SASS instructions grouped by how often each runs per
-warp (once per K group: the main loop) and by opcode within the loop.
+sections, the warp stall samples, the executed SASS instructions grouped by how often each runs per
+warp (once per K group: the main loop), the most stalled instructions, and the loop's opcodes.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ SECTIONS = (
     "Launch Statistics",
     "Occupancy",
 )
+TOP_STALLED = 25
 
 
 def number(text: str) -> float:
@@ -93,6 +94,15 @@ def source_lines(path: Path, warps: int, k_groups: int) -> list[str]:
             f"{label:<24} {count:>10} instr ({100 * count / total:4.1f}%), "
             f"{count / warps:7.1f} per warp, stall samples {sum(map(stall_samples, group))}"
         )
+
+    lines += [
+        "",
+        f"## The {TOP_STALLED} most stalled instructions: runs per warp, samples, main reason, address",
+    ]
+    for r in sorted(records, key=stall_samples, reverse=True)[:TOP_STALLED]:
+        reason = max(stall_columns, key=lambda c: int(r[c]))
+        where = f"{r['Address'][-4:]}  {r['Source'].strip()}"
+        lines.append(f"{executed(r) / warps:6.2f} {stall_samples(r):>6} {reason:<20} {where}")
 
     per_group, samples = Counter(), Counter()
     for r in buckets.get(float(k_groups), []):

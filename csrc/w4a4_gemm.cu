@@ -82,8 +82,8 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// The value, opaque to the compiler: it stays in a register instead of being recomputed from threadIdx
-// (a long-latency S2R) wherever it is used.
+// The value, opaque to the compiler: it stays in a register instead of being recomputed wherever it is used
+// (from threadIdx: a long-latency S2R; or reloaded from the kernel's parameters in constant memory).
 __device__ __forceinline__ uint32_t opaque(uint32_t v) {
   asm volatile("" : "+r"(v));
   return v;

@@ -71,6 +71,12 @@ def test_source_buckets_by_runs_per_warp(tmp_path):
     assert "every K group                    96 instr (75.0%),    12.0 per warp, stall samples 10" in lines
     assert "3 times                          24 instr (18.8%),     3.0 per warp, stall samples 4" in lines
     assert "once                              8 instr ( 6.2%),     1.0 per warp, stall samples 5" in lines
+    heading = "## The 25 most stalled instructions: runs per warp, samples, main reason, address"
+    stalled = lines[lines.index(heading) + 1 :]
+    assert stalled[:2] == [
+        "  4.00      7 stall_barrier        0x10  FMUL R2, R3, R4",
+        "  1.00      5 stall_wait           0x0  LDC R1, c[0x0][0x28]",
+    ]
     assert lines[-4].startswith("## Instructions run every K group, by opcode")
     assert lines[-3:] == [
         "FFMA          2.0       3",
