@@ -43,6 +43,7 @@ static_assert((kStages & (kStages - 1)) == 0, "stage count must be a power of tw
 
 constexpr int kThreads = 128;  // one warpgroup
 constexpr int kTileN = 64;     // weight rows per block: wgmma's M
+constexpr int kYStride = kTileN + 8;  // the epilogue's output tile ytile[m][n], rows padded by 8 elements
 
 // Per activation-tile height BM (wgmma's N). 128 rows is faster wherever the grid fills the GPU (fewer
 // instructions per output); 64-row tiles (half the registers, twice the blocks) win on small grids.
@@ -64,10 +65,20 @@ struct Tile {
     float ws[kTileN];  // wscale * 2^18
   };
 
-  template <int R>
-  struct Smem {
-    RawStage ring[kStages];
-    float lora[BM][R + 8];  // padded rows: a warp's 8-byte fragment loads fall in distinct banks
+  // The block's low-rank activations lora_tile[BM][R + 8] (padded rows: a warp's 8-byte fragment loads fall in
+  // distinct banks). 128-row blocks (3 per SM, the others hide the wait) copy them after the K loop into the
+  // free ring beside the output tile; 64-row blocks (small grids, often one per SM) copy them at the start,
+  // behind the first stages, into their own space after the ring (docs/kernels.md, v23).
+  static constexpr bool kLoraAfterLoop = BM == 128;
+  template <int R, typename OutT>
+  struct SmemLayout {
+    static constexpr size_t kRing = sizeof(RawStage) * kStages;
+    static constexpr size_t kLora = sizeof(float) * BM * (R + 8);
+    static constexpr size_t kLoraOffset =
+        kLoraAfterLoop ? (sizeof(OutT) * BM * kYStride + 127) / 128 * 128 : kRing;
+    static constexpr size_t kBytes = kLoraAfterLoop ? kRing : kRing + kLora;
+    static_assert(sizeof(OutT) * BM * kYStride <= kRing, "the ring holds the output tile");
+    static_assert(!kLoraAfterLoop || kLoraOffset + kLora <= kRing, "and beside it the low-rank activations");
   };
 
   // Shared-memory matrix descriptor, no swizzle: start, leading (K) and stride (M/N) byte offsets, >> 4.
@@ -150,7 +161,9 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   using T = Tile<BM>;
   using RawStage = typename T::RawStage;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  auto& sm = *reinterpret_cast<typename T::template Smem<R>*>(smem_raw);
+  using Smem = typename T::template SmemLayout<R, OutT>;
+  auto& ring_s = *reinterpret_cast<RawStage(*)[kStages]>(smem_raw);
+  auto& lora_tile = *reinterpret_cast<float(*)[BM][R + 8]>(smem_raw + Smem::kLoraOffset);
 
   const int G = K / kGroup;
   const int n0 = blockIdx.x * kTileN, m0 = blockIdx.y * BM;
@@ -174,7 +187,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   const bool copies_scales = opaque(tid < BM / 4 + kTileN / 4);
   const float* s_src = act_scales ? ascales + m0 + 4 * tid : wscales + n0 + 4 * (tid - BM / 4);
   const int s_stride = static_cast<int>(opaque(act_scales ? M_pad : N_pad));
-  const uint32_t ring = smem_addr(sm.ring);
+  const uint32_t ring = smem_addr(ring_s);
   const int wrow0 = warp * 16 + gr;  // this thread's weight rows: wrow0 and wrow0 + 8
   // Byte offsets of this thread's pieces of a ring slot: its 16-byte copy, its weights' scales, its
   // activation rows' scales.
@@ -192,18 +205,22 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     s_src += s_stride;
   };
 
-  // The block's low-rank activations (its segment's R columns) ride along with the first stage.
-  const int segment = (n0 >= segment_start.x) + (n0 >= segment_start.y);
-  const float* lora_src = lora + static_cast<int64_t>(m0) * lora_ld + segment * R;
-  for (int c = tid; c < BM * R / 4; c += kThreads) {
-    const int row = c / (R / 4), col = 4 * (c % (R / 4));
-    cp_async_16(smem_addr(&sm.lora[row][col]), lora_src + static_cast<int64_t>(row) * lora_ld + col);
-  }
+  // The block's low-rank activations: its segment's R columns.
+  auto copy_lora = [&] {
+    const int segment = (n0 >= segment_start.x) + (n0 >= segment_start.y);
+    const float* lora_src = lora + static_cast<int64_t>(m0) * lora_ld + segment * R;
+    for (int c = tid; c < BM * R / 4; c += kThreads) {
+      const int row = c / (R / 4), col = 4 * (c % (R / 4));
+      cp_async_16(smem_addr(&lora_tile[row][col]), lora_src + static_cast<int64_t>(row) * lora_ld + col);
+    }
+  };
+
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < G) load_next_stage(s);
     cp_async_commit();
   }
+  if (!T::kLoraAfterLoop) copy_lora();  // committed with the first refill, waited for after the loop
 
   float acc[BM / 2];
 #pragma unroll
@@ -217,11 +234,11 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   cp_async_wait<kStages - 2>();
   fence_proxy_async();
   // This thread's packed weight record of the next group.
-  int4 wrec = at_offset<int4>(sm.ring[0].w, thr16);
+  int4 wrec = at_offset<int4>(ring_s[0].w, thr16);
   __syncthreads();
 
   for (int g = 0; g < G; ++g) {
-    const RawStage& s = sm.ring[g & (kStages - 1)];
+    const RawStage& s = ring_s[g & (kStages - 1)];
     // This warp's weight rows straight into A fragments (k-step 0: low nibbles, k-step 1: high).
     const uint32_t wv[4] = {static_cast<uint32_t>(wrec.x), static_cast<uint32_t>(wrec.y),
                             static_cast<uint32_t>(wrec.z), static_cast<uint32_t>(wrec.w)};
@@ -249,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     if (g + 1 < G) {
       cp_async_wait<kStages - 2>();
       fence_proxy_async();
-      wrec = at_offset<int4>(sm.ring[(g + 1) & (kStages - 1)].w, thr16);
+      wrec = at_offset<int4>(ring_s[(g + 1) & (kStages - 1)].w, thr16);
     }
 
     wgmma_wait_all();
@@ -275,6 +292,12 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     }
     __syncthreads();
   }
+  if (T::kLoraAfterLoop) {
+    cp_async_wait<0>();
+    __syncthreads();  // the ring is free
+    copy_lora();
+    cp_async_commit();
+  }
   cp_async_wait<0>();
   __syncthreads();
 
@@ -287,16 +310,14 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
                            to_tf32(pu1[8 * ks + 4])};
 #pragma unroll
     for (int j = 0; j < BM / 8; ++j) {
-      const uint2 b = *reinterpret_cast<const uint2*>(&sm.lora[8 * j + gr][lora_position(8 * ks + t)]);
+      const uint2 b = *reinterpret_cast<const uint2*>(&lora_tile[8 * j + gr][lora_position(8 * ks + t)]);
       float(&c)[4] = *reinterpret_cast<float(*)[4]>(&acc[4 * j]);
       mma_tf32_1688(c, a, b.x, b.y);
     }
   }
 
-  // Transpose through shared memory (the ring is free now): ytile[m][n], rows padded by 8 elements.
-  constexpr int kYStride = kTileN + 8;
-  static_assert(sizeof(RawStage) * kStages >= BM * kYStride * sizeof(OutT), "ring holds the output tile");
-  OutT* ytile = reinterpret_cast<OutT*>(sm.ring);
+  // Transpose through shared memory (the ring is free now).
+  OutT* ytile = reinterpret_cast<OutT*>(ring_s);
   float b0 = 0.f, b1 = 0.f;
   if (bias != nullptr) {
     b0 = bias[n0 + wrow0];
@@ -324,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
 
 template <int BM, int R, typename OutT>
 cudaError_t launch_tile(const GemmArgs& a, cudaStream_t stream) {
-  const size_t smem = sizeof(typename Tile<BM>::template Smem<R>);
+  const size_t smem = Tile<BM>::template SmemLayout<R, OutT>::kBytes;
   auto kernel = w4a4_gemm_lora_up_kernel<BM, R, OutT>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
