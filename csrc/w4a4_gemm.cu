@@ -161,9 +161,9 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   using T = Tile<BM>;
   using RawStage = typename T::RawStage;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  using Smem = typename T::template SmemLayout<R, OutT>;
+  using Layout = typename T::template SmemLayout<R, OutT>;
   auto& ring_s = *reinterpret_cast<RawStage(*)[kStages]>(smem_raw);
-  auto& lora_tile = *reinterpret_cast<float(*)[BM][R + 8]>(smem_raw + Smem::kLoraOffset);
+  auto& lora_tile = *reinterpret_cast<float(*)[BM][R + 8]>(smem_raw + Layout::kLoraOffset);
 
   const int G = K / kGroup;
   const int n0 = blockIdx.x * kTileN, m0 = blockIdx.y * BM;
