@@ -154,12 +154,25 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
   // overlaps the arithmetic instead of following it. Only up to 32 low-rank columns: with 48-96 the second
   // group's registers spilled (up to 40 bytes).
   constexpr bool kPrefetch = R <= 32;
+  constexpr bool kEarlyLowRank = R <= 16;
   GroupInput cur, next;
   if (kPrefetch && warp < G) load_group<T, P>(cur, x, norm_w, off0, off1, ok0, ok1, warp, t);
   for (int g = warp; g < G; g += kWarpsPerBlock) {
     if (!kPrefetch) load_group<T, P>(cur, x, norm_w, off0, off1, ok0, ok1, g, t);
     if (kPrefetch && g + kWarpsPerBlock < G)
       load_group<T, P>(next, x, norm_w, off0, off1, ok0, ok1, g + kWarpsPerBlock, t);
+    // This group's low-rank weights (MMA B fragments), loaded before the quantization arithmetic so that it
+    // covers their latency (ncu: the MMAs waited on these loads). Only at 16 columns: at 32 the registers
+    // leave room for 3 blocks per SM instead of 4.
+    uint2 pd_frag[kEarlyLowRank ? kTiles : 1][4];
+    if (kEarlyLowRank) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+#pragma unroll
+        for (int nt = 0; nt < kTiles; ++nt)
+          pd_frag[kEarlyLowRank ? nt : 0][c] = *reinterpret_cast<const uint2*>(
+              pd_t + static_cast<int64_t>(nt * 8 + gr) * K + g * kGroup + 16 * c + 4 * t);
+    }
     // raw[row][c]: 4 consecutive input elements (8 bytes) of block c of this group, the prologue applied.
     uint2 raw[2][4];
 #pragma unroll
@@ -228,8 +241,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
       const uint32_t a[4] = {raw[0][c].x, raw[1][c].x, raw[0][c].y, raw[1][c].y};
 #pragma unroll
       for (int nt = 0; nt < kTiles; ++nt) {
-        const uint2 b = *reinterpret_cast<const uint2*>(pd_t + static_cast<int64_t>(nt * 8 + gr) * K +
-                                                        g * kGroup + 16 * c + 4 * t);
+        const uint2 b = kEarlyLowRank ? pd_frag[kEarlyLowRank ? nt : 0][c]
+                                  : *reinterpret_cast<const uint2*>(pd_t + static_cast<int64_t>(nt * 8 + gr) * K +
+                                                                    g * kGroup + 16 * c + 4 * t);
         mma_16816<T>(lacc[nt], a, b.x, b.y);
       }
     }
