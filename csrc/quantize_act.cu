@@ -154,16 +154,17 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
   // overlaps the arithmetic instead of following it. Only up to 32 low-rank columns: with 48-96 the second
   // group's registers spilled (up to 40 bytes).
   constexpr bool kPrefetch = R <= 32;
-  constexpr bool kEarlyLowRank = R <= 16;
+  // The group's low-rank weights (MMA B fragments) are loaded before the quantization arithmetic, so that it
+  // covers their latency (ncu: the MMAs waited on these loads), where that measured faster: 16 columns without
+  // a prologue, o_proj's and down_proj's inputs (4-18%). At 32 columns the registers leave room for 3 blocks
+  // per SM instead of 4; with the RMSNorm prologue it measured 4-10% slower (docs/kernels.md, v24).
+  constexpr bool kEarlyLowRank = R <= 16 && P == Prologue::kNone;
   GroupInput cur, next;
   if (kPrefetch && warp < G) load_group<T, P>(cur, x, norm_w, off0, off1, ok0, ok1, warp, t);
   for (int g = warp; g < G; g += kWarpsPerBlock) {
     if (!kPrefetch) load_group<T, P>(cur, x, norm_w, off0, off1, ok0, ok1, g, t);
     if (kPrefetch && g + kWarpsPerBlock < G)
       load_group<T, P>(next, x, norm_w, off0, off1, ok0, ok1, g + kWarpsPerBlock, t);
-    // This group's low-rank weights (MMA B fragments), loaded before the quantization arithmetic so that it
-    // covers their latency (ncu: the MMAs waited on these loads). Only at 16 columns: at 32 the registers
-    // leave room for 3 blocks per SM instead of 4.
     uint2 pd_frag[kEarlyLowRank ? kTiles : 1][4];
     if (kEarlyLowRank) {
 #pragma unroll
