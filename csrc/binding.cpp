@@ -49,7 +49,8 @@ void check_rows(const Tensor& t, const char* name) {
 }
 
 // Activation quantization + low-rank down-projection of the input `a` describes (x, or a prologue of it):
-// -> (qact int8 [M_pad/128, K/64, 8192] of e4m3 bytes, ascales f32 [K/64, M_pad], lora f32 [M_pad, R]).
+// -> (qact int8 [M_pad/128, K/64, 8192] of e4m3 bytes, ascales f32 [K/64 + 1, M_pad] (the last row: each
+// row's largest scale), lora f32 [M_pad, R]).
 std::tuple<Tensor, Tensor, Tensor> quantize_input(const Tensor& x, const std::optional<Tensor>& smooth,
                                                   const Tensor& pd_t, w4a4::QuantizeArgs a) {
   check_rows(x, "x");
@@ -70,7 +71,7 @@ std::tuple<Tensor, Tensor, Tensor> quantize_input(const Tensor& x, const std::op
   auto f32 = x.options().dtype(at::kFloat);
   Tensor qact =
       torch::empty({M_pad / w4a4::kActBlockRows, K / kGroup, w4a4::kActTileBytes}, x.options().dtype(at::kChar));
-  Tensor ascales = torch::empty({K / kGroup, M_pad}, f32);
+  Tensor ascales = torch::empty({K / kGroup + 1, M_pad}, f32);
   Tensor lora = torch::empty({M_pad, R}, f32);
   a.x = x.data_ptr();
   a.ldx = static_cast<int>(M > 1 ? x.stride(0) : K);
@@ -247,14 +248,16 @@ Tensor gemm_lora_up(const Tensor& qact, const Tensor& ascales, const Tensor& lor
               qweight.sizes());
   TORCH_CHECK(N % kGroup == 0 && N <= N_pad && N > N_pad - w4a4::kBlockN, "ovbatch_w4a4: N = ", N,
               " must be a multiple of 64 matching the packed weights of ", N_pad, " rows");
-  TORCH_CHECK(ascales.sizes() == torch::IntArrayRef({G, M_pad}), "ovbatch_w4a4: ascales must be [", G, ", ", M_pad,
-              "], got ", ascales.sizes());
+  TORCH_CHECK(G <= w4a4::kMaxGroups, "ovbatch_w4a4: K = ", K, " has more than ", w4a4::kMaxGroups,
+              " groups of 64, the most the GEMM's fp16 accumulators hold (K <= ", w4a4::kMaxGroups * kGroup, ")");
+  TORCH_CHECK(ascales.sizes() == torch::IntArrayRef({G + 1, M_pad}), "ovbatch_w4a4: ascales must be [", G + 1, ", ",
+              M_pad, "] as quantize_act_lora_down writes it, got ", ascales.sizes());
   TORCH_CHECK(R == 16 || R == 32, "ovbatch_w4a4: proj_up must be [N_pad, R] with R 16 or 32, got ",
               proj_up.sizes());
   TORCH_CHECK(lora.dim() == 2 && lora.size(0) == M_pad && lora.size(1) == segments * R, "ovbatch_w4a4: lora must be [",
               M_pad, ", ", segments * R, "] (", segments, " layers of rank ", R, "), got ", lora.sizes());
-  TORCH_CHECK(wscales.sizes() == torch::IntArrayRef({G, N_pad}), "ovbatch_w4a4: wscales must be [", G, ", ", N_pad,
-              "], got ", wscales.sizes());
+  TORCH_CHECK(wscales.sizes() == torch::IntArrayRef({G + 1, N_pad}), "ovbatch_w4a4: wscales must be [", G + 1, ", ",
+              N_pad, "] (kernel_weight_scales), got ", wscales.sizes());
   TORCH_CHECK(proj_up.sizes() == torch::IntArrayRef({N_pad, R}), "ovbatch_w4a4: proj_up must be [", N_pad, ", ", R,
               "], got ", proj_up.sizes());
   if (bias) {

@@ -12,6 +12,9 @@
 // 4t+1 play k = 2t, 2t+1 and 4t+2, 4t+3 play k = 2t+8, 2t+9); proj_down is read with the same
 // permutation, and a dot product does not depend on the order of k.
 //
+// Each row's largest scale over its K groups goes after the groups' scales (row K/64 of ascales): the GEMM
+// folds in scales relative to it (csrc/w4a4_gemm.cu).
+//
 // Divisions are correctly rounded (the reference's IEEE float32 x / smooth and xs / scale) without a
 // division instruction: with y = RN(1/b) (1/smooth precomputed at load, 1/scale once per row),
 // q = RN(a * y), r = fma(-q, b, a) (exact) and RN(q + r * y) = RN(a / b) (Markstein), barring
@@ -159,6 +162,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
   // a prologue, o_proj's and down_proj's inputs (4-18%). At 32 columns the registers leave room for 3 blocks
   // per SM instead of 4; with the RMSNorm prologue it measured 4-10% slower (docs/kernels.md, v24).
   constexpr bool kEarlyLowRank = R <= 16 && P == Prologue::kNone;
+  float scale_max[2] = {0.f, 0.f};  // over this warp's groups, rows gr and gr + 8
   GroupInput cur, next;
   if (kPrefetch && warp < G) load_group<T, P>(cur, x, norm_w, off0, off1, ok0, ok1, warp, t);
   for (int g = warp; g < G; g += kWarpsPerBlock) {
@@ -211,6 +215,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
       amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 2));
       scale[r] = amax[r] / 7.0f;
       rscale[r] = 1.0f / scale[r];
+      scale_max[r] = fmaxf(scale_max[r], scale[r]);
     }
     if (t == 0) {  // in the GEMM's order (w4a4_common.cuh: activation_scale_position of row0 and row1)
       float* at = ascales + static_cast<int64_t>(g) * M_pad + activation_scale_position(row0);
@@ -249,6 +254,19 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
       }
     }
     if (kPrefetch) cur = next;
+  }
+
+  __shared__ float warp_scale_max[kWarpsPerBlock][16];
+  if (t == 0) {
+    warp_scale_max[warp][gr] = scale_max[0];
+    warp_scale_max[warp][gr + 8] = scale_max[1];
+  }
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    float m = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarpsPerBlock; ++w) m = fmaxf(m, warp_scale_max[w][threadIdx.x]);
+    ascales[static_cast<int64_t>(G) * M_pad + activation_scale_position(mtile * 16 + threadIdx.x)] = m;
   }
 
 #pragma unroll

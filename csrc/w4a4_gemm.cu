@@ -1,6 +1,6 @@
 // Kernel 2: W4A4 GEMM on Hopper's warpgroup FP8 tensor cores (wgmma e4m3, sm_90a: exact on these integer
-// operands, csrc/w4a4_common.cuh) with per-group float32 scaling and the low-rank up-projection fused into
-// the epilogue; one write of the output.
+// operands, csrc/w4a4_common.cuh) with per-group scaling in fp16 pairs and the low-rank up-projection fused
+// into the epilogue; one write of the output.
 //
 // Roles: the weights are wgmma's A operand (registers), the activations its B operand (shared memory), so
 // the block computes a transposed tile acc[n, m] (64 weight rows x BM activation rows, BM = 64 or 128) and
@@ -13,12 +13,17 @@
 //      K-major layout (csrc/w4a4_common.cuh), and wgmma reads it from the ring slot as it is;
 //   2. each warp turns its 16 packed 4-bit weight rows straight into e4m3 A-fragment registers (a mask, a
 //      shift and a multiply-add per 4 bytes);
-//   3. two wgmma m64nBMk32 (k 0..31, then k 32..63) give float32 sums dot * 2^-18, exact;
-//   4. two instructions per output fold the group into the float32 accumulators:
-//        t = dot * 2^-18 * ws'  = round(dot * wscale)     with ws' = wscale * 2^18 (exact: a power of two)
-//        acc = fma(t, ascale, acc)
-// Epilogue: acc += proj_up[n, :] . lora[m, :] on tf32 mma.sync (its C fragment matches wgmma's D layout),
-// + bias, cast, transpose through shared memory, 16-byte stores of rows < M. A grouped GEMM (layers that
+//   3. two wgmma m64nBMk32 (k 0..31, then k 32..63) give fp16 sums dot * 2^-18 (exact while |dot| <= 2048,
+//      and fp16 keeps the subnormals of |dot| < 16);
+//   4. one instruction per output (two per output pair) folds the group into fp16 accumulators, in
+//      scales relative to the row's largest, so the sums stay inside fp16's range (below 2^15):
+//        s = ra[m] * rw[n]     ra = ascale / amax_row in (0, 1]  (the scale-copying threads convert them
+//                              in the ring slot), rw = wscale / wmax_row * 2^15 (kernel_weight_scales)
+//        acc = fma(dot * 2^-18, s, acc)                      (half2: two outputs of one weight row)
+//      Half the fold of float32 accumulators, and half their registers (docs/kernels.md, v25).
+// Epilogue: acc * amax_row[m] * 8 wmax_row[n] in float32, + proj_up[n, :] . lora[m, :] on tf32 mma.sync
+// (its C fragment matches wgmma's D layout), + bias, cast, transpose through shared memory, 16-byte stores
+// of rows < M. The row factors are the scale tensors' last rows ([K/64 + 1, M_pad] and [K/64 + 1, N_pad]). A grouped GEMM (layers that
 // read one input, weights stacked along N) gives each layer's 64-row weight tiles that layer's R low-rank
 // columns of lora.
 #include "w4a4_common.cuh"
@@ -36,11 +41,25 @@ namespace {
 #endif
 constexpr int kStages = W4A4_GEMM_STAGES;
 static_assert((kStages & (kStages - 1)) == 0, "stage count must be a power of two");
+// Tuning knob: blocks per SM of the 128-row tiles (their register budget).
+#ifndef W4A4_GEMM_BIG_TILE_BLOCKS
+#define W4A4_GEMM_BIG_TILE_BLOCKS 4
+#endif
 // Tuning knob: 128-row activation tiles from this many such blocks per SM up (64-row tiles below).
 #ifndef W4A4_GEMM_BIG_TILES_FROM
 #define W4A4_GEMM_BIG_TILES_FROM 1
 #endif
 
+#ifndef PROBE_NOCONV
+#define PROBE_NOCONV 0
+#endif
+#ifndef PROBE_KS_UNROLL
+#define PROBE_KS_UNROLL 1
+#endif
+#ifndef PROBE_LATE
+#define PROBE_LATE 0
+#endif
+constexpr int kKsUnroll = PROBE_KS_UNROLL;
 constexpr int kThreads = 128;  // one warpgroup
 constexpr int kTileN = 64;     // weight rows per block: wgmma's M
 constexpr int kYStride = kTileN + 8;  // the epilogue's output tile ytile[m][n], rows padded by 8 elements
@@ -51,7 +70,7 @@ template <int BM>
 struct Tile {
   static_assert(BM == 64 || BM == 128, "activation tiles of 64 or 128 rows");
   static_assert(kMPad % BM == 0, "padded activations hold whole tiles");
-  static constexpr int kMinBlocks = BM == 64 ? 4 : 3;  // register budget: 128 or 168 per thread
+  static constexpr int kMinBlocks = BM == 64 ? 4 : W4A4_GEMM_BIG_TILE_BLOCKS;  // register budget
   // The e4m3 activation tile, K-major in wgmma's canonical no-swizzle layout: 8 x 16-byte core matrices,
   // byte (m, k) at (k / 16) * kCoreK + (m / 8) * kCoreM + (m % 8) * 16 + k % 16.
   static constexpr int kCoreK = BM * 16;  // bytes between core matrices adjacent in K (leading byte offset)
@@ -61,8 +80,9 @@ struct Tile {
   struct RawStage {
     alignas(128) int8_t act[BM * kGroup];  // e4m3 activations, wgmma's layout: the B operand
     int4 w[kTileN / 16 * 32];  // packed 4-bit weights in A-fragment layout: one 16-byte record per lane
-    float as[BM];
-    float ws[kTileN];  // wscale * 2^18
+    float as[BM];      // ascale, as copied
+    float ws[kTileN];  // rw: fp16 values in float32
+    __half ra[BM];     // ascale / amax_row, converted by the thread that copied it
   };
 
   // The block's low-rank activations lora_tile[BM][R + 8] (padded rows: a warp's 8-byte fragment loads fall in
@@ -70,13 +90,16 @@ struct Tile {
   // free ring beside the output tile; 64-row blocks (small grids, often one per SM) copy them at the start,
   // behind the first stages, into their own space after the ring (docs/kernels.md, v23).
   static constexpr bool kLoraAfterLoop = BM == 128;
+  // After them, amax_row and 1 / amax_row of the block's activation rows (activation_scale_position order).
   template <int R, typename OutT>
   struct SmemLayout {
     static constexpr size_t kRing = sizeof(RawStage) * kStages;
     static constexpr size_t kLora = sizeof(float) * BM * (R + 8);
     static constexpr size_t kLoraOffset =
         kLoraAfterLoop ? (sizeof(OutT) * BM * kYStride + 127) / 128 * 128 : kRing;
-    static constexpr size_t kBytes = kLoraAfterLoop ? kRing : kRing + kLora;
+    static constexpr size_t kAmaxOffset = kLoraAfterLoop ? kRing : kRing + kLora;
+    static constexpr size_t kInvAmaxOffset = kAmaxOffset + sizeof(float) * BM;
+    static constexpr size_t kBytes = kInvAmaxOffset + sizeof(float) * BM;
     static_assert(sizeof(OutT) * BM * kYStride <= kRing, "the ring holds the output tile");
     static_assert(!kLoraAfterLoop || kLoraOffset + kLora <= kRing, "and beside it the low-rank activations");
   };
@@ -106,6 +129,11 @@ __device__ __forceinline__ const V& at_offset(const void* base, uint32_t offset)
   return *reinterpret_cast<const V*>(static_cast<const unsigned char*>(base) + offset);
 }
 
+template <typename V>
+__device__ __forceinline__ V& at_offset_mut(void* base, uint32_t offset) {
+  return *reinterpret_cast<V*>(static_cast<unsigned char*>(base) + offset);
+}
+
 // Pins registers that the asynchronous wgmma reads or writes (accumulators, A fragments) around its
 // fence/wait instructions, so the compiler moves no access to them across.
 template <int N>
@@ -113,35 +141,18 @@ __device__ __forceinline__ void fence_operands(uint32_t (&regs)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(regs[i])::"memory");
 }
-template <int N>
-__device__ __forceinline__ void fence_operands(float (&regs)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(regs[i])::"memory");
-}
 
-#define W4A4_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
-                   "+f"(d[i + 6]), "+f"(d[i + 7])
+#define W4A4_D8(i) "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3]), "+r"(d[i + 4]), "+r"(d[i + 5]), \
+                   "+r"(d[i + 6]), "+r"(d[i + 7])
 
-// d (+)= a * b: m64nNk32, e4m3 x e4m3 -> f32, A from registers (this warp's 16 rows), B from shared memory;
-// scale_d = 0 starts a fresh sum.
-__device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t b_desc, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-      : W4A4_D8(0), W4A4_D8(8), W4A4_D8(16), W4A4_D8(24), W4A4_D8(32), W4A4_D8(40), W4A4_D8(48), W4A4_D8(56)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d)
-      : "memory");
-}
-
-__device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc, int scale_d) {
+// d (+)= a * b: m64nNk32, e4m3 x e4m3 -> fp16 pairs (d[2j + h]: weight row 8h + lane / 4 of the warp's 16,
+// activation rows 8j + 2 (lane % 4) and the next), A from registers (this warp's 16 rows), B from shared
+// memory; scale_d = 0 starts a fresh sum.
+__device__ __forceinline__ void wgmma_e4m3_rs(uint32_t (&d)[32], const uint32_t (&a)[4], uint64_t b_desc,
+                                              int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "wgmma.mma_async.sync.aligned.m64n128k32.f16.e4m3.e4m3 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
       "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
@@ -149,7 +160,22 @@ __device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[32], const uint32_t (&a
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d)
       : "memory");
 }
+
+__device__ __forceinline__ void wgmma_e4m3_rs(uint32_t (&d)[16], const uint32_t (&a)[4], uint64_t b_desc,
+                                              int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f16.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
+      : W4A4_D8(0), W4A4_D8(8)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d)
+      : "memory");
+}
 #undef W4A4_D8
+
+__device__ __forceinline__ __half2 as_half2(uint32_t bits) { return *reinterpret_cast<const __half2*>(&bits); }
+__device__ __forceinline__ uint32_t bits_of(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
 
 template <int BM, int R, typename OutT>
 __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
@@ -164,6 +190,8 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   using Layout = typename T::template SmemLayout<R, OutT>;
   auto& ring_s = *reinterpret_cast<RawStage(*)[kStages]>(smem_raw);
   auto& lora_tile = *reinterpret_cast<float(*)[BM][R + 8]>(smem_raw + Layout::kLoraOffset);
+  float* amax_s = reinterpret_cast<float*>(smem_raw + Layout::kAmaxOffset);
+  float* inv_amax = reinterpret_cast<float*>(smem_raw + Layout::kInvAmaxOffset);
 
   const int G = K / kGroup;
   const int n0 = blockIdx.x * kTileN, m0 = blockIdx.y * BM;
@@ -184,14 +212,21 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   const int4* w_src = qweight + static_cast<int64_t>(n0 / 16 + warp) * G * 32 + lane;
   const bool act_scales = tid < BM / 4;
   // Opaque, so each refill does not re-read threadIdx (S2R) and the stride from constant memory (v16 profile).
-  const bool copies_scales = opaque(tid < BM / 4 + kTileN / 4);
+  const bool copies_scales = opaque(tid < BM / 4 + kTileN / 4), converts_scales = opaque(act_scales);
   const float* s_src = act_scales ? ascales + m0 + 4 * tid : wscales + n0 + 4 * (tid - BM / 4);
   const int s_stride = static_cast<int>(opaque(act_scales ? M_pad : N_pad));
   const uint32_t ring = smem_addr(ring_s);
   const int wrow0 = warp * 16 + gr;  // this thread's weight rows: wrow0 and wrow0 + 8
   // Byte offsets of this thread's pieces of a ring slot: its 16-byte copy, its weights' scales, its
-  // activation rows' scales.
-  const uint32_t thr16 = opaque(16 * tid), ws_off = opaque(sizeof(float) * wrow0), as_off = opaque(16 * t);
+  // activation rows' scale ratios.
+  const uint32_t thr16 = opaque(16 * tid), ws_off = opaque(sizeof(float) * wrow0), ra_off = opaque(8 * t);
+  // The activation-scale copiers' 1 / amax_row of the 4 rows they copy (0 for an all-zero row).
+  if (act_scales) {
+    const float4 amax = *reinterpret_cast<const float4*>(s_src + static_cast<int64_t>(G) * M_pad);
+    auto inv = [](float a) { return a > 0.f ? 1.f / a : 0.f; };
+    reinterpret_cast<float4*>(amax_s)[tid] = amax;
+    reinterpret_cast<float4*>(inv_amax)[tid] = make_float4(inv(amax.x), inv(amax.y), inv(amax.z), inv(amax.w));
+  }
 
   auto load_next_stage = [&](int g) {
     const uint32_t slot = ring + (g & (kStages - 1)) * static_cast<uint32_t>(sizeof(RawStage)) + thr16;
@@ -203,6 +238,16 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     act_src += kActTileBytes;
     w_src += 32;
     s_src += s_stride;
+  };
+
+  // Group g's activation scales (this thread's copy, landed) as fp16 ratios to their rows' largest.
+  auto convert_scales = [&](int g) {
+    if (PROBE_NOCONV || !converts_scales) return;
+    RawStage& st = ring_s[g & (kStages - 1)];
+    const float4 as = at_offset<float4>(st.as, thr16), inv = at_offset<float4>(inv_amax, thr16);
+    const uint2 ra = make_uint2(bits_of(__floats2half2_rn(as.x * inv.x, as.y * inv.y)),
+                                bits_of(__floats2half2_rn(as.z * inv.z, as.w * inv.w)));
+    at_offset_mut<uint2>(st.ra, thr16 / 2) = ra;
   };
 
   // The block's low-rank activations: its segment's R columns.
@@ -222,10 +267,10 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   }
   if (!T::kLoraAfterLoop) copy_lora();  // committed with the first refill, waited for after the loop
 
-  float acc[BM / 2];
+  uint32_t acc_h[BM / 4];  // half2 accumulators, d's layout
 #pragma unroll
-  for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
-  float d[BM / 2];
+  for (int i = 0; i < BM / 4; ++i) acc_h[i] = 0;
+  uint32_t d[BM / 4];
 
   // Software pipeline, one barrier per group: group g's wgmma runs while the copies of later groups land,
   // then group g is folded. Each thread waits for its own copies of group g + 1 and fences them for the
@@ -233,6 +278,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   // to the whole block and frees the ring slot that iteration g + 1 refills.
   cp_async_wait<kStages - 2>();
   fence_proxy_async();
+  convert_scales(0);
   // This thread's packed weight record of the next group.
   int4 wrec = at_offset<int4>(ring_s[0].w, thr16);
   __syncthreads();
@@ -259,7 +305,8 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     wgmma_commit();
     // The weight scales are read before the refill's copies are issued: a shared-memory load issued after
     // them may have to wait until they have read their address registers (ncu: long-scoreboard stalls).
-    const float ws0 = at_offset<float>(s.ws, ws_off), ws1 = at_offset<float>(s.ws, ws_off + 8 * sizeof(float));
+    const __half2 rw0 = __float2half2_rn(at_offset<float>(s.ws, ws_off)),
+                  rw1 = __float2half2_rn(at_offset<float>(s.ws, ws_off + 8 * sizeof(float)));
 
     if (g + kStages - 1 < G) load_next_stage(g + kStages - 1);
     cp_async_commit();
@@ -267,6 +314,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
       cp_async_wait<kStages - 2>();
       fence_proxy_async();
       wrec = at_offset<int4>(ring_s[(g + 1) & (kStages - 1)].w, thr16);
+      if (!PROBE_LATE) convert_scales(g + 1);
     }
 
     wgmma_wait_all();
@@ -274,22 +322,20 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     fence_operands(a0);
     fence_operands(a1);
 
-    // Fold: d[4j + 2h + c] is weight row wrow0 + 8h, activation row 8j + 2t + c. The scales of this
+    // Fold: d[2j + h] is weight row wrow0 + 8h, activation rows 8j + 2t and 8j + 2t + 1. The ratios of this
     // thread's activation rows in j = 2p and 2p + 1 lie side by side (activation_scale_position).
 #pragma unroll
     for (int p = 0; p < BM / 16; ++p) {
-      const float4 as4 = at_offset<float4>(s.as, as_off + 16 * sizeof(float) * p);
+      const uint2 ra4 = at_offset<uint2>(s.ra, ra_off + 16 * sizeof(__half) * p);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const float2 as = half ? make_float2(as4.z, as4.w) : make_float2(as4.x, as4.y);
+        const __half2 ra = as_half2(half ? ra4.y : ra4.x);
         const int j = 2 * p + half;
-        float* a = &acc[4 * j];
-        a[0] = fmaf(__fmul_rn(d[4 * j + 0], ws0), as.x, a[0]);
-        a[1] = fmaf(__fmul_rn(d[4 * j + 1], ws0), as.y, a[1]);
-        a[2] = fmaf(__fmul_rn(d[4 * j + 2], ws1), as.x, a[2]);
-        a[3] = fmaf(__fmul_rn(d[4 * j + 3], ws1), as.y, a[3]);
+        acc_h[2 * j] = bits_of(__hfma2(as_half2(d[2 * j]), __hmul2(ra, rw0), as_half2(acc_h[2 * j])));
+        acc_h[2 * j + 1] = bits_of(__hfma2(as_half2(d[2 * j + 1]), __hmul2(ra, rw1), as_half2(acc_h[2 * j + 1])));
       }
     }
+    if (PROBE_LATE && g + 1 < G) convert_scales(g + 1);
     __syncthreads();
   }
   if (T::kLoraAfterLoop) {
@@ -301,10 +347,32 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   cp_async_wait<0>();
   __syncthreads();
 
+  // acc[4j + 2h + c] (weight row wrow0 + 8h, activation row 8j + 2t + c) in float32, the row factors applied.
+  float acc[BM / 2];
+  {
+    const float* wmax8 = wscales + static_cast<int64_t>(G) * N_pad + n0 + wrow0;
+    const float w8[2] = {wmax8[0], wmax8[8]};
+#pragma unroll
+    for (int p = 0; p < BM / 16; ++p) {
+      const float4 a4 = at_offset<float4>(amax_s, ra_off * 2 + 16 * sizeof(float) * p);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float a[2] = {half ? a4.z : a4.x, half ? a4.w : a4.y};
+        const int j = 2 * p + half;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float2 v = __half22float2(as_half2(acc_h[2 * j + h]));
+          acc[4 * j + 2 * h] = v.x * (a[0] * w8[h]);
+          acc[4 * j + 2 * h + 1] = v.y * (a[1] * w8[h]);
+        }
+      }
+    }
+  }
+
   // Low-rank up-projection: acc[n, m] += proj_up[n, :] . lora[m, :] (tf32 MMA, float32 accumulation).
   const float* pu0 = proj_up + static_cast<int64_t>(n0 + wrow0) * R + t;
   const float* pu1 = pu0 + 8 * R;
-#pragma unroll
+#pragma unroll kKsUnroll
   for (int ks = 0; ks < R / 8; ++ks) {
     const uint32_t a[4] = {to_tf32(pu0[8 * ks]), to_tf32(pu1[8 * ks]), to_tf32(pu0[8 * ks + 4]),
                            to_tf32(pu1[8 * ks + 4])};
@@ -381,7 +449,7 @@ cudaError_t launch_rank(const GemmArgs& a, cudaStream_t stream) {
 
 cudaError_t launch_w4a4_gemm_lora_up(const GemmArgs& a, cudaStream_t stream) {
   if (a.M_pad % kMPad || a.M > a.M_pad || a.N_pad % kBlockN || a.N > a.N_pad || a.N % kTileN || a.K < kGroup ||
-      a.K % kGroup)
+      a.K % kGroup || a.K / kGroup > kMaxGroups)
     return cudaErrorInvalidValue;
   if (a.segments < 1 || a.segments > kMaxSegments || a.lora_ld != a.segments * a.R) return cudaErrorInvalidValue;
   for (int s = 0; s + 1 < a.segments; ++s)

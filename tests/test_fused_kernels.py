@@ -44,7 +44,7 @@ def quantize_outputs_poisoned(m, k, rank):
     m_pad, groups = kops.padded_rows(m), k // 64
     poison(
         ((m_pad // 128, groups, 8192), torch.int8),
-        ((groups, m_pad), torch.float32),
+        ((groups + 1, m_pad), torch.float32),
         ((m_pad, rank), torch.float32),
     )
 

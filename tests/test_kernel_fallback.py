@@ -1,5 +1,5 @@
 """CPU side of engine.kernels: backend choice and fallback, the packed operand layouts and their e4m3
-codes, the scale identity."""
+codes, the GEMM's scale ratios and its fp16 fold."""
 
 import logging
 
@@ -11,9 +11,12 @@ from engine.kernels import CudaW4A4Backend, build, choose_w4a4_backend, w4a4_bac
 from engine.kernels.build import load_extension
 from engine.kernels.w4a4 import (
     DOT_SCALE,
+    WEIGHT_RATIO_SCALE,
     activation_scale_positions,
     activation_scales_in_row_order,
     e4m3_bytes,
+    emulate_gemm_fold,
+    fp16_rounded_once,
     integers_of_e4m3,
     kernel_weight_scales,
     pack_activations,
@@ -22,7 +25,7 @@ from engine.kernels.w4a4 import (
     unpack_operand,
 )
 from engine.quant.format import W4A4Tensors, pack_int4
-from engine.quant.reference import w4a4_linear_reference
+from engine.quant.reference import quantize_activations, w4a4_linear_reference
 
 needs_no_cuda = pytest.mark.skipif(
     torch.cuda.is_available(), reason="checks the fallback on a CPU-only machine"
@@ -169,23 +172,68 @@ def test_activation_scales_sit_where_the_fold_reads_them():
     assert torch.equal(activation_scales_in_row_order(stored), scales)
 
 
-def test_one_multiply_recovers_dot_times_scale_exactly():
-    """The GEMM's float32 sum is dot * 2^-18 (exact: |dot| <= 64 * 64); times ws * 2^18, rounded once, it is
-    round(dot * ws), checked in float64 for fp16 scales (the stored format) and wider float32 ones."""
+def test_kernel_weight_scales_are_fp16_ratios_and_row_factors():
+    """Per group rw = ws / wmax_row * 2^15 rounded to fp16 (at most 2^15, so the fold's products stay in
+    range), then the row factor 8 * wmax_row; rw * factor / 2^18 gives ws back within fp16's rounding.
+    Padding and all-zero rows stay zero; fp16's extremes stay finite."""
     g = torch.Generator().manual_seed(0)
-    scales = torch.cat(
-        [(torch.rand(4000, generator=g) * 0.05).half().float(), torch.rand(4000, generator=g) * 3,
-         torch.tensor([65504.0, 2.0**-24])]  # the fp16 extremes stay finite and normal
-    )
-    packed = kernel_weight_scales(scales.reshape(-1, 1), n_pad=scales.numel() + 64)
-    assert packed.shape == (1, scales.numel() + 64) and packed.dtype == torch.float32
-    assert torch.equal(packed[0, scales.numel():], torch.zeros(64))
-    ws = packed[0, : scales.numel()]
-    dots = torch.randint(-4096, 4097, (scales.numel(),), generator=g).float()
-    sums = dots * 2.0**-18
-    assert torch.equal(sums.double() * 2.0**18, dots.double()), "the FP8 sums are exact in float32"
-    assert torch.equal(sums * ws, (dots.double() * scales.double()).float())
-    assert torch.equal(ws.double() / DOT_SCALE, scales.double())
+    ws = (torch.rand(300, 16, generator=g) * 0.05).half()
+    ws[7] = 0
+    ws[8, 3] = 65504.0
+    ws[9] = 2.0**-24
+    packed = kernel_weight_scales(ws, n_pad=384)
+    assert packed.shape == (17, 384) and packed.dtype == torch.float32
+    assert not packed[:, 300:].any() and not packed[:, 7].any()
+    ratios, factors = packed[:16, :300].t(), packed[16, :300]
+    assert torch.isfinite(packed).all()
+    assert torch.equal(ratios.half().float(), ratios) and ratios.max() == WEIGHT_RATIO_SCALE
+    assert torch.equal(factors, ws.float().amax(dim=1) * (DOT_SCALE / WEIGHT_RATIO_SCALE))
+    back = ratios.double() * factors.double()[:, None] / DOT_SCALE
+    assert ((back - ws.double()).abs() <= ws.double() * 2.0**-11).all()
+
+
+def test_fp16_rounded_once_rounds_float64_correctly():
+    """Where a cast through float32 rounds twice: 1 + 2^-11 + 2^-40 lies just above the tie between 1 and
+    1 + 2^-10 (float32 drops the 2^-40 and the tie goes to even); exact values and ties pass unchanged."""
+    x = torch.tensor([1 + 2**-11 + 2**-40, -(1 + 2**-11 + 2**-40), 1 + 2**-11, 3 * 2**-20, 2049.0, 0.0], dtype=torch.float64)
+    assert x.half()[0] == 1.0, "torch rounds twice (else this test has nothing to check)"
+    assert fp16_rounded_once(x).tolist() == [1 + 2**-10, -(1 + 2**-10), 1.0, 3 * 2**-20, 2048.0, 0.0]
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(100000, generator=g, dtype=torch.float64)
+    want = y.float().half()  # exact in float32 first, so one rounding
+    assert torch.equal(fp16_rounded_once(y.float().double()), want)
+
+
+def test_fp16_fold_worst_case_stays_finite_and_exact():
+    """127 groups (the GEMM's limit) of |dot| = 64 * 7 * 8 at the largest ratios: the fp16 accumulator reaches
+    127 * 448 = 56896 < 65504, every partial sum a multiple of 32 and so exact in fp16."""
+    groups = 127
+    qx = torch.full((2, 64 * groups), 7)
+    qx[1] = -7
+    qw = torch.full((3, 64 * groups), -8)
+    ascales = torch.full((2, groups), 0.5)
+    ws = torch.full((3, groups), 0.25).half()
+    y = emulate_gemm_fold(qx, ascales, qw, kernel_weight_scales(ws, 3))
+    exact = torch.tensor([[-1.0], [1.0]]) * (groups * 3584 * 0.5 * 0.25)
+    assert torch.equal(y, exact.expand(2, 3))
+
+
+def test_fp16_fold_error_is_about_1e3():
+    """The fold's fp16 roundings on LLM-like activations (outlier channels) at K = 3072: ~1e-3 relative
+    Frobenius error against the exact sum, a tenth of the kernels' 1e-2 tolerance."""
+    g = torch.Generator().manual_seed(0)
+    m, n, k = 96, 128, 3072
+    x = torch.randn(m, k, generator=g)
+    x[:, torch.randint(0, k, (4,), generator=g)] *= 20
+    qx, ascales = quantize_activations(x)
+    qw = torch.randint(-8, 8, (n, k), generator=g)
+    ws = (torch.rand(n, k // 64, generator=g) * 0.02 + 1e-4).half()
+    y = emulate_gemm_fold(qx, ascales, qw, kernel_weight_scales(ws, n))
+    groups = (m, k // 64, 64), (n, k // 64, 64)
+    dots = torch.einsum("mgk,ngk->mng", qx.double().reshape(groups[0]), qw.double().reshape(groups[1]))
+    exact = (dots * ascales.double()[:, None, :] * ws.double()[None]).sum(-1)
+    err = ((y.double() - exact).norm() / exact.norm()).item()
+    assert 1e-4 < err < 2e-3
 
 
 def test_kernel_builds_are_cached_under_ovbatch_cache(monkeypatch, tmp_path):

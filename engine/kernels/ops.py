@@ -30,7 +30,7 @@ def _fake_quantize(x, smooth, pd_t):
     m_pad = padded_rows(m)
     return (
         x.new_empty((m_pad // ACT_BLOCK_ROWS, k // GROUP, ACT_BLOCK_ROWS * GROUP), dtype=torch.int8),
-        x.new_empty((k // GROUP, m_pad), dtype=torch.float32),
+        x.new_empty((k // GROUP + 1, m_pad), dtype=torch.float32),
         x.new_empty((m_pad, pd_t.shape[0]), dtype=torch.float32),
     )
 

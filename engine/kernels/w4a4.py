@@ -32,9 +32,11 @@ from engine.quant.reference import ReferenceW4A4Backend, layer_tensors
 
 log = logging.getLogger(__name__)
 
-# Both GEMM operands hold integers n as the e4m3 value n * 2^-9 (csrc/w4a4_common.cuh), so its float32 sums
-# are dot * 2^-18; the weight scales carry the 2^18 back.
+# Both GEMM operands hold integers n as the e4m3 value n * 2^-9 (csrc/w4a4_common.cuh), so its fp16 sums
+# are dot * 2^-18. Its fp16 fold multiplies them by scale ratios ra * rw with ra <= 1 and rw <= 2^15
+# (kernel_weight_scales), so that each group adds at most 3584 * 2^-3 and the row factors carry 8 back.
 DOT_SCALE = 2.0**18
+WEIGHT_RATIO_SCALE = 2.0**15
 
 # reshape of one 16 x 64 tile as (row split, k split) and the permutation to (gr, t, word, byte, step):
 # row = 8 * ri + gr, k = 32 * s + 16 * ki + 4 * t + b, word = 2 * ki + ri
@@ -115,16 +117,55 @@ def activation_scales_in_row_order(ascales: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_weight_scales(wscales: torch.Tensor, n_pad: int) -> torch.Tensor:
-    """[N, K/64] -> float32 [K/64, N_pad] = ws * 2^18: the GEMM's one multiplication of its float32 sum
-    dot * 2^-18 then gives round(dot * ws) exactly (scaling by a power of two is exact)."""
-    ws = wscales.float() * DOT_SCALE
-    return torch.nn.functional.pad(ws, (0, 0, 0, n_pad - ws.shape[0])).t().contiguous()
+    """[N, K/64] -> float32 [K/64 + 1, N_pad]: per group rw = fp16(ws / wmax_row * 2^15), then the row factor
+    8 * wmax_row (csrc/w4a4_gemm.cu's fold; zero rows stay zero)."""
+    ws = wscales.float()
+    wmax = ws.amax(dim=1, keepdim=True)
+    ratios = torch.where(wmax > 0, ws / wmax * WEIGHT_RATIO_SCALE, 0.0).half().float()
+    rows = torch.cat([ratios, wmax * (DOT_SCALE / WEIGHT_RATIO_SCALE)], dim=1)
+    return torch.nn.functional.pad(rows, (0, 0, 0, n_pad - rows.shape[0])).t().contiguous()
+
+
+def fp16_rounded_once(x: torch.Tensor) -> torch.Tensor:
+    """float64 -> fp16 correctly rounded. torch casts float64 to fp16 through float32 (two roundings); rounding
+    to float32 by truncation with the last bit set when inexact ("round to odd") makes the second rounding
+    the correct one."""
+    f = x.float()
+    f = torch.where(f.double().abs() > x.abs(), torch.nextafter(f, torch.zeros_like(f)), f)
+    f = torch.where(f.double() != x, (f.view(torch.int32) | 1).view(torch.float32), f)
+    return f.half()
+
+
+def emulate_gemm_fold(qx: torch.Tensor, ascales: torch.Tensor, qw: torch.Tensor, kscales: torch.Tensor) -> torch.Tensor:
+    """The GEMM's quantized term rounding for rounding, before the low-rank branch: qx int [M, K] with
+    ascales float32 [M, K/64] (the quantize kernel's), qw int [N, K] with kscales float32 [K/64 + 1, N]
+    (kernel_weight_scales) -> float32 [M, N].
+
+    Per group, fp16 throughout: d = dot * 2^-18 (wgmma's sum), s = ra * rw (one rounding), acc = fma(d, s, acc)
+    (one rounding); then acc * (amax_row * 8 wmax_row) in float32. Each fp16 step is its exact float64 value
+    rounded once."""
+    groups = ascales.shape[1]
+    dots = torch.einsum(
+        "mgk,ngk->mng",
+        qx.double().reshape(qx.shape[0], groups, GROUP_SIZE),
+        qw.double().reshape(qw.shape[0], groups, GROUP_SIZE),
+    )
+    amax = ascales.amax(dim=1)
+    inv = torch.where(amax > 0, 1 / amax, 0.0)
+    ra = (ascales * inv[:, None]).half().double()
+    rw = kscales[:groups].t().half().double()
+    acc = torch.zeros(dots.shape[:2], dtype=torch.float16, device=dots.device)
+    for g in range(groups):
+        d = fp16_rounded_once(dots[..., g] * 2.0**-18).double()
+        s = fp16_rounded_once(ra[:, g, None] * rw[None, :, g]).double()
+        acc = fp16_rounded_once(d * s + acc.double())
+    return acc.float() * (amax[:, None] * kscales[groups][None, :])
 
 
 @dataclass
 class CudaW4A4Packed:
     qweight: torch.Tensor  # int32 [N_pad/16, K/64, 128] (pack_operand: weights are wgmma's A operand)
-    wscales: torch.Tensor  # float32 [K/64, N_pad]: ws * 2^18 (kernel_weight_scales)
+    wscales: torch.Tensor  # float32 [K/64 + 1, N_pad]: scale ratios and row factors (kernel_weight_scales)
     proj_up: torch.Tensor  # float32 [N_pad, r]
     pd_t: dict[torch.dtype, torch.Tensor]  # [r, K] per activation dtype: (proj_down / smooth).T
     smooth: torch.Tensor | None  # float32 [2, K]: smooth, 1 / smooth
