@@ -79,8 +79,10 @@ def bench_shape(layer: str, m: int, g: torch.Generator) -> dict:
     ops = kops.load()
     p = packed
     quant = lambda: ops.quantize_act_lora_down(x, p.smooth, p.pd_t[torch.bfloat16])
-    qact, ascales, lora = quant()
-    gemm = lambda: ops.gemm_lora_up(qact, ascales, lora, p.qweight, p.wscales, p.proj_up, None, m, n, x.dtype)
+    qact, aratios, amax, lora = quant()
+    gemm = lambda: ops.gemm_lora_up(
+        qact, aratios, amax, lora, p.qweight, p.wscales, p.proj_up, None, m, n, x.dtype
+    )
 
     y = backend.forward(x, packed)
     ref = w4a4_linear_reference(x, t)

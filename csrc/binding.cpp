@@ -49,9 +49,9 @@ void check_rows(const Tensor& t, const char* name) {
 }
 
 // Activation quantization + low-rank down-projection of the input `a` describes (x, or a prologue of it):
-// -> (qact int8 [M_pad/128, K/64, 8192] of e4m3 bytes, ascales f32 [K/64 + 1, M_pad] (the last row: each
-// row's largest scale), lora f32 [M_pad, R]).
-std::tuple<Tensor, Tensor, Tensor> quantize_input(const Tensor& x, const std::optional<Tensor>& smooth,
+// -> (qact int8 [M_pad/128, K/64, 8192] of e4m3 bytes, aratios fp16 [K/64, M_pad] (each scale over its row's
+// largest), amax f32 [M_pad] (that largest), lora f32 [M_pad, R]).
+std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_input(const Tensor& x, const std::optional<Tensor>& smooth,
                                                   const Tensor& pd_t, w4a4::QuantizeArgs a) {
   check_rows(x, "x");
   check_cuda(pd_t, "pd_t");
@@ -71,7 +71,11 @@ std::tuple<Tensor, Tensor, Tensor> quantize_input(const Tensor& x, const std::op
   auto f32 = x.options().dtype(at::kFloat);
   Tensor qact =
       torch::empty({M_pad / w4a4::kActBlockRows, K / kGroup, w4a4::kActTileBytes}, x.options().dtype(at::kChar));
-  Tensor ascales = torch::empty({K / kGroup + 1, M_pad}, f32);
+  TORCH_CHECK(K / kGroup <= w4a4::kMaxGroups, "ovbatch_w4a4: K = ", K, " has more than ", w4a4::kMaxGroups,
+              " groups of 64, the most the W4A4 kernels take (K <= ", w4a4::kMaxGroups * kGroup, ")");
+  Tensor aratios = torch::empty({K / kGroup, M_pad}, x.options().dtype(at::kHalf));
+  Tensor amax = torch::empty({M_pad}, f32);
+  Tensor ascales = torch::empty({K / kGroup, M_pad}, f32);  // the kernel's scratch
   Tensor lora = torch::empty({M_pad, R}, f32);
   a.x = x.data_ptr();
   a.ldx = static_cast<int>(M > 1 ? x.stride(0) : K);
@@ -79,6 +83,8 @@ std::tuple<Tensor, Tensor, Tensor> quantize_input(const Tensor& x, const std::op
   a.pd_t = pd_t.data_ptr();
   a.qact = qact.data_ptr();
   a.ascales = ascales.data_ptr<float>();
+  a.aratios = aratios.data_ptr();
+  a.amax = amax.data_ptr<float>();
   a.lora = lora.data_ptr<float>();
   a.M = static_cast<int>(M);
   a.M_pad = static_cast<int>(M_pad);
@@ -86,18 +92,20 @@ std::tuple<Tensor, Tensor, Tensor> quantize_input(const Tensor& x, const std::op
   a.R = static_cast<int>(R);
   a.bf16 = x.scalar_type() == at::kBFloat16;
   check_launch(w4a4::launch_quantize_act_lora_down(a, c10::cuda::getCurrentCUDAStream()), "quantize_act_lora_down");
-  return {qact, ascales, lora};
+  return {qact, aratios, amax, lora};
 }
 
-std::tuple<Tensor, Tensor, Tensor> quantize_act_lora_down(const Tensor& x, const std::optional<Tensor>& smooth,
-                                                          const Tensor& pd_t) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_act_lora_down(const Tensor& x,
+                                                                  const std::optional<Tensor>& smooth,
+                                                                  const Tensor& pd_t) {
   return quantize_input(x, smooth, pd_t, w4a4::QuantizeArgs{});
 }
 
 // The same on RMSNorm(x) with weight `norm_weight` [K], computed in the kernel.
-std::tuple<Tensor, Tensor, Tensor> rmsnorm_quantize_act_lora_down(const Tensor& x, const Tensor& norm_weight,
-                                                                  double eps, const std::optional<Tensor>& smooth,
-                                                                  const Tensor& pd_t) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> rmsnorm_quantize_act_lora_down(const Tensor& x,
+                                                                          const Tensor& norm_weight, double eps,
+                                                                          const std::optional<Tensor>& smooth,
+                                                                          const Tensor& pd_t) {
   check_cuda(norm_weight, "norm_weight");
   check_dtype(norm_weight, x.scalar_type(), "norm_weight");
   TORCH_CHECK(norm_weight.dim() == 1 && norm_weight.size(0) == x.size(-1), "ovbatch_w4a4: norm_weight must be [",
@@ -214,16 +222,18 @@ Tensor silu_mul(const Tensor& gate, const Tensor& up) {
 // Packed activations of M real rows times packed weights of N real columns -> y [M, N] in out_dtype.
 // segment_starts: for a group of layers stacked along N, the first output column of each layer after the
 // first (multiples of 64); layer s reads low-rank columns s * R .. s * R + R - 1 of lora.
-Tensor gemm_lora_up(const Tensor& qact, const Tensor& ascales, const Tensor& lora, const Tensor& qweight,
-                    const Tensor& wscales, const Tensor& proj_up, const std::optional<Tensor>& bias, int64_t M,
-                    int64_t N, at::ScalarType out_dtype, at::IntArrayRef segment_starts) {
-  for (auto [t, name] : {std::pair{&qact, "qact"}, {&ascales, "ascales"}, {&lora, "lora"}, {&qweight, "qweight"},
-                         {&wscales, "wscales"}, {&proj_up, "proj_up"}}) {
+Tensor gemm_lora_up(const Tensor& qact, const Tensor& aratios, const Tensor& amax, const Tensor& lora,
+                    const Tensor& qweight, const Tensor& wscales, const Tensor& proj_up,
+                    const std::optional<Tensor>& bias, int64_t M, int64_t N, at::ScalarType out_dtype,
+                    at::IntArrayRef segment_starts) {
+  for (auto [t, name] : {std::pair{&qact, "qact"}, {&aratios, "aratios"}, {&amax, "amax"}, {&lora, "lora"},
+                         {&qweight, "qweight"}, {&wscales, "wscales"}, {&proj_up, "proj_up"}}) {
     check_cuda(*t, name);
   }
   check_dtype(qact, at::kChar, "qact");
   check_dtype(qweight, at::kInt, "qweight");
-  check_dtype(ascales, at::kFloat, "ascales");
+  check_dtype(aratios, at::kHalf, "aratios");
+  check_dtype(amax, at::kFloat, "amax");
   check_dtype(lora, at::kFloat, "lora");
   check_dtype(wscales, at::kFloat, "wscales");
   check_dtype(proj_up, at::kFloat, "proj_up");
@@ -250,8 +260,9 @@ Tensor gemm_lora_up(const Tensor& qact, const Tensor& ascales, const Tensor& lor
               " must be a multiple of 64 matching the packed weights of ", N_pad, " rows");
   TORCH_CHECK(G <= w4a4::kMaxGroups, "ovbatch_w4a4: K = ", K, " has more than ", w4a4::kMaxGroups,
               " groups of 64, the most the GEMM's fp16 accumulators hold (K <= ", w4a4::kMaxGroups * kGroup, ")");
-  TORCH_CHECK(ascales.sizes() == torch::IntArrayRef({G + 1, M_pad}), "ovbatch_w4a4: ascales must be [", G + 1, ", ",
-              M_pad, "] as quantize_act_lora_down writes it, got ", ascales.sizes());
+  TORCH_CHECK(aratios.sizes() == torch::IntArrayRef({G, M_pad}) && amax.sizes() == torch::IntArrayRef({M_pad}),
+              "ovbatch_w4a4: aratios and amax must be [", G, ", ", M_pad, "] and [", M_pad,
+              "] as quantize_act_lora_down writes them, got ", aratios.sizes(), " and ", amax.sizes());
   TORCH_CHECK(R == 16 || R == 32, "ovbatch_w4a4: proj_up must be [N_pad, R] with R 16 or 32, got ",
               proj_up.sizes());
   TORCH_CHECK(lora.dim() == 2 && lora.size(0) == M_pad && lora.size(1) == segments * R, "ovbatch_w4a4: lora must be [",
@@ -269,7 +280,8 @@ Tensor gemm_lora_up(const Tensor& qact, const Tensor& ascales, const Tensor& lor
   Tensor y = torch::empty({M, N}, qact.options().dtype(out_dtype));
   w4a4::GemmArgs a{};
   a.qact = qact.data_ptr();
-  a.ascales = ascales.data_ptr<float>();
+  a.aratios = aratios.data_ptr();
+  a.amax = amax.data_ptr<float>();
   a.qweight = qweight.data_ptr();
   a.wscales = wscales.data_ptr<float>();
   a.lora = lora.data_ptr<float>();
@@ -293,25 +305,26 @@ Tensor gemm_lora_up(const Tensor& qact, const Tensor& ascales, const Tensor& lor
 // The whole W4A4 linear on x [M, K]: both kernels, intermediates from the caching allocator.
 Tensor w4a4_linear(const Tensor& x, const std::optional<Tensor>& smooth, const Tensor& pd_t, const Tensor& qweight,
                    const Tensor& wscales, const Tensor& proj_up, const std::optional<Tensor>& bias, int64_t N) {
-  auto [qact, ascales, lora] = quantize_act_lora_down(x, smooth, pd_t);
-  return gemm_lora_up(qact, ascales, lora, qweight, wscales, proj_up, bias, x.size(0), N, x.scalar_type(), {});
+  auto [qact, aratios, amax, lora] = quantize_act_lora_down(x, smooth, pd_t);
+  return gemm_lora_up(qact, aratios, amax, lora, qweight, wscales, proj_up, bias, x.size(0), N, x.scalar_type(),
+                      {});
 }
 
 }  // namespace
 
 TORCH_LIBRARY(ovbatch_w4a4, m) {
-  m.def("quantize_act_lora_down(Tensor x, Tensor? smooth, Tensor pd_t) -> (Tensor, Tensor, Tensor)");
+  m.def("quantize_act_lora_down(Tensor x, Tensor? smooth, Tensor pd_t) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "rmsnorm_quantize_act_lora_down(Tensor x, Tensor norm_weight, float eps, Tensor? smooth, Tensor pd_t) -> "
-      "(Tensor, Tensor, Tensor)");
+      "(Tensor, Tensor, Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def(
       "qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor cos, Tensor sin, float eps) -> "
       "(Tensor, Tensor)");
   m.def(
-      "gemm_lora_up(Tensor qact, Tensor ascales, Tensor lora, Tensor qweight, Tensor wscales, Tensor proj_up, "
-      "Tensor? bias, int M, int N, ScalarType out_dtype, int[] segment_starts=[]) -> Tensor");
+      "gemm_lora_up(Tensor qact, Tensor aratios, Tensor amax, Tensor lora, Tensor qweight, Tensor wscales, "
+      "Tensor proj_up, Tensor? bias, int M, int N, ScalarType out_dtype, int[] segment_starts=[]) -> Tensor");
   m.def(
       "w4a4_linear(Tensor x, Tensor? smooth, Tensor pd_t, Tensor qweight, Tensor wscales, Tensor proj_up, "
       "Tensor? bias, int N) -> Tensor");

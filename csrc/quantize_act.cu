@@ -12,8 +12,11 @@
 // 4t+1 play k = 2t, 2t+1 and 4t+2, 4t+3 play k = 2t+8, 2t+9); proj_down is read with the same
 // permutation, and a dot product does not depend on the order of k.
 //
-// Each row's largest scale over its K groups goes after the groups' scales (row K/64 of ascales): the GEMM
-// folds in scales relative to it (csrc/w4a4_gemm.cu).
+// The scales leave as the GEMM folds them (csrc/w4a4_gemm.cu): each row's largest scale amax_row (float32)
+// and per group the fp16 ratio scale / amax_row. The warps write their float32 scales to a scratch buffer as
+// they go; once every group is done the block reads its rows' back and writes both. (Kept in shared memory
+// instead, the same kernels compiled to fewer registers and ran up to 1.5x slower with the RMSNorm prologue,
+// docs/kernels.md v25.)
 //
 // Divisions are correctly rounded (the reference's IEEE float32 x / smooth and xs / scale) without a
 // division instruction: with y = RN(1/b) (1/smooth precomputed at load, 1/scale once per row),
@@ -118,19 +121,21 @@ __device__ __forceinline__ void row_rstd(const T* x0, const T* x1, bool ok0, boo
   }
 }
 
-// 4-warp blocks of rank-32 groups' low-rank products (R = 64, 96) are capped at 128 registers, so 4 blocks fit
-// an SM; left alone they take up to 147 and 3 fit (docs/kernels.md, the grouped quantize). 0 leaves the other
-// kernels to the compiler's choice: an explicit 1 made it spend up to 168 registers on R <= 32.
+// 4-warp blocks of the groups' low-rank products (R = 48, 64, 96) are told 4 blocks fit an SM, which caps them
+// at 128 registers: left alone, rank-32 groups (64, 96) take up to 147 and 3 fit, and since v25 the R = 48
+// kernel took 102-106 registers for a fifth block and ran 1.2-1.5x slower (docs/kernels.md). 0 leaves the
+// other kernels to the compiler's choice: an explicit 1 made it spend up to 168 registers on R <= 32.
 template <int R, int kWarpsPerBlock>
-constexpr int kQuantizeMinBlocks = kWarpsPerBlock == 4 && R > 48 ? 4 : 0;
+constexpr int kQuantizeMinBlocks = kWarpsPerBlock == 4 && R >= 48 ? 4 : 0;
 
 template <typename T, Prologue P, bool kSmooth, int R, int kWarpsPerBlock>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kWarpsPerBlock>))
     quantize_act_lora_down_kernel(const T* __restrict__ x, const T* __restrict__ norm_w,
                                   float eps, int ldx, const float* __restrict__ smooth,
                                   const float* __restrict__ rsmooth, const T* __restrict__ pd_t,
-                                  int8_t* __restrict__ qact, float* __restrict__ ascales, float* __restrict__ lora,
-                                  int M, int M_pad, int K) {
+                                  int8_t* __restrict__ qact, float* __restrict__ ascales,
+                                  __half* __restrict__ aratios, float* __restrict__ amax_rows,
+                                  float* __restrict__ lora, int M, int M_pad, int K) {
   constexpr int kTiles = R / 8;  // 8-column MMA tiles of the low-rank product
   // The warps' partial sums meet in shared memory 32 (or 16) columns at a time.
   constexpr int kChunkTiles = kTiles % 4 == 0 ? 4 : 2;
@@ -162,7 +167,6 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
   // a prologue, o_proj's and down_proj's inputs (4-18%). At 32 columns the registers leave room for 3 blocks
   // per SM instead of 4; with the RMSNorm prologue it measured 4-10% slower (docs/kernels.md, v24).
   constexpr bool kEarlyLowRank = R <= 16 && P == Prologue::kNone;
-  float scale_max[2] = {0.f, 0.f};  // over this warp's groups, rows gr and gr + 8
   GroupInput cur, next;
   if (kPrefetch && warp < G) load_group<T, P>(cur, x, norm_w, off0, off1, ok0, ok1, warp, t);
   for (int g = warp; g < G; g += kWarpsPerBlock) {
@@ -215,7 +219,6 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
       amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 2));
       scale[r] = amax[r] / 7.0f;
       rscale[r] = 1.0f / scale[r];
-      scale_max[r] = fmaxf(scale_max[r], scale[r]);
     }
     if (t == 0) {  // in the GEMM's order (w4a4_common.cuh: activation_scale_position of row0 and row1)
       float* at = ascales + static_cast<int64_t>(g) * M_pad + activation_scale_position(row0);
@@ -256,17 +259,21 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     if (kPrefetch) cur = next;
   }
 
-  __shared__ float warp_scale_max[kWarpsPerBlock][16];
-  if (t == 0) {
-    warp_scale_max[warp][gr] = scale_max[0];
-    warp_scale_max[warp][gr + 8] = scale_max[1];
-  }
   __syncthreads();
-  if (threadIdx.x < 16) {
-    float m = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarpsPerBlock; ++w) m = fmaxf(m, warp_scale_max[w][threadIdx.x]);
-    ascales[static_cast<int64_t>(G) * M_pad + activation_scale_position(mtile * 16 + threadIdx.x)] = m;
+  // Thread i writes the ratios of positions 2 (i % 8) and 2 (i % 8) + 1 (rows side by side) for groups i / 8, ...
+  {
+    const int64_t col = static_cast<int64_t>(mtile) * 16 + 2 * (threadIdx.x % 8);
+    float2 amax = make_float2(0.f, 0.f);
+    for (int g = 0; g < G; ++g) {
+      const float2 s = *reinterpret_cast<const float2*>(ascales + g * M_pad + col);
+      amax = make_float2(fmaxf(amax.x, s.x), fmaxf(amax.y, s.y));
+    }
+    const float2 inv = make_float2(amax.x > 0.f ? 1.f / amax.x : 0.f, amax.y > 0.f ? 1.f / amax.y : 0.f);
+    if (threadIdx.x < 8) *reinterpret_cast<float2*>(amax_rows + col) = amax;
+    for (int g = threadIdx.x / 8; g < G; g += kWarpsPerBlock * 4) {
+      const float2 s = *reinterpret_cast<const float2*>(ascales + g * M_pad + col);
+      *reinterpret_cast<__half2*>(aratios + g * M_pad + col) = __floats2half2_rn(s.x * inv.x, s.y * inv.y);
+    }
   }
 
 #pragma unroll
@@ -296,7 +303,8 @@ cudaError_t launch_warps(const QuantizeArgs& a, cudaStream_t stream) {
   quantize_act_lora_down_kernel<T, P, kSmooth, R, kWarps><<<grid, kWarps * 32, 0, stream>>>(
       static_cast<const T*>(a.x), static_cast<const T*>(a.norm_weight), a.eps, a.ldx,
       a.smooth, a.smooth == nullptr ? nullptr : a.smooth + a.K, static_cast<const T*>(a.pd_t),
-      static_cast<int8_t*>(a.qact), a.ascales, a.lora, a.M, a.M_pad, a.K);
+      static_cast<int8_t*>(a.qact), a.ascales, static_cast<__half*>(a.aratios), a.amax, a.lora, a.M, a.M_pad,
+      a.K);
   return cudaGetLastError();
 }
 
@@ -336,7 +344,7 @@ cudaError_t launch_prologue(const QuantizeArgs& a, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t launch_quantize_act_lora_down(const QuantizeArgs& a, cudaStream_t stream) {
-  if (a.M_pad % kMPad || a.K % kGroup || a.ldx % 4) return cudaErrorInvalidValue;
+  if (a.M_pad % kMPad || a.K % kGroup || a.K / kGroup > kMaxGroups || a.ldx % 4) return cudaErrorInvalidValue;
   if (a.M_pad == 0) return cudaSuccess;
   return a.bf16 ? launch_prologue<__nv_bfloat16>(a, stream) : launch_prologue<__half>(a, stream);
 }

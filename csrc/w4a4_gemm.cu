@@ -17,13 +17,13 @@
 //      and fp16 keeps the subnormals of |dot| < 16);
 //   4. one instruction per output (two per output pair) folds the group into fp16 accumulators, in
 //      scales relative to the row's largest, so the sums stay inside fp16's range (below 2^15):
-//        s = ra[m] * rw[n]     ra = ascale / amax_row in (0, 1]  (the scale-copying threads convert them
-//                              in the ring slot), rw = wscale / wmax_row * 2^15 (kernel_weight_scales)
+//        s = ra[m] * rw[n]     ra = ascale / amax_row in [0, 1] (the quantize kernel's),
+//                              rw = wscale / wmax_row * 2^15 (kernel_weight_scales)
 //        acc = fma(dot * 2^-18, s, acc)                      (half2: two outputs of one weight row)
 //      Half the fold of float32 accumulators, and half their registers (docs/kernels.md, v25).
 // Epilogue: acc * amax_row[m] * 8 wmax_row[n] in float32, + proj_up[n, :] . lora[m, :] on tf32 mma.sync
 // (its C fragment matches wgmma's D layout), + bias, cast, transpose through shared memory, 16-byte stores
-// of rows < M. The row factors are the scale tensors' last rows ([K/64 + 1, M_pad] and [K/64 + 1, N_pad]). A grouped GEMM (layers that
+// of rows < M. The weights' row factors are the last row of their scale tensor ([K/64 + 1, N_pad]). A grouped GEMM (layers that
 // read one input, weights stacked along N) gives each layer's 64-row weight tiles that layer's R low-rank
 // columns of lora.
 #include "w4a4_common.cuh"
@@ -50,16 +50,6 @@ static_assert((kStages & (kStages - 1)) == 0, "stage count must be a power of tw
 #define W4A4_GEMM_BIG_TILES_FROM 1
 #endif
 
-#ifndef PROBE_NOCONV
-#define PROBE_NOCONV 0
-#endif
-#ifndef PROBE_KS_UNROLL
-#define PROBE_KS_UNROLL 1
-#endif
-#ifndef PROBE_LATE
-#define PROBE_LATE 0
-#endif
-constexpr int kKsUnroll = PROBE_KS_UNROLL;
 constexpr int kThreads = 128;  // one warpgroup
 constexpr int kTileN = 64;     // weight rows per block: wgmma's M
 constexpr int kYStride = kTileN + 8;  // the epilogue's output tile ytile[m][n], rows padded by 8 elements
@@ -80,9 +70,8 @@ struct Tile {
   struct RawStage {
     alignas(128) int8_t act[BM * kGroup];  // e4m3 activations, wgmma's layout: the B operand
     int4 w[kTileN / 16 * 32];  // packed 4-bit weights in A-fragment layout: one 16-byte record per lane
-    float as[BM];      // ascale, as copied
+    __half ra[BM];     // ascale / amax_row
     float ws[kTileN];  // rw: fp16 values in float32
-    __half ra[BM];     // ascale / amax_row, converted by the thread that copied it
   };
 
   // The block's low-rank activations lora_tile[BM][R + 8] (padded rows: a warp's 8-byte fragment loads fall in
@@ -90,7 +79,7 @@ struct Tile {
   // free ring beside the output tile; 64-row blocks (small grids, often one per SM) copy them at the start,
   // behind the first stages, into their own space after the ring (docs/kernels.md, v23).
   static constexpr bool kLoraAfterLoop = BM == 128;
-  // After them, amax_row and 1 / amax_row of the block's activation rows (activation_scale_position order).
+  // After them, amax_row of the block's activation rows (activation_scale_position order).
   template <int R, typename OutT>
   struct SmemLayout {
     static constexpr size_t kRing = sizeof(RawStage) * kStages;
@@ -98,8 +87,7 @@ struct Tile {
     static constexpr size_t kLoraOffset =
         kLoraAfterLoop ? (sizeof(OutT) * BM * kYStride + 127) / 128 * 128 : kRing;
     static constexpr size_t kAmaxOffset = kLoraAfterLoop ? kRing : kRing + kLora;
-    static constexpr size_t kInvAmaxOffset = kAmaxOffset + sizeof(float) * BM;
-    static constexpr size_t kBytes = kInvAmaxOffset + sizeof(float) * BM;
+    static constexpr size_t kBytes = kAmaxOffset + sizeof(float) * BM;
     static_assert(sizeof(OutT) * BM * kYStride <= kRing, "the ring holds the output tile");
     static_assert(!kLoraAfterLoop || kLoraOffset + kLora <= kRing, "and beside it the low-rank activations");
   };
@@ -127,11 +115,6 @@ __device__ __forceinline__ uint32_t opaque(uint32_t v) {
 template <typename V>
 __device__ __forceinline__ const V& at_offset(const void* base, uint32_t offset) {
   return *reinterpret_cast<const V*>(static_cast<const unsigned char*>(base) + offset);
-}
-
-template <typename V>
-__device__ __forceinline__ V& at_offset_mut(void* base, uint32_t offset) {
-  return *reinterpret_cast<V*>(static_cast<unsigned char*>(base) + offset);
 }
 
 // Pins registers that the asynchronous wgmma reads or writes (accumulators, A fragments) around its
@@ -179,7 +162,8 @@ __device__ __forceinline__ uint32_t bits_of(__half2 v) { return *reinterpret_cas
 
 template <int BM, int R, typename OutT>
 __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
-    w4a4_gemm_lora_up_kernel(const int8_t* __restrict__ qact, const float* __restrict__ ascales,
+    w4a4_gemm_lora_up_kernel(const int8_t* __restrict__ qact, const __half* __restrict__ aratios,
+                             const float* __restrict__ amax_rows,
                              const int4* __restrict__ qweight, const float* __restrict__ wscales,
                              const float* __restrict__ lora, const float* __restrict__ proj_up,
                              const float* __restrict__ bias, OutT* __restrict__ y, int M, int M_pad, int N,
@@ -190,8 +174,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   using Layout = typename T::template SmemLayout<R, OutT>;
   auto& ring_s = *reinterpret_cast<RawStage(*)[kStages]>(smem_raw);
   auto& lora_tile = *reinterpret_cast<float(*)[BM][R + 8]>(smem_raw + Layout::kLoraOffset);
-  float* amax_s = reinterpret_cast<float*>(smem_raw + Layout::kAmaxOffset);
-  float* inv_amax = reinterpret_cast<float*>(smem_raw + Layout::kInvAmaxOffset);
+  const float* amax_s = reinterpret_cast<const float*>(smem_raw + Layout::kAmaxOffset);
 
   const int G = K / kGroup;
   const int n0 = blockIdx.x * kTileN, m0 = blockIdx.y * BM;
@@ -201,32 +184,26 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   // Static copy plan: 16-byte activation chunks tid + 128 h (chunk j of the stage's tile is its row j % BM
   // of k chunk j / BM, which lies in the 128-row tile of global memory at (j / BM) * 2048 + 16 * row: the
   // thread's first chunk plus h times a constant, so one pointer and immediate offsets address them), weight
-  // record tid (this warp's own fragment tile), and for the first BM/4 + 16 threads one 16-byte piece of
-  // the scales (activation scales, then weight scales, which land back to back in the stage). Stages are
-  // loaded in group order, so the sources just advance.
-  static_assert(offsetof(RawStage, ws) == offsetof(RawStage, as) + sizeof(float) * BM, "scales adjoin");
+  // record tid (this warp's own fragment tile), and for the first BM/8 + 16 threads one 16-byte piece of
+  // the scales (activation scale ratios, then weight scales, which land back to back in the stage). Stages
+  // are loaded in group order, so the sources just advance.
+  static_assert(offsetof(RawStage, ws) == offsetof(RawStage, ra) + sizeof(__half) * BM, "scales adjoin");
   static_assert(kThreads % BM == 0, "chunk tid + 128 h is chunk tid's row, k chunks further");
   constexpr int kActChunkStride = kThreads / BM * kActChunkBytes;  // global bytes from chunk j to j + 128
   const int8_t* act_src = qact + static_cast<int64_t>(m0 / kActBlockRows) * G * kActTileBytes +
                           (m0 % kActBlockRows) * 16 + (tid / BM) * kActChunkBytes + (tid % BM) * 16;
   const int4* w_src = qweight + static_cast<int64_t>(n0 / 16 + warp) * G * 32 + lane;
-  const bool act_scales = tid < BM / 4;
+  const bool act_scales = tid < BM / 8;
   // Opaque, so each refill does not re-read threadIdx (S2R) and the stride from constant memory (v16 profile).
-  const bool copies_scales = opaque(tid < BM / 4 + kTileN / 4), converts_scales = opaque(act_scales);
-  const float* s_src = act_scales ? ascales + m0 + 4 * tid : wscales + n0 + 4 * (tid - BM / 4);
-  const int s_stride = static_cast<int>(opaque(act_scales ? M_pad : N_pad));
+  const bool copies_scales = opaque(tid < BM / 8 + kTileN / 4);
+  const char* s_src = act_scales ? reinterpret_cast<const char*>(aratios + m0 + 8 * tid)
+                                 : reinterpret_cast<const char*>(wscales + n0 + 4 * (tid - BM / 8));
+  const int s_stride = static_cast<int>(opaque(act_scales ? sizeof(__half) * M_pad : sizeof(float) * N_pad));
   const uint32_t ring = smem_addr(ring_s);
   const int wrow0 = warp * 16 + gr;  // this thread's weight rows: wrow0 and wrow0 + 8
   // Byte offsets of this thread's pieces of a ring slot: its 16-byte copy, its weights' scales, its
   // activation rows' scale ratios.
   const uint32_t thr16 = opaque(16 * tid), ws_off = opaque(sizeof(float) * wrow0), ra_off = opaque(8 * t);
-  // The activation-scale copiers' 1 / amax_row of the 4 rows they copy (0 for an all-zero row).
-  if (act_scales) {
-    const float4 amax = *reinterpret_cast<const float4*>(s_src + static_cast<int64_t>(G) * M_pad);
-    auto inv = [](float a) { return a > 0.f ? 1.f / a : 0.f; };
-    reinterpret_cast<float4*>(amax_s)[tid] = amax;
-    reinterpret_cast<float4*>(inv_amax)[tid] = make_float4(inv(amax.x), inv(amax.y), inv(amax.z), inv(amax.w));
-  }
 
   auto load_next_stage = [&](int g) {
     const uint32_t slot = ring + (g & (kStages - 1)) * static_cast<uint32_t>(sizeof(RawStage)) + thr16;
@@ -234,20 +211,10 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     for (int h = 0; h < T::kActChunksPerThread; ++h)
       cp_async_16(slot + offsetof(RawStage, act) + 16 * kThreads * h, act_src + h * kActChunkStride);
     cp_async_16(slot + offsetof(RawStage, w), w_src);
-    if (copies_scales) cp_async_16(slot + offsetof(RawStage, as), s_src);
+    if (copies_scales) cp_async_16(slot + offsetof(RawStage, ra), s_src);
     act_src += kActTileBytes;
     w_src += 32;
     s_src += s_stride;
-  };
-
-  // Group g's activation scales (this thread's copy, landed) as fp16 ratios to their rows' largest.
-  auto convert_scales = [&](int g) {
-    if (PROBE_NOCONV || !converts_scales) return;
-    RawStage& st = ring_s[g & (kStages - 1)];
-    const float4 as = at_offset<float4>(st.as, thr16), inv = at_offset<float4>(inv_amax, thr16);
-    const uint2 ra = make_uint2(bits_of(__floats2half2_rn(as.x * inv.x, as.y * inv.y)),
-                                bits_of(__floats2half2_rn(as.z * inv.z, as.w * inv.w)));
-    at_offset_mut<uint2>(st.ra, thr16 / 2) = ra;
   };
 
   // The block's low-rank activations: its segment's R columns.
@@ -260,6 +227,8 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     }
   };
 
+  // The block's amax_row (read by the epilogue), committed with the first stage.
+  if (tid < BM / 4) cp_async_16(smem_addr(amax_s) + 16 * tid, amax_rows + m0 + 4 * tid);
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < G) load_next_stage(s);
@@ -278,7 +247,6 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   // to the whole block and frees the ring slot that iteration g + 1 refills.
   cp_async_wait<kStages - 2>();
   fence_proxy_async();
-  convert_scales(0);
   // This thread's packed weight record of the next group.
   int4 wrec = at_offset<int4>(ring_s[0].w, thr16);
   __syncthreads();
@@ -314,7 +282,6 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
       cp_async_wait<kStages - 2>();
       fence_proxy_async();
       wrec = at_offset<int4>(ring_s[(g + 1) & (kStages - 1)].w, thr16);
-      if (!PROBE_LATE) convert_scales(g + 1);
     }
 
     wgmma_wait_all();
@@ -335,7 +302,6 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
         acc_h[2 * j + 1] = bits_of(__hfma2(as_half2(d[2 * j + 1]), __hmul2(ra, rw1), as_half2(acc_h[2 * j + 1])));
       }
     }
-    if (PROBE_LATE && g + 1 < G) convert_scales(g + 1);
     __syncthreads();
   }
   if (T::kLoraAfterLoop) {
@@ -372,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   // Low-rank up-projection: acc[n, m] += proj_up[n, :] . lora[m, :] (tf32 MMA, float32 accumulation).
   const float* pu0 = proj_up + static_cast<int64_t>(n0 + wrow0) * R + t;
   const float* pu1 = pu0 + 8 * R;
-#pragma unroll kKsUnroll
+#pragma unroll
   for (int ks = 0; ks < R / 8; ++ks) {
     const uint32_t a[4] = {to_tf32(pu0[8 * ks]), to_tf32(pu1[8 * ks]), to_tf32(pu0[8 * ks + 4]),
                            to_tf32(pu1[8 * ks + 4])};
@@ -422,7 +388,8 @@ cudaError_t launch_tile(const GemmArgs& a, cudaStream_t stream) {
   int starts[kMaxSegments - 1];
   for (int s = 0; s < kMaxSegments - 1; ++s) starts[s] = s + 1 < a.segments ? a.segment_start[s] : INT_MAX;
   kernel<<<grid, kThreads, smem, stream>>>(
-      static_cast<const int8_t*>(a.qact), a.ascales, static_cast<const int4*>(a.qweight),
+      static_cast<const int8_t*>(a.qact), static_cast<const __half*>(a.aratios), a.amax,
+      static_cast<const int4*>(a.qweight),
       a.wscales, a.lora, a.proj_up, a.bias, static_cast<OutT*>(a.y), a.M,
       a.M_pad, a.N, a.N_pad, a.K, a.lora_ld, make_int2(starts[0], starts[1]));
   return cudaGetLastError();

@@ -17,7 +17,7 @@ constexpr int kBlockN = 128;
 // layers; each has its own R low-rank columns, side by side in the activations' low-rank buffer.
 constexpr int kMaxSegments = 3;  // q/k/v
 // The GEMM's fp16 accumulators gain at most 2^-18 * 3584 * 2^15 = 448 a group (|q| <= 7 in activations):
-// 127 groups stay below fp16's largest finite 65504.
+// 127 groups stay below fp16's largest finite 65504. Both kernels refuse more.
 constexpr int kMaxGroups = 127;
 
 struct QuantizeArgs {
@@ -28,7 +28,9 @@ struct QuantizeArgs {
   const float* smooth;  // [2, K]: smooth and its correctly rounded reciprocal, or nullptr
   const void* pd_t;     // [R, K], x's dtype: proj_down.T / smooth (smoothing folded in); R = 16 * (1..6)
   void* qact;           // int8 [M_pad/128, K/64, 8192]: e4m3 bytes of q in wgmma's layout (w4a4_common.cuh)
-  float* ascales;       // [K/64 + 1, M_pad]: per group, then each row's largest (activation_scale_position order)
+  float* ascales;       // [K/64, M_pad]: the scales (scratch)    } columns in activation_scale_position order
+  void* aratios;        // fp16 [K/64, M_pad]: scale / amax_row  }
+  float* amax;          // [M_pad]: each row's largest scale     }
   float* lora;          // [M_pad, R] = x_smoothed @ proj_down, tf32-rounded, columns in lora_position order
   int M, M_pad, K, R;
   bool bf16;
@@ -36,7 +38,8 @@ struct QuantizeArgs {
 
 struct GemmArgs {
   const void* qact;        // as written by the quantize kernel
-  const float* ascales;    // [K/64 + 1, M_pad] as the quantize kernel writes it
+  const void* aratios;     // fp16 [K/64, M_pad] } as the quantize kernel writes them
+  const float* amax;       // [M_pad]            }
   const void* qweight;     // int32 [N_pad/16, K/64, 32, 4] packed int4, A-fragment layout
   const float* wscales;    // [K/64 + 1, N_pad]: wscale / wmax_row * 2^15 rounded to fp16, then 8 wmax_row
   const float* lora;       // [M_pad, lora_ld] as the quantize kernel writes it

@@ -44,18 +44,21 @@ def quantize_outputs_poisoned(m, k, rank):
     m_pad, groups = kops.padded_rows(m), k // 64
     poison(
         ((m_pad // 128, groups, 8192), torch.int8),
-        ((groups + 1, m_pad), torch.float32),
+        ((groups, m_pad), torch.float16),
+        ((m_pad,), torch.float32),
         ((m_pad, rank), torch.float32),
     )
 
 
 def assert_quantized_close(fused, unfused, m, max_flips):
-    """Quantized values, scales and low-rank activations of the fused kernel against the unfused one."""
-    (qf, sf, lf), (qu, su, lu) = fused, unfused
+    """Quantized values, scales (ratios and row maxima) and low-rank activations of the fused kernel against
+    the unfused one."""
+    (qf, rf, af, lf), (qu, ru, au, lu) = fused, unfused
     differ = (qf != qu).sum().item()
     assert differ <= max_flips, f"{differ} quantized values differ"
-    assert torch.isfinite(sf).all() and torch.isfinite(lf).all()
-    assert rel_err(sf[:, :m], su[:, :m]) < 1e-3 and rel_err(lf[:m], lu[:m]) < 1e-3
+    assert torch.isfinite(rf).all() and torch.isfinite(af).all() and torch.isfinite(lf).all()
+    assert rel_err(rf[:, :m], ru[:, :m]) < 1e-3 and rel_err(af[:m], au[:m]) < 1e-3
+    assert rel_err(lf[:m], lu[:m]) < 1e-3
 
 
 def random_norm(k, dtype, g) -> RMSNorm:

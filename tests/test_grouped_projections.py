@@ -147,11 +147,11 @@ def test_group_quantize_low_rank_columns(widths, rank, m):
     x = random_activations(m, 1024, torch.bfloat16, g)
     ops = kops.load()
     poison(((kops.padded_rows(m), rank * len(widths)), torch.float32))
-    qg, sg, lg = ops.quantize_act_lora_down(x, group.smooth, group.pd_t[torch.bfloat16])
+    qg, rg, ag, lg = ops.quantize_act_lora_down(x, group.smooth, group.pd_t[torch.bfloat16])
     torch.cuda.synchronize()
     for i, t in enumerate(tensors):
-        q, s, lora = ops.quantize_act_lora_down(x, group.smooth, backend.prepare(t).pd_t[torch.bfloat16])
-        assert torch.equal(qg, q) and torch.equal(sg, s)
+        q, r, a, lora = ops.quantize_act_lora_down(x, group.smooth, backend.prepare(t).pd_t[torch.bfloat16])
+        assert torch.equal(qg, q) and torch.equal(rg, r) and torch.equal(ag, a)
         assert torch.equal(lg[:, i * rank : (i + 1) * rank], lora)
     lora = lg.cpu()[:, lora_positions(lg.shape[1])]
     want = smoothed_cpu(x, tensors[0]) @ torch.cat([t.proj_down.cpu().float() for t in tensors], dim=1)

@@ -13,6 +13,7 @@ from engine.kernels.w4a4 import (
     DOT_SCALE,
     WEIGHT_RATIO_SCALE,
     activation_scale_positions,
+    activation_scale_ratios,
     activation_scales_in_row_order,
     e4m3_bytes,
     emulate_gemm_fold,
@@ -195,7 +196,8 @@ def test_kernel_weight_scales_are_fp16_ratios_and_row_factors():
 def test_fp16_rounded_once_rounds_float64_correctly():
     """Where a cast through float32 rounds twice: 1 + 2^-11 + 2^-40 lies just above the tie between 1 and
     1 + 2^-10 (float32 drops the 2^-40 and the tie goes to even); exact values and ties pass unchanged."""
-    x = torch.tensor([1 + 2**-11 + 2**-40, -(1 + 2**-11 + 2**-40), 1 + 2**-11, 3 * 2**-20, 2049.0, 0.0], dtype=torch.float64)
+    above_tie = 1 + 2**-11 + 2**-40
+    x = torch.tensor([above_tie, -above_tie, 1 + 2**-11, 3 * 2**-20, 2049.0, 0.0], dtype=torch.float64)
     assert x.half()[0] == 1.0, "torch rounds twice (else this test has nothing to check)"
     assert fp16_rounded_once(x).tolist() == [1 + 2**-10, -(1 + 2**-10), 1.0, 3 * 2**-20, 2048.0, 0.0]
     g = torch.Generator().manual_seed(0)
@@ -213,7 +215,7 @@ def test_fp16_fold_worst_case_stays_finite_and_exact():
     qw = torch.full((3, 64 * groups), -8)
     ascales = torch.full((2, groups), 0.5)
     ws = torch.full((3, groups), 0.25).half()
-    y = emulate_gemm_fold(qx, ascales, qw, kernel_weight_scales(ws, 3))
+    y = emulate_gemm_fold(qx, *activation_scale_ratios(ascales), qw, kernel_weight_scales(ws, 3))
     exact = torch.tensor([[-1.0], [1.0]]) * (groups * 3584 * 0.5 * 0.25)
     assert torch.equal(y, exact.expand(2, 3))
 
@@ -228,7 +230,7 @@ def test_fp16_fold_error_is_about_1e3():
     qx, ascales = quantize_activations(x)
     qw = torch.randint(-8, 8, (n, k), generator=g)
     ws = (torch.rand(n, k // 64, generator=g) * 0.02 + 1e-4).half()
-    y = emulate_gemm_fold(qx, ascales, qw, kernel_weight_scales(ws, n))
+    y = emulate_gemm_fold(qx, *activation_scale_ratios(ascales), qw, kernel_weight_scales(ws, n))
     groups = (m, k // 64, 64), (n, k // 64, 64)
     dots = torch.einsum("mgk,ngk->mng", qx.double().reshape(groups[0]), qw.double().reshape(groups[1]))
     exact = (dots * ascales.double()[:, None, :] * ws.double()[None]).sum(-1)

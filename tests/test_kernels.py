@@ -15,6 +15,7 @@ from engine.kernels import CudaW4A4Backend, choose_w4a4_backend
 from engine.kernels import ops as kops
 from engine.kernels.w4a4 import (
     activation_scale_positions,
+    activation_scale_ratios,
     activation_scales_in_row_order,
     emulate_gemm_fold,
     kernel_weight_scales,
@@ -110,22 +111,24 @@ def test_quantize_act_bit_exact(m, k, dtype):
     groups = k // 64
     poison(
         ((m_pad // 128, groups, 8192), torch.int8),
-        ((groups + 1, m_pad), torch.float32),
+        ((groups, m_pad), torch.float16),
+        ((m_pad,), torch.float32),
         ((m_pad, 32), torch.float32),
     )
-    qact, ascales, lora = kops.load().quantize_act_lora_down(x, packed.smooth, packed.pd_t[dtype])
+    qact, aratios, amax, lora = kops.load().quantize_act_lora_down(x, packed.smooth, packed.pd_t[dtype])
     torch.cuda.synchronize()
 
     xs = smoothed_cpu(x, layer)
     q_ref, s_ref = quantize_activations(xs)
+    ratios_ref, amax_ref = activation_scale_ratios(s_ref)
     q = unpack_activations(qact.cpu())
-    scales_and_max = activation_scales_in_row_order(ascales).t().cpu()
-    scales = scales_and_max[:, :groups]
-    assert torch.equal(scales_and_max[:, groups], scales.amax(dim=1)), "the last row holds each row's largest"
+    ratios = activation_scales_in_row_order(aratios).t().cpu()
+    amax = activation_scales_in_row_order(amax).cpu()
     assert torch.equal(q[:m], q_ref), f"{(q[:m] != q_ref).sum().item()} quantized values differ"
     assert torch.equal(q[m:], torch.zeros_like(q[m:])), "padding rows must quantize to 0"
-    assert torch.equal(scales[:m], s_ref), "activation scales differ from the reference (IEEE division)"
-    assert torch.equal(scales[m:], torch.zeros_like(scales[m:]))
+    assert torch.equal(amax[:m], amax_ref), "row maxima differ from the reference's scales (IEEE division)"
+    assert torch.equal(ratios[:m], ratios_ref), "scale ratios differ from the reference's"
+    assert not ratios[m:].any() and not amax[m:].any()
     lora = lora.cpu()[:, lora_positions(lora.shape[1])]
     assert torch.isfinite(lora).all()
     assert not (lora.view(torch.int32) & 0x1FFF).any(), "the low-rank activations are stored tf32-rounded"
@@ -155,15 +158,15 @@ def test_quantize_act_ties_and_zero_groups():
     x = x.to(DEV, torch.bfloat16)
     layer = random_layer(128, k, 16, smooth=False, bias=False, g=fresh_generator())
     packed = CudaW4A4Backend().prepare(layer)
-    qact, ascales, _ = kops.load().quantize_act_lora_down(x, None, packed.pd_t[torch.bfloat16])
+    qact, aratios, amax, _ = kops.load().quantize_act_lora_down(x, None, packed.pd_t[torch.bfloat16])
     q_ref, s_ref = quantize_activations(x.cpu())
     q = unpack_activations(qact.cpu())[:3]
     assert torch.equal(q, q_ref)
     assert q[0, :8].tolist() == [7, 2, -4, 0, 0, 2, -2, 6]
-    scales = activation_scales_in_row_order(ascales).t()[:3].cpu()
-    assert torch.equal(scales[:, :2], s_ref)
-    assert torch.equal(scales[:, 2], s_ref.amax(dim=1))
-    assert scales[1, 0].item() == 0.0
+    ratios_ref, amax_ref = activation_scale_ratios(s_ref)
+    assert torch.equal(activation_scales_in_row_order(aratios).t()[:3].cpu(), ratios_ref)
+    assert torch.equal(activation_scales_in_row_order(amax)[:3].cpu(), amax_ref)
+    assert ratios_ref[1, 0] == 0 and amax_ref[0] == 1.0
 
 
 @pytest.mark.parametrize("m", (*ODD_M, 17001))
@@ -216,15 +219,16 @@ def test_quantized_term_is_the_fp16_fold():
     layer.proj_up.zero_()
     packed = CudaW4A4Backend().prepare(layer)
     x = random_activations(m, k, torch.float16, g)
-    qact, ascales, lora = kops.load().quantize_act_lora_down(x, None, packed.pd_t[torch.float16])
+    qact, aratios, amax, lora = kops.load().quantize_act_lora_down(x, None, packed.pd_t[torch.float16])
     y = kops.load().gemm_lora_up(
-        qact, ascales, lora, packed.qweight, packed.wscales, packed.proj_up, None, m, n, torch.float16
+        qact, aratios, amax, lora, packed.qweight, packed.wscales, packed.proj_up, None, m, n, torch.float16
     )
     qx = unpack_activations(qact.cpu())[:m]
-    row_scales = activation_scales_in_row_order(ascales).t()[:m, : k // 64].cpu()
+    ratios = activation_scales_in_row_order(aratios).t()[:m].cpu()
+    row_max = activation_scales_in_row_order(amax)[:m].cpu()
     qw = unpack_int4(layer.qweight.cpu())
     kscales = kernel_weight_scales(layer.wscales.cpu(), n)
-    assert torch.equal(y.cpu(), emulate_gemm_fold(qx, row_scales, qw, kscales).half())
+    assert torch.equal(y.cpu(), emulate_gemm_fold(qx, ratios, row_max, qw, kscales).half())
     # the CPU reference: IEEE activation scales (see smoothed_cpu), so both sides quantize identically
     cpu_layer = W4A4Tensors(**{f.name: _cpu(getattr(layer, f.name)) for f in dataclasses.fields(layer)})
     ref = w4a4_linear_reference(x.cpu(), cpu_layer)
@@ -256,16 +260,21 @@ def test_group_dots_are_exact():
     m_pad = 512
     qact = pack_activations(torch.nn.functional.pad(qx, (0, 0, 0, m_pad - m)).cpu()).to(DEV)
     row_scales = 2.0 ** -aexp.float()
-    ascales = torch.zeros(groups + 1, m_pad, device=DEV)
-    with_max = torch.cat([row_scales, row_scales.amax(dim=1, keepdim=True)], dim=1)
-    ascales[:, activation_scale_positions(m_pad)[:m].to(DEV)] = with_max.t()
+    ratios, row_max = activation_scale_ratios(row_scales)
+    positions = activation_scale_positions(m_pad)[:m].to(DEV)
+    aratios = torch.zeros(groups, m_pad, device=DEV, dtype=torch.float16)
+    aratios[:, positions] = ratios.t()
+    amax = torch.zeros(m_pad, device=DEV)
+    amax[positions] = row_max
     lora = torch.zeros(m_pad, 16, device=DEV)
     y = kops.load().gemm_lora_up(
-        qact, ascales, lora, packed.qweight, packed.wscales, packed.proj_up, None, m, n, torch.float16
+        qact, aratios, amax, lora, packed.qweight, packed.wscales, packed.proj_up, None, m, n, torch.float16
     )
-    want = emulate_gemm_fold(qx.cpu(), row_scales.cpu(), qw.cpu(), kernel_weight_scales(layer.wscales.cpu(), n))
+    kscales = kernel_weight_scales(layer.wscales.cpu(), n)
+    want = emulate_gemm_fold(qx.cpu(), ratios.cpu(), row_max.cpu(), qw.cpu(), kscales)
     assert torch.equal(y.cpu(), want.half())
-    dots = torch.einsum("mgk,ngk->mng", qx.double().reshape(m, groups, 64), qw.double().reshape(n, groups, 64))
+    by_group = (qx.double().reshape(m, groups, 64), qw.double().reshape(n, groups, 64))
+    dots = torch.einsum("mgk,ngk->mng", *by_group)
     exact = (dots * row_scales.double()[:, None, :] * layer.wscales.double()[None]).sum(-1)
     assert rel_err(y, exact) < 2e-3
 

@@ -30,7 +30,8 @@ def _fake_quantize(x, smooth, pd_t):
     m_pad = padded_rows(m)
     return (
         x.new_empty((m_pad // ACT_BLOCK_ROWS, k // GROUP, ACT_BLOCK_ROWS * GROUP), dtype=torch.int8),
-        x.new_empty((k // GROUP + 1, m_pad), dtype=torch.float32),
+        x.new_empty((k // GROUP, m_pad), dtype=torch.float16),
+        x.new_empty((m_pad,), dtype=torch.float32),
         x.new_empty((m_pad, pd_t.shape[0]), dtype=torch.float32),
     )
 
@@ -43,7 +44,9 @@ def _fake_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps):
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
-def _fake_gemm(qact, ascales, lora, qweight, wscales, proj_up, bias, m, n, out_dtype, segment_starts=()):
+def _fake_gemm(
+    qact, aratios, amax, lora, qweight, wscales, proj_up, bias, m, n, out_dtype, segment_starts=()
+):
     return qact.new_empty((m, n), dtype=out_dtype)
 
 

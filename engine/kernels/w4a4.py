@@ -111,9 +111,18 @@ def activation_scale_positions(rows: int) -> torch.Tensor:
     return (r & ~15) + 4 * ((r >> 1) & 3) + 2 * ((r >> 3) & 1) + (r & 1)
 
 
-def activation_scales_in_row_order(ascales: torch.Tensor) -> torch.Tensor:
-    """The quantize kernel's activation scales [K/64, M_pad] with columns back in row order."""
-    return ascales[:, activation_scale_positions(ascales.shape[1]).to(ascales.device)]
+def activation_scales_in_row_order(stored: torch.Tensor) -> torch.Tensor:
+    """The quantize kernel's activation scale ratios [K/64, M_pad] (or row maxima [M_pad]) with columns back
+    in row order."""
+    return stored[..., activation_scale_positions(stored.shape[-1]).to(stored.device)]
+
+
+def activation_scale_ratios(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 scales [M, K/64] -> (fp16 ratios scale / amax_row [M, K/64], amax_row float32 [M]): what the
+    quantize kernel writes for the GEMM (0 for an all-zero row)."""
+    amax = scales.amax(dim=1)
+    inv = torch.where(amax > 0, 1 / amax, 0.0)
+    return (scales * inv[:, None]).half(), amax
 
 
 def kernel_weight_scales(wscales: torch.Tensor, n_pad: int) -> torch.Tensor:
@@ -127,32 +136,32 @@ def kernel_weight_scales(wscales: torch.Tensor, n_pad: int) -> torch.Tensor:
 
 
 def fp16_rounded_once(x: torch.Tensor) -> torch.Tensor:
-    """float64 -> fp16 correctly rounded. torch casts float64 to fp16 through float32 (two roundings); rounding
-    to float32 by truncation with the last bit set when inexact ("round to odd") makes the second rounding
-    the correct one."""
+    """float64 -> fp16 correctly rounded. torch casts float64 to fp16 through float32 (two roundings);
+    rounding to float32 by truncation with the last bit set when inexact ("round to odd") makes the second
+    rounding the correct one."""
     f = x.float()
     f = torch.where(f.double().abs() > x.abs(), torch.nextafter(f, torch.zeros_like(f)), f)
     f = torch.where(f.double() != x, (f.view(torch.int32) | 1).view(torch.float32), f)
     return f.half()
 
 
-def emulate_gemm_fold(qx: torch.Tensor, ascales: torch.Tensor, qw: torch.Tensor, kscales: torch.Tensor) -> torch.Tensor:
+def emulate_gemm_fold(
+    qx: torch.Tensor, aratios: torch.Tensor, amax: torch.Tensor, qw: torch.Tensor, kscales: torch.Tensor
+) -> torch.Tensor:
     """The GEMM's quantized term rounding for rounding, before the low-rank branch: qx int [M, K] with
-    ascales float32 [M, K/64] (the quantize kernel's), qw int [N, K] with kscales float32 [K/64 + 1, N]
-    (kernel_weight_scales) -> float32 [M, N].
+    aratios fp16 [M, K/64] and amax float32 [M] (activation_scale_ratios), qw int [N, K] with kscales
+    float32 [K/64 + 1, N] (kernel_weight_scales) -> float32 [M, N].
 
-    Per group, fp16 throughout: d = dot * 2^-18 (wgmma's sum), s = ra * rw (one rounding), acc = fma(d, s, acc)
-    (one rounding); then acc * (amax_row * 8 wmax_row) in float32. Each fp16 step is its exact float64 value
-    rounded once."""
-    groups = ascales.shape[1]
+    Per group, fp16 throughout: d = dot * 2^-18 (wgmma's sum), s = ra * rw (one rounding),
+    acc = fma(d, s, acc) (one rounding); then acc * (amax_row * 8 wmax_row) in float32. Each fp16 step is its
+    exact float64 value rounded once."""
+    groups = aratios.shape[1]
     dots = torch.einsum(
         "mgk,ngk->mng",
         qx.double().reshape(qx.shape[0], groups, GROUP_SIZE),
         qw.double().reshape(qw.shape[0], groups, GROUP_SIZE),
     )
-    amax = ascales.amax(dim=1)
-    inv = torch.where(amax > 0, 1 / amax, 0.0)
-    ra = (ascales * inv[:, None]).half().double()
+    ra = aratios.double()
     rw = kscales[:groups].t().half().double()
     acc = torch.zeros(dots.shape[:2], dtype=torch.float16, device=dots.device)
     for g in range(groups):
@@ -309,11 +318,11 @@ class CudaW4A4Backend:
         return x2
 
     def _gemm(self, quantized, m: int, lead, dtype, packed: CudaW4A4Packed) -> torch.Tensor:
-        qact, ascales, lora = quantized
+        qact, aratios, amax, lora = quantized
         p = packed
         n = p.kernel_out_features
         y = ops.load().gemm_lora_up(
-            qact, ascales, lora, p.qweight, p.wscales, p.proj_up, p.bias, m, n, dtype, p.segment_starts
+            qact, aratios, amax, lora, p.qweight, p.wscales, p.proj_up, p.bias, m, n, dtype, p.segment_starts
         )
         return self._output(y, lead, packed)
 
