@@ -21,11 +21,11 @@
 //                              rw = wscale / wmax_row * 2^15 (kernel_weight_scales)
 //        acc = fma(dot * 2^-18, s, acc)                      (half2: two outputs of one weight row)
 //      Half the fold of float32 accumulators, and half their registers (docs/kernels.md, v25).
-// Epilogue: acc * amax_row[m] * 8 wmax_row[n] in float32, + proj_up[n, :] . lora[m, :] on tf32 mma.sync
-// (its C fragment matches wgmma's D layout), + bias, cast, transpose through shared memory, 16-byte stores
-// of rows < M. The weights' row factors are the last row of their scale tensor ([K/64 + 1, N_pad]). A grouped GEMM (layers that
-// read one input, weights stacked along N) gives each layer's 64-row weight tiles that layer's R low-rank
-// columns of lora.
+// Epilogue: acc * amax_row[m] * 8 wmax_row[n] in float32 (the weights' row factors are the last row of
+// their scale tensor, [K/64 + 1, N_pad]), + proj_up[n, :] . lora[m, :] on tf32 mma.sync (its C fragment
+// matches wgmma's D layout), + bias, cast, transpose through shared memory, 16-byte stores of rows < M. A
+// grouped GEMM (layers that read one input, weights stacked along N) gives each layer's 64-row weight tiles
+// that layer's R low-rank columns of lora.
 #include "w4a4_common.cuh"
 #include "w4a4_launch.h"
 
