@@ -14,9 +14,9 @@
 //
 // The scales leave as the GEMM folds them (csrc/w4a4_gemm.cu): each row's largest scale amax_row (float32)
 // and per group the fp16 ratio scale / amax_row. The warps write their float32 scales to a scratch buffer as
-// they go; once every group is done the block reads its rows' back and writes both. (Kept in shared memory
-// instead, the same kernels compiled to fewer registers and ran up to 1.5x slower with the RMSNorm prologue,
-// docs/kernels.md v25.)
+// they go; once every group is done the block reads its rows' back and writes both. (A shared-memory copy
+// instead was measured only before the register cap below, when its RMSNorm kernel at 48 columns ran up to
+// 1.5x slower for lack of registers; docs/kernels.md v25.)
 //
 // Divisions are correctly rounded (the reference's IEEE float32 x / smooth and xs / scale) without a
 // division instruction: with y = RN(1/b) (1/smooth precomputed at load, 1/scale once per row),
@@ -123,8 +123,9 @@ __device__ __forceinline__ void row_rstd(const T* x0, const T* x1, bool ok0, boo
 
 // 4-warp blocks of the groups' low-rank products (R = 48, 64, 96) are told 4 blocks fit an SM, which caps them
 // at 128 registers: left alone, rank-32 groups (64, 96) take up to 147 and 3 fit, and since v25 the R = 48
-// kernel took 102-106 registers for a fifth block and ran 1.2-1.5x slower (docs/kernels.md). 0 leaves the
-// other kernels to the compiler's choice: an explicit 1 made it spend up to 168 registers on R <= 32.
+// RMSNorm kernel took 102-106 registers for a fifth block (at 106 measured 1.2-1.5x slower than v24's 128,
+// docs/kernels.md). 0 leaves the other kernels to the compiler's choice: an explicit 1 made it spend up to
+// 168 registers on R <= 32.
 template <int R, int kWarpsPerBlock>
 constexpr int kQuantizeMinBlocks = kWarpsPerBlock == 4 && R >= 48 ? 4 : 0;
 
