@@ -39,8 +39,6 @@ namespace {
 #ifndef W4A4_GEMM_STAGES
 #define W4A4_GEMM_STAGES 4
 #endif
-constexpr int kStages = W4A4_GEMM_STAGES;
-static_assert((kStages & (kStages - 1)) == 0, "stage count must be a power of two");
 // Tuning knob: blocks per SM of the 128-row tiles (their register budget).
 #ifndef W4A4_GEMM_BIG_TILE_BLOCKS
 #define W4A4_GEMM_BIG_TILE_BLOCKS 4
@@ -49,18 +47,28 @@ static_assert((kStages & (kStages - 1)) == 0, "stage count must be a power of tw
 #ifndef W4A4_GEMM_BIG_TILES_FROM
 #define W4A4_GEMM_BIG_TILES_FROM 1
 #endif
+// Tuning knob: 256-row activation tiles from this many such blocks per SM up.
+#ifndef W4A4_GEMM_HUGE_TILES_FROM
+#define W4A4_GEMM_HUGE_TILES_FROM 6
+#endif
+// Tuning knob: ring depth of the 256-row tiles (3 blocks of 4 stages do not fit an SM's shared memory).
+#ifndef W4A4_GEMM_HUGE_TILE_STAGES
+#define W4A4_GEMM_HUGE_TILE_STAGES 4
+#endif
 
 constexpr int kThreads = 128;  // one warpgroup
 constexpr int kTileN = 64;     // weight rows per block: wgmma's M
 constexpr int kYStride = kTileN + 8;  // the epilogue's output tile ytile[m][n], rows padded by 8 elements
 
-// Per activation-tile height BM (wgmma's N). 128 rows is faster wherever the grid fills the GPU (fewer
-// instructions per output); 64-row tiles (half the registers, twice the blocks) win on small grids.
+// Per activation-tile height BM (wgmma's N). Taller tiles spread each weight conversion and scale load
+// over more outputs; shorter ones (fewer registers, more blocks) win on small grids.
 template <int BM>
 struct Tile {
-  static_assert(BM == 64 || BM == 128, "activation tiles of 64 or 128 rows");
+  static_assert(BM == 64 || BM == 128 || BM == 256, "activation tiles of 64, 128 or 256 rows");
   static_assert(kMPad % BM == 0, "padded activations hold whole tiles");
-  static constexpr int kMinBlocks = BM == 64 ? 4 : W4A4_GEMM_BIG_TILE_BLOCKS;  // register budget
+  static constexpr int kMinBlocks = BM == 64 ? 4 : BM == 128 ? W4A4_GEMM_BIG_TILE_BLOCKS : 3;  // register budget
+  static constexpr int kStages = BM == 256 ? W4A4_GEMM_HUGE_TILE_STAGES : W4A4_GEMM_STAGES;
+  static __device__ __forceinline__ uint32_t slot(int g) { return static_cast<uint32_t>(g) % kStages; }
   // The e4m3 activation tile, K-major in wgmma's canonical no-swizzle layout: 8 x 16-byte core matrices,
   // byte (m, k) at (k / 16) * kCoreK + (m / 8) * kCoreM + (m % 8) * 16 + k % 16.
   static constexpr int kCoreK = BM * 16;  // bytes between core matrices adjacent in K (leading byte offset)
@@ -75,21 +83,21 @@ struct Tile {
   };
 
   // The block's low-rank activations lora_tile[BM][R + 8] (padded rows: a warp's 8-byte fragment loads fall in
-  // distinct banks). 128-row blocks (3 per SM, the others hide the wait) copy them after the K loop into the
-  // free ring beside the output tile; 64-row blocks (small grids, often one per SM) copy them at the start,
-  // behind the first stages, into their own space after the ring (docs/kernels.md, v23).
-  static constexpr bool kLoraAfterLoop = BM == 128;
-  // After them, amax_row of the block's activation rows (activation_scale_position order).
+  // distinct banks), then amax_row of the block's activation rows (activation_scale_position order).
+  // Blocks of 128 rows and more (3-4 per SM, the others hide the wait) copy them after the K loop into the
+  // free ring, where the output tile later overwrites them; 64-row blocks (small grids, often one per SM)
+  // copy them at the start, behind the first stages, into their own space after the ring (docs/kernels.md, v23).
+  static constexpr bool kEpilogueDataAfterLoop = BM >= 128;
   template <int R, typename OutT>
   struct SmemLayout {
     static constexpr size_t kRing = sizeof(RawStage) * kStages;
     static constexpr size_t kLora = sizeof(float) * BM * (R + 8);
-    static constexpr size_t kLoraOffset =
-        kLoraAfterLoop ? (sizeof(OutT) * BM * kYStride + 127) / 128 * 128 : kRing;
-    static constexpr size_t kAmaxOffset = kLoraAfterLoop ? kRing : kRing + kLora;
-    static constexpr size_t kBytes = kAmaxOffset + sizeof(float) * BM;
+    static constexpr size_t kLoraOffset = kEpilogueDataAfterLoop ? 0 : kRing;
+    static constexpr size_t kAmaxOffset = kLoraOffset + kLora;
+    static constexpr size_t kEnd = kAmaxOffset + sizeof(float) * BM;
+    static constexpr size_t kBytes = kEpilogueDataAfterLoop ? kRing : kEnd;
     static_assert(sizeof(OutT) * BM * kYStride <= kRing, "the ring holds the output tile");
-    static_assert(!kLoraAfterLoop || kLoraOffset + kLora <= kRing, "and beside it the low-rank activations");
+    static_assert(!kEpilogueDataAfterLoop || kEnd <= kRing, "and the low-rank activations and row maxima");
   };
 
   // Shared-memory matrix descriptor, no swizzle: start, leading (K) and stride (M/N) byte offsets, >> 4.
@@ -131,6 +139,21 @@ __device__ __forceinline__ void fence_operands(uint32_t (&regs)[N]) {
 // d (+)= a * b: m64nNk32, e4m3 x e4m3 -> fp16 pairs (d[2j + h]: weight row 8h + lane / 4 of the warp's 16,
 // activation rows 8j + 2 (lane % 4) and the next), A from registers (this warp's 16 rows), B from shared
 // memory; scale_d = 0 starts a fresh sum.
+__device__ __forceinline__ void wgmma_e4m3_rs(uint32_t (&d)[64], const uint32_t (&a)[4], uint64_t b_desc,
+                                              int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k32.f16.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : W4A4_D8(0), W4A4_D8(8), W4A4_D8(16), W4A4_D8(24), W4A4_D8(32), W4A4_D8(40), W4A4_D8(48), W4A4_D8(56)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d)
+      : "memory");
+}
+
 __device__ __forceinline__ void wgmma_e4m3_rs(uint32_t (&d)[32], const uint32_t (&a)[4], uint64_t b_desc,
                                               int scale_d) {
   asm volatile(
@@ -170,6 +193,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
                              int N_pad, int K, int lora_ld, int2 segment_start) {
   using T = Tile<BM>;
   using RawStage = typename T::RawStage;
+  constexpr int kStages = T::kStages;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   using Layout = typename T::template SmemLayout<R, OutT>;
   auto& ring_s = *reinterpret_cast<RawStage(*)[kStages]>(smem_raw);
@@ -183,15 +207,19 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
 
   // Static copy plan: 16-byte activation chunks tid + 128 h (chunk j of the stage's tile is its row j % BM
   // of k chunk j / BM, which lies in the 128-row tile of global memory at (j / BM) * 2048 + 16 * row: the
-  // thread's first chunk plus h times a constant, so one pointer and immediate offsets address them), weight
+  // thread's first chunk plus h times a constant, so one pointer and immediate offsets address them; a
+  // 256-row tile reads two 128-row tiles, odd h the second, through a second pointer), weight
   // record tid (this warp's own fragment tile), and for the first BM/8 + 16 threads one 16-byte piece of
   // the scales (activation scale ratios, then weight scales, which land back to back in the stage). Stages
   // are loaded in group order, so the sources just advance.
   static_assert(offsetof(RawStage, ws) == offsetof(RawStage, ra) + sizeof(__half) * BM, "scales adjoin");
-  static_assert(kThreads % BM == 0, "chunk tid + 128 h is chunk tid's row, k chunks further");
-  constexpr int kActChunkStride = kThreads / BM * kActChunkBytes;  // global bytes from chunk j to j + 128
-  const int8_t* act_src = qact + static_cast<int64_t>(m0 / kActBlockRows) * G * kActTileBytes +
-                          (m0 % kActBlockRows) * 16 + (tid / BM) * kActChunkBytes + (tid % BM) * 16;
+  static_assert(kThreads % BM == 0 || BM == 2 * kThreads, "chunk tid + 128 h is chunk tid's row, k chunks further");
+  constexpr int kActHalves = BM > kActBlockRows ? BM / kActBlockRows : 1;  // 128-row global tiles per stage
+  constexpr int kActChunkStride = kThreads * kActHalves / BM * kActChunkBytes;  // global bytes, h to h + kActHalves
+  const int8_t* act_src[kActHalves];
+  act_src[0] = qact + static_cast<int64_t>(m0 / kActBlockRows) * G * kActTileBytes + (m0 % kActBlockRows) * 16 +
+               (tid * kActHalves / BM) * kActChunkBytes + (tid % BM) * 16;
+  for (int i = 1; i < kActHalves; ++i) act_src[i] = act_src[i - 1] + static_cast<int64_t>(G) * kActTileBytes;
   const int4* w_src = qweight + static_cast<int64_t>(n0 / 16 + warp) * G * 32 + lane;
   const bool act_scales = tid < BM / 8;
   // Opaque, so each refill does not re-read threadIdx (S2R) and the stride from constant memory (v16 profile).
@@ -206,35 +234,42 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   const uint32_t thr16 = opaque(16 * tid), ws_off = opaque(sizeof(float) * wrow0), ra_off = opaque(8 * t);
 
   auto load_next_stage = [&](int g) {
-    const uint32_t slot = ring + (g & (kStages - 1)) * static_cast<uint32_t>(sizeof(RawStage)) + thr16;
+    const uint32_t slot = ring + T::slot(g) * static_cast<uint32_t>(sizeof(RawStage)) + thr16;
 #pragma unroll
     for (int h = 0; h < T::kActChunksPerThread; ++h)
-      cp_async_16(slot + offsetof(RawStage, act) + 16 * kThreads * h, act_src + h * kActChunkStride);
+      cp_async_16(slot + offsetof(RawStage, act) + 16 * kThreads * h,
+                  act_src[h % kActHalves] + h / kActHalves * kActChunkStride);
     cp_async_16(slot + offsetof(RawStage, w), w_src);
     if (copies_scales) cp_async_16(slot + offsetof(RawStage, ra), s_src);
-    act_src += kActTileBytes;
+#pragma unroll
+    for (int i = 0; i < kActHalves; ++i) act_src[i] += kActTileBytes;
     w_src += 32;
     s_src += s_stride;
   };
 
-  // The block's low-rank activations: its segment's R columns.
-  auto copy_lora = [&] {
+  // What the epilogue reads: the block's low-rank activations (its segment's R columns; each thread copies
+  // one 16-byte piece of every kLoraRowsPerPass-th row) and amax_row.
+  auto copy_epilogue_data = [&] {
+    constexpr int kPiecesPerRow = R / 4, kLoraRowsPerPass = kThreads / kPiecesPerRow;
+    static_assert(kThreads % kPiecesPerRow == 0 && BM % kLoraRowsPerPass == 0, "whole rows per pass");
     const int segment = (n0 >= segment_start.x) + (n0 >= segment_start.y);
-    const float* lora_src = lora + static_cast<int64_t>(m0) * lora_ld + segment * R;
-    for (int c = tid; c < BM * R / 4; c += kThreads) {
-      const int row = c / (R / 4), col = 4 * (c % (R / 4));
-      cp_async_16(smem_addr(&lora_tile[row][col]), lora_src + static_cast<int64_t>(row) * lora_ld + col);
-    }
+    const int row = tid / kPiecesPerRow, col = 4 * (tid % kPiecesPerRow);
+    const float* src = lora + static_cast<int64_t>(m0 + row) * lora_ld + segment * R + col;
+    const int64_t src_step = static_cast<int64_t>(kLoraRowsPerPass) * lora_ld;
+    const uint32_t dst = smem_addr(&lora_tile[row][col]);
+#pragma unroll
+    for (int i = 0; i < BM / kLoraRowsPerPass; ++i, src += src_step)
+      cp_async_16(dst + i * kLoraRowsPerPass * (R + 8) * sizeof(float), src);
+    if (tid < BM / 4) cp_async_16(smem_addr(amax_s) + 16 * tid, amax_rows + m0 + 4 * tid);
   };
 
-  // The block's amax_row (read by the epilogue), committed with the first stage.
-  if (tid < BM / 4) cp_async_16(smem_addr(amax_s) + 16 * tid, amax_rows + m0 + 4 * tid);
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < G) load_next_stage(s);
     cp_async_commit();
   }
-  if (!T::kLoraAfterLoop) copy_lora();  // committed with the first refill, waited for after the loop
+  // Committed with the first refill, waited for after the loop.
+  if (!T::kEpilogueDataAfterLoop) copy_epilogue_data();
 
   uint32_t acc_h[BM / 4];  // half2 accumulators, d's layout
 #pragma unroll
@@ -252,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   __syncthreads();
 
   for (int g = 0; g < G; ++g) {
-    const RawStage& s = ring_s[g & (kStages - 1)];
+    const RawStage& s = ring_s[T::slot(g)];
     // This warp's weight rows straight into A fragments (k-step 0: low nibbles, k-step 1: high).
     const uint32_t wv[4] = {static_cast<uint32_t>(wrec.x), static_cast<uint32_t>(wrec.y),
                             static_cast<uint32_t>(wrec.z), static_cast<uint32_t>(wrec.w)};
@@ -262,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
       a0[i] = e4m3_from_code(wv[i]);
       a1[i] = e4m3_from_code(wv[i] >> 4);
     }
-    const uint32_t tile = ring + (g & (kStages - 1)) * static_cast<uint32_t>(sizeof(RawStage)) +
+    const uint32_t tile = ring + T::slot(g) * static_cast<uint32_t>(sizeof(RawStage)) +
                           static_cast<uint32_t>(offsetof(RawStage, act));
     fence_operands(a0);
     fence_operands(a1);
@@ -281,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     if (g + 1 < G) {
       cp_async_wait<kStages - 2>();
       fence_proxy_async();
-      wrec = at_offset<int4>(ring_s[(g + 1) & (kStages - 1)].w, thr16);
+      wrec = at_offset<int4>(ring_s[T::slot(g + 1)].w, thr16);
     }
 
     wgmma_wait_all();
@@ -304,20 +339,26 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     }
     __syncthreads();
   }
-  if (T::kLoraAfterLoop) {
+  if (T::kEpilogueDataAfterLoop) {
     cp_async_wait<0>();
     __syncthreads();  // the ring is free
-    copy_lora();
+    copy_epilogue_data();
     cp_async_commit();
   }
   cp_async_wait<0>();
   __syncthreads();
 
-  // acc[4j + 2h + c] (weight row wrow0 + 8h, activation row 8j + 2t + c) in float32, the row factors applied.
+  // acc[4j + 2h + c] (weight row wrow0 + 8h, activation row 8j + 2t + c) in float32, the row factors and the
+  // bias applied.
   float acc[BM / 2];
   {
     const float* wmax8 = wscales + static_cast<int64_t>(G) * N_pad + n0 + wrow0;
     const float w8[2] = {wmax8[0], wmax8[8]};
+    float b[2] = {0.f, 0.f};
+    if (bias != nullptr) {
+      b[0] = bias[n0 + wrow0];
+      b[1] = bias[n0 + wrow0 + 8];
+    }
 #pragma unroll
     for (int p = 0; p < BM / 16; ++p) {
       const float4 a4 = at_offset<float4>(amax_s, ra_off * 2 + 16 * sizeof(float) * p);
@@ -328,8 +369,8 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float2 v = __half22float2(as_half2(acc_h[2 * j + h]));
-          acc[4 * j + 2 * h] = v.x * (a[0] * w8[h]);
-          acc[4 * j + 2 * h + 1] = v.y * (a[1] * w8[h]);
+          acc[4 * j + 2 * h] = fmaf(v.x, a[0] * w8[h], b[h]);
+          acc[4 * j + 2 * h + 1] = fmaf(v.y, a[1] * w8[h], b[h]);
         }
       }
     }
@@ -350,20 +391,16 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     }
   }
 
-  // Transpose through shared memory (the ring is free now).
+  // Transpose through shared memory (the ring), once every warp is done with the low-rank activations.
+  if (T::kEpilogueDataAfterLoop) __syncthreads();
   OutT* ytile = reinterpret_cast<OutT*>(ring_s);
-  float b0 = 0.f, b1 = 0.f;
-  if (bias != nullptr) {
-    b0 = bias[n0 + wrow0];
-    b1 = bias[n0 + wrow0 + 8];
-  }
 #pragma unroll
   for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int m = 8 * j + 2 * t + c;
-      ytile[m * kYStride + wrow0] = from_float<OutT>(acc[4 * j + c] + b0);
-      ytile[m * kYStride + wrow0 + 8] = from_float<OutT>(acc[4 * j + 2 + c] + b1);
+      ytile[m * kYStride + wrow0] = from_float<OutT>(acc[4 * j + c]);
+      ytile[m * kYStride + wrow0 + 8] = from_float<OutT>(acc[4 * j + 2 + c]);
     }
   __syncthreads();
   constexpr int kChunksPerRow = kTileN * sizeof(OutT) / 16;
@@ -400,7 +437,8 @@ cudaError_t launch_typed(const GemmArgs& a, cudaStream_t stream) {
   int sms = 0;
   const cudaError_t err = sm_count(&sms);
   if (err != cudaSuccess) return err;
-  const int big_tiles = (a.N / kTileN) * ((a.M + 127) / 128);
+  const int huge_tiles = (a.N / kTileN) * ((a.M + 255) / 256), big_tiles = (a.N / kTileN) * ((a.M + 127) / 128);
+  if (huge_tiles >= W4A4_GEMM_HUGE_TILES_FROM * sms) return launch_tile<256, R, OutT>(a, stream);
   return big_tiles >= W4A4_GEMM_BIG_TILES_FROM * sms ? launch_tile<128, R, OutT>(a, stream)
                                                      : launch_tile<64, R, OutT>(a, stream);
 }

@@ -7,9 +7,9 @@
 namespace w4a4 {
 
 // Rows of the activation buffers are padded to a multiple of this (the GEMM's largest M tile).
-constexpr int kMPad = 128;
+constexpr int kMPad = 256;
 // The quantized activations: tiles of e4m3 bytes, 128 rows x one 64-wide K group (csrc/w4a4_common.cuh).
-constexpr int kActBlockRows = kMPad;
+constexpr int kActBlockRows = 128;
 constexpr int kActTileBytes = kActBlockRows * 64;
 // Packed weights are padded with zero rows to a multiple of this (N itself must be a multiple of 64).
 constexpr int kBlockN = 128;

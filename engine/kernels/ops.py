@@ -16,7 +16,7 @@ from engine.errors import BackendUnavailable
 from engine.kernels.build import load_extension
 
 GROUP = 64
-M_PAD = 128
+M_PAD = 256
 BLOCK_N = 128
 ACT_BLOCK_ROWS = 128  # rows of one quantized activation tile (engine/kernels/w4a4.py pack_activations)
 
