@@ -75,14 +75,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_input(const Tensor& x, const
               " groups of 64, the most the W4A4 kernels take (K <= ", w4a4::kMaxGroups * kGroup, ")");
   Tensor aratios = torch::empty({K / kGroup, M_pad}, x.options().dtype(at::kHalf));
   Tensor amax = torch::empty({M_pad}, f32);
-  Tensor ascales = torch::empty({K / kGroup, M_pad}, f32);  // the kernel's scratch
   Tensor lora = torch::empty({M_pad, R}, f32);
   a.x = x.data_ptr();
   a.ldx = static_cast<int>(M > 1 ? x.stride(0) : K);
   a.smooth = smooth ? smooth->data_ptr<float>() : nullptr;
   a.pd_t = pd_t.data_ptr();
   a.qact = qact.data_ptr();
-  a.ascales = ascales.data_ptr<float>();
   a.aratios = aratios.data_ptr();
   a.amax = amax.data_ptr<float>();
   a.lora = lora.data_ptr<float>();

@@ -13,10 +13,9 @@
 // permutation, and a dot product does not depend on the order of k.
 //
 // The scales leave as the GEMM folds them (csrc/w4a4_gemm.cu): each row's largest scale amax_row (float32)
-// and per group the fp16 ratio scale / amax_row. The warps write their float32 scales to a scratch buffer as
-// they go; once every group is done the block reads its rows' back and writes both. (A shared-memory copy
-// instead was measured only before the register cap below, when its RMSNorm kernel at 48 columns ran up to
-// 1.5x slower for lack of registers; docs/kernels.md v25.)
+// and per group the fp16 ratio scale / amax_row. The warps keep their float32 scales in shared memory as
+// they go; once every group is done the block writes both (docs/kernels.md, v26: a global scratch buffer
+// before).
 //
 // Divisions are correctly rounded (the reference's IEEE float32 x / smooth and xs / scale) without a
 // division instruction: with y = RN(1/b) (1/smooth precomputed at load, 1/scale once per row),
@@ -134,14 +133,16 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     quantize_act_lora_down_kernel(const T* __restrict__ x, const T* __restrict__ norm_w,
                                   float eps, int ldx, const float* __restrict__ smooth,
                                   const float* __restrict__ rsmooth, const T* __restrict__ pd_t,
-                                  int8_t* __restrict__ qact, float* __restrict__ ascales,
-                                  __half* __restrict__ aratios, float* __restrict__ amax_rows,
+                                  int8_t* __restrict__ qact, __half* __restrict__ aratios, float* __restrict__ amax_rows,
                                   float* __restrict__ lora, int M, int M_pad, int K) {
   constexpr int kTiles = R / 8;  // 8-column MMA tiles of the low-rank product
   // The warps' partial sums meet in shared memory 32 (or 16) columns at a time.
   constexpr int kChunkTiles = kTiles % 4 == 0 ? 4 : 2;
   static_assert(R % 16 == 0 && kTiles % kChunkTiles == 0, "low-rank widths are multiples of 16");
   __shared__ float partial[kWarpsPerBlock][kChunkTiles * 4][32];
+  // Per group, the block's 16 rows in the order they take among the 32 of activation_scale_position: row
+  // r < 8 at 4 ((r >> 1) & 3) + (r & 1), row r + 8 two places after it.
+  __shared__ float scales_s[kMaxGroups][16];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gr = lane >> 2, t = lane & 3;
   const int mtile = blockIdx.x;
@@ -221,28 +222,26 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
       scale[r] = amax[r] / 7.0f;
       rscale[r] = 1.0f / scale[r];
     }
-    if (t == 0) {  // in the GEMM's order (w4a4_common.cuh: activation_scale_position of row0 and row1)
-      float* at = ascales + static_cast<int64_t>(g) * M_pad + activation_scale_position(row0);
+    if (t == 0) {
+      float* at = &scales_s[g][4 * ((gr >> 1) & 3) + (gr & 1)];
       at[0] = scale[0];
       at[2] = scale[1];
     }
 
-    // q = clamp(round_half_even(xs / scale), -8, 7), stored as the e4m3 byte of q * 2^-9 (a zero group stays
-    // 0, no division): rows gr and gr + 8 of this 16-row block, k = 16c + 4t .. 16c + 4t + 3, one word each.
+    // q = clamp(round_half_even(xs / scale), -8, 7), stored as the e4m3 byte of q * 2^-9 (a zero group is 0,
+    // not its 0 / 0 quotients): rows gr and gr + 8 of this 16-row block, k = 16c + 4t .. 16c + 4t + 3, one
+    // word each.
     int8_t* tile =
         qact + (static_cast<int64_t>(mtile / 8) * G + g) * kActTileBytes + ((mtile % 8) * 16 + gr) * 16 + 4 * t;
 #pragma unroll
     for (int r = 0; r < 2; ++r)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        uint32_t word = 0;
+        float v[4];
 #pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          int q = 0;
-          if (scale[r] > 0.f) q = min(7, max(-8, __float2int_rn(div_rn(xs[r][c][b], scale[r], rscale[r]))));
-          word |= e4m3_of_int(q) << (8 * b);
-        }
-        *reinterpret_cast<uint32_t*>(tile + c * kActChunkBytes + r * 8 * 16) = word;
+        for (int b = 0; b < 4; ++b) v[b] = div_rn(xs[r][c][b], scale[r], rscale[r]);
+        const uint32_t word = e4m3x2_of_rounded(v[0], v[1]) | e4m3x2_of_rounded(v[2], v[3]) << 16;
+        *reinterpret_cast<uint32_t*>(tile + c * kActChunkBytes + r * 8 * 16) = scale[r] > 0.f ? word : 0u;
       }
 
     // Low-rank down-projection on the unsmoothed input; smoothing is folded into pd_t at load.
@@ -261,18 +260,20 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
   }
 
   __syncthreads();
-  // Thread i writes the ratios of positions 2 (i % 8) and 2 (i % 8) + 1 (rows side by side) for groups i / 8, ...
+  // Thread i writes the ratios of the block's scales 2 (i % 8) and 2 (i % 8) + 1 (rows side by side) for
+  // groups i / 8, ...: the 16 rows fill 4 of every 8 places of their 32 (the first or second 4 of them).
   {
-    const int64_t col = static_cast<int64_t>(mtile) * 16 + 2 * (threadIdx.x % 8);
+    const int pos = 2 * (threadIdx.x % 8);
+    const int64_t col = static_cast<int64_t>(mtile / 2) * 32 + 8 * (pos / 4) + 4 * (mtile % 2) + pos % 4;
     float2 amax = make_float2(0.f, 0.f);
     for (int g = 0; g < G; ++g) {
-      const float2 s = *reinterpret_cast<const float2*>(ascales + g * M_pad + col);
+      const float2 s = *reinterpret_cast<const float2*>(&scales_s[g][pos]);
       amax = make_float2(fmaxf(amax.x, s.x), fmaxf(amax.y, s.y));
     }
     const float2 inv = make_float2(amax.x > 0.f ? 1.f / amax.x : 0.f, amax.y > 0.f ? 1.f / amax.y : 0.f);
     if (threadIdx.x < 8) *reinterpret_cast<float2*>(amax_rows + col) = amax;
     for (int g = threadIdx.x / 8; g < G; g += kWarpsPerBlock * 4) {
-      const float2 s = *reinterpret_cast<const float2*>(ascales + g * M_pad + col);
+      const float2 s = *reinterpret_cast<const float2*>(&scales_s[g][pos]);
       *reinterpret_cast<__half2*>(aratios + g * M_pad + col) = __floats2half2_rn(s.x * inv.x, s.y * inv.y);
     }
   }
@@ -304,7 +305,7 @@ cudaError_t launch_warps(const QuantizeArgs& a, cudaStream_t stream) {
   quantize_act_lora_down_kernel<T, P, kSmooth, R, kWarps><<<grid, kWarps * 32, 0, stream>>>(
       static_cast<const T*>(a.x), static_cast<const T*>(a.norm_weight), a.eps, a.ldx,
       a.smooth, a.smooth == nullptr ? nullptr : a.smooth + a.K, static_cast<const T*>(a.pd_t),
-      static_cast<int8_t*>(a.qact), a.ascales, static_cast<__half*>(a.aratios), a.amax, a.lora, a.M, a.M_pad,
+      static_cast<int8_t*>(a.qact), static_cast<__half*>(a.aratios), a.amax, a.lora, a.M, a.M_pad,
       a.K);
   return cudaGetLastError();
 }

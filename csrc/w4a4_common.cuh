@@ -38,8 +38,19 @@ __device__ __forceinline__ uint32_t e4m3_from_code(uint32_t codes) {
   return (codes & 0x0F0F0F0Fu) + 121u * ((codes >> 3) & 0x01010101u);
 }
 
-// An activation q in [-8, 7] as the e4m3 byte of q * 2^-9.
-__device__ __forceinline__ uint32_t e4m3_of_int(int q) { return q < 0 ? 0x80u | static_cast<uint32_t>(-q) : q; }
+// The e4m3 bytes of clamp(round_half_even(v), -8, 7) for two floats v (lo in the low byte). Below 2^-5 the
+// e4m3 values are the integers times 2^-9 (subnormals, then the smallest normals), so the hardware
+// conversion of v * 2^-9 (exact: a power of two) rounds v to an integer, ties to even, as torch.round does;
+// the clamp goes first (integer bounds commute with the rounding). A v that rounds to 0 from below gives
+// e4m3 -0 (0x80), which the tensor cores multiply as 0.
+__device__ __forceinline__ uint32_t e4m3x2_of_rounded(float lo, float hi) {
+  constexpr float kLow = -8.0f / 512, kHigh = 7.0f / 512;
+  lo = fminf(fmaxf(lo * (1.0f / 512), kLow), kHigh);
+  hi = fminf(fmaxf(hi * (1.0f / 512), kLow), kHigh);
+  uint16_t pair;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(pair) : "f"(hi), "f"(lo));
+  return pair;
+}
 
 // D += A * B with bf16 or fp16 inputs and float32 accumulators (m16n8k16).
 template <typename T>
@@ -74,11 +85,11 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
 // with columns k and k + 4 of each 8-wide block side by side, so one 8-byte load is an MMA B fragment.
 __host__ __device__ constexpr int lora_position(int col) { return (col & ~7) + 2 * (col & 3) + ((col >> 2) & 1); }
 
-// The activation scales [K/64, M_pad] are stored in the GEMM's reading order within each 16 rows: the
-// fold's thread t needs rows 2t, 2t + 1, 8 + 2t, 8 + 2t + 1 together, so they sit at 4t .. 4t + 3 (row r + 8
-// two places after row r).
+// The activation scales [K/64, M_pad] are stored in the GEMM's reading order within each 32 rows: the
+// fold's thread t needs rows 8j + 2t and 8j + 2t + 1 for j = 0..3 together, so they sit at 8t .. 8t + 7
+// (one 16-byte load of fp16 ratios; row r + 8 two places after row r).
 __host__ __device__ constexpr int activation_scale_position(int row) {
-  return (row & ~15) + 4 * ((row >> 1) & 3) + 2 * ((row >> 3) & 1) + (row & 1);
+  return (row & ~31) + 8 * ((row >> 1) & 3) + 2 * ((row >> 3) & 3) + (row & 1);
 }
 
 // D += A * B in tf32 with float32 accumulators (m16n8k8).

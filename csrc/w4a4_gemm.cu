@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   const int wrow0 = warp * 16 + gr;  // this thread's weight rows: wrow0 and wrow0 + 8
   // Byte offsets of this thread's pieces of a ring slot: its 16-byte copy, its weights' scales, its
   // activation rows' scale ratios.
-  const uint32_t thr16 = opaque(16 * tid), ws_off = opaque(sizeof(float) * wrow0), ra_off = opaque(8 * t);
+  const uint32_t thr16 = opaque(16 * tid), ws_off = opaque(sizeof(float) * wrow0), ra_off = opaque(16 * t);
 
   auto load_next_stage = [&](int g) {
     const uint32_t slot = ring + T::slot(g) * static_cast<uint32_t>(sizeof(RawStage)) + thr16;
@@ -325,14 +325,15 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     fence_operands(a1);
 
     // Fold: d[2j + h] is weight row wrow0 + 8h, activation rows 8j + 2t and 8j + 2t + 1. The ratios of this
-    // thread's activation rows in j = 2p and 2p + 1 lie side by side (activation_scale_position).
+    // thread's activation rows in j = 4p .. 4p + 3 lie side by side (activation_scale_position).
 #pragma unroll
-    for (int p = 0; p < BM / 16; ++p) {
-      const uint2 ra4 = at_offset<uint2>(s.ra, ra_off + 16 * sizeof(__half) * p);
+    for (int p = 0; p < BM / 32; ++p) {
+      const uint4 ra8 = at_offset<uint4>(s.ra, ra_off + 32 * sizeof(__half) * p);
+      const uint32_t ra_pairs[4] = {ra8.x, ra8.y, ra8.z, ra8.w};
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const __half2 ra = as_half2(half ? ra4.y : ra4.x);
-        const int j = 2 * p + half;
+      for (int q = 0; q < 4; ++q) {
+        const __half2 ra = as_half2(ra_pairs[q]);
+        const int j = 4 * p + q;
         acc_h[2 * j] = bits_of(__hfma2(as_half2(d[2 * j]), __hmul2(ra, rw0), as_half2(acc_h[2 * j])));
         acc_h[2 * j + 1] = bits_of(__hfma2(as_half2(d[2 * j + 1]), __hmul2(ra, rw1), as_half2(acc_h[2 * j + 1])));
       }
@@ -360,8 +361,8 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
       b[1] = bias[n0 + wrow0 + 8];
     }
 #pragma unroll
-    for (int p = 0; p < BM / 16; ++p) {
-      const float4 a4 = at_offset<float4>(amax_s, ra_off * 2 + 16 * sizeof(float) * p);
+    for (int p = 0; p < BM / 16; ++p) {  // thread t's 8 floats of every 32 rows: j = 2p, 2p + 1 in one half
+      const float4 a4 = at_offset<float4>(amax_s, ra_off * 2 + sizeof(float) * (32 * (p / 2) + 4 * (p % 2)));
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const float a[2] = {half ? a4.z : a4.x, half ? a4.w : a4.y};

@@ -28,8 +28,7 @@ struct QuantizeArgs {
   const float* smooth;  // [2, K]: smooth and its correctly rounded reciprocal, or nullptr
   const void* pd_t;     // [R, K], x's dtype: proj_down.T / smooth (smoothing folded in); R = 16 * (1..6)
   void* qact;           // int8 [M_pad/128, K/64, 8192]: e4m3 bytes of q in wgmma's layout (w4a4_common.cuh)
-  float* ascales;       // [K/64, M_pad]: the scales (scratch)    } columns in activation_scale_position order
-  void* aratios;        // fp16 [K/64, M_pad]: scale / amax_row  }
+  void* aratios;        // fp16 [K/64, M_pad]: scale / amax_row  } columns in activation_scale_position order
   float* amax;          // [M_pad]: each row's largest scale     }
   float* lora;          // [M_pad, R] = x_smoothed @ proj_down, tf32-rounded, columns in lora_position order
   int M, M_pad, K, R;

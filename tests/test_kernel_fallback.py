@@ -157,16 +157,16 @@ def test_activation_tiles_are_wgmma_canonical_k_major():
 
 
 def test_activation_scales_sit_where_the_fold_reads_them():
-    """The GEMM's fold thread t loads scales 16p + 4t .. 16p + 4t + 3 at once and uses them for activation
-    rows 8j + 2t + c, j = 2p + half, at index 2 * half + c of the load."""
+    """The GEMM's fold thread t loads scales 32p + 8t .. 32p + 8t + 7 at once and uses them for activation
+    rows 8j + 2t + c, j = 4p + q, at index 2q + c of the load."""
     positions = activation_scale_positions(256)
     assert sorted(positions.tolist()) == list(range(256))
-    for p in range(16):
+    for p in range(8):
         for t in range(4):
-            for half in range(2):
+            for q in range(4):
                 for c in range(2):
-                    row = 8 * (2 * p + half) + 2 * t + c
-                    assert positions[row] == 16 * p + 4 * t + 2 * half + c
+                    row = 8 * (4 * p + q) + 2 * t + c
+                    assert positions[row] == 32 * p + 8 * t + 2 * q + c
     scales = torch.arange(2 * 256, dtype=torch.float32).reshape(2, 256)
     stored = torch.empty_like(scales)
     stored[:, positions] = scales

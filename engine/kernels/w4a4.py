@@ -105,10 +105,10 @@ def unpack_activations(tiles: torch.Tensor) -> torch.Tensor:
 
 def activation_scale_positions(rows: int) -> torch.Tensor:
     """Where the quantize kernel stores each row's activation scale: in the GEMM fold's reading order
-    within 16 rows (thread t reads rows 2t, 2t + 1, 2t + 8, 2t + 9 with one 16-byte load), as
+    within 32 rows (thread t reads rows 8j + 2t, 8j + 2t + 1 for j = 0..3 with one 16-byte load), as
     csrc/w4a4_common.cuh's activation_scale_position."""
     r = torch.arange(rows)
-    return (r & ~15) + 4 * ((r >> 1) & 3) + 2 * ((r >> 3) & 1) + (r & 1)
+    return (r & ~31) + 8 * ((r >> 1) & 3) + 2 * ((r >> 3) & 3) + (r & 1)
 
 
 def activation_scales_in_row_order(stored: torch.Tensor) -> torch.Tensor:
