@@ -180,6 +180,20 @@ __device__ __forceinline__ void wgmma_e4m3_rs(uint32_t (&d)[16], const uint32_t 
 }
 #undef W4A4_D8
 
+// Four 8x8 b16 matrices (register i of each lane: row lane / 4, columns 2 (lane % 4) and the next) stored
+// transposed: row c of matrix i (its column c) at the 16 bytes that lane 8i + c addresses.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+template <typename OutT>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
+  const OutT v[2] = {from_float<OutT>(lo), from_float<OutT>(hi)};
+  return *reinterpret_cast<const uint32_t*>(v);
+}
+
 __device__ __forceinline__ __half2 as_half2(uint32_t bits) { return *reinterpret_cast<const __half2*>(&bits); }
 __device__ __forceinline__ uint32_t bits_of(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
 
@@ -392,27 +406,29 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     }
   }
 
-  // Transpose through shared memory (the ring), once every warp is done with the low-rank activations.
+  // Transpose through shared memory (the ring), once every warp is done with the low-rank activations:
+  // ytile[m][n]. The 8 x 8 blocks (j, h) of the warp's outputs are matrices of stmatrix's fragment layout
+  // (row n, columns m); stored transposed, their rows are 8 outputs of one activation row, 16 bytes. Lane l
+  // addresses row l % 8 of block (2p + l / 16, l / 8 % 2).
   if (T::kEpilogueDataAfterLoop) __syncthreads();
   OutT* ytile = reinterpret_cast<OutT*>(ring_s);
+  const uint32_t ytile_lane = smem_addr(ytile + (8 * (lane / 16) + lane % 8) * kYStride + warp * 16 + 8 * (lane / 8 % 2));
 #pragma unroll
-  for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int m = 8 * j + 2 * t + c;
-      ytile[m * kYStride + wrow0] = from_float<OutT>(acc[4 * j + c]);
-      ytile[m * kYStride + wrow0 + 8] = from_float<OutT>(acc[4 * j + 2 + c]);
-    }
-  __syncthreads();
-  constexpr int kChunksPerRow = kTileN * sizeof(OutT) / 16;
-#pragma unroll
-  for (int i = 0; i < BM * kChunksPerRow / kThreads; ++i) {
-    const int c = tid + i * kThreads;
-    const int m = c / kChunksPerRow, col = (c % kChunksPerRow) * (16 / sizeof(OutT));
-    if (m0 + m < M)
-      *reinterpret_cast<int4*>(y + static_cast<int64_t>(m0 + m) * N + n0 + col) =
-          *reinterpret_cast<const int4*>(&ytile[m * kYStride + col]);
+  for (int p = 0; p < BM / 16; ++p) {
+    const float* a = &acc[8 * p];  // j = 2p: a[0..3], j = 2p + 1: a[4..7]; in each, h = 0 then h = 1
+    stmatrix_x4_trans(ytile_lane + 16 * p * kYStride * sizeof(OutT), pack_pair<OutT>(a[0], a[1]),
+                      pack_pair<OutT>(a[2], a[3]), pack_pair<OutT>(a[4], a[5]), pack_pair<OutT>(a[6], a[7]));
   }
+  __syncthreads();
+  // Each thread copies 16-byte piece tid % kChunksPerRow of every kRowsPerPass-th row.
+  constexpr int kChunksPerRow = kTileN * sizeof(OutT) / 16, kRowsPerPass = kThreads / kChunksPerRow;
+  const int row = tid / kChunksPerRow, col = (tid % kChunksPerRow) * (16 / sizeof(OutT));
+  OutT* dst = y + static_cast<int64_t>(m0 + row) * N + n0 + col;
+  const int64_t dst_step = static_cast<int64_t>(kRowsPerPass) * N;
+#pragma unroll
+  for (int i = 0; i < BM / kRowsPerPass; ++i, dst += dst_step)
+    if (m0 + row + i * kRowsPerPass < M)
+      *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(&ytile[(row + i * kRowsPerPass) * kYStride + col]);
 }
 
 template <int BM, int R, typename OutT>
