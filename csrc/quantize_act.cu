@@ -133,7 +133,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     quantize_act_lora_down_kernel(const T* __restrict__ x, const T* __restrict__ norm_w,
                                   float eps, int ldx, const float* __restrict__ smooth,
                                   const float* __restrict__ rsmooth, const T* __restrict__ pd_t,
-                                  int8_t* __restrict__ qact, __half* __restrict__ aratios, float* __restrict__ amax_rows,
+                                  int8_t* __restrict__ qact, __half* __restrict__ aratios,
+                                  float* __restrict__ amax_rows,
                                   float* __restrict__ lora, int M, int M_pad, int K) {
   constexpr int kTiles = R / 8;  // 8-column MMA tiles of the low-rank product
   // The warps' partial sums meet in shared memory 32 (or 16) columns at a time.

@@ -3,8 +3,8 @@
 // into the epilogue; one write of the output.
 //
 // Roles: the weights are wgmma's A operand (registers), the activations its B operand (shared memory), so
-// the block computes a transposed tile acc[n, m] (64 weight rows x BM activation rows, BM = 64 or 128) and
-// transposes it through shared memory on the way out. One warpgroup (128 threads) per block, 3 or 4
+// the block computes a transposed tile acc[n, m] (64 weight rows x BM activation rows, BM = 64, 128 or 256)
+// and transposes it through shared memory on the way out. One warpgroup (128 threads) per block, 3 or 4
 // blocks per SM; the blocks interleave, so one block's float work runs while another's wgmma uses the
 // tensor cores.
 //
@@ -21,9 +21,9 @@
 //                              rw = wscale / wmax_row * 2^15 (kernel_weight_scales)
 //        acc = fma(dot * 2^-18, s, acc)                      (half2: two outputs of one weight row)
 //      Half the fold of float32 accumulators, and half their registers (docs/kernels.md, v25).
-// Epilogue: acc * amax_row[m] * 8 wmax_row[n] in float32 (the weights' row factors are the last row of
-// their scale tensor, [K/64 + 1, N_pad]), + proj_up[n, :] . lora[m, :] on tf32 mma.sync (its C fragment
-// matches wgmma's D layout), + bias, cast, transpose through shared memory, 16-byte stores of rows < M. A
+// Epilogue: acc * amax_row[m] * 8 wmax_row[n] + bias in float32 (the weights' row factors are the last row
+// of their scale tensor, [K/64 + 1, N_pad]), + proj_up[n, :] . lora[m, :] on tf32 mma.sync (its C fragment
+// matches wgmma's D layout), cast, transpose through shared memory (stmatrix), 16-byte stores of rows < M. A
 // grouped GEMM (layers that read one input, weights stacked along N) gives each layer's 64-row weight tiles
 // that layer's R low-rank columns of lora.
 #include "w4a4_common.cuh"
@@ -39,6 +39,8 @@ namespace {
 #ifndef W4A4_GEMM_STAGES
 #define W4A4_GEMM_STAGES 4
 #endif
+constexpr int kStages = W4A4_GEMM_STAGES;
+static_assert((kStages & (kStages - 1)) == 0, "stage count must be a power of two");
 // Tuning knob: blocks per SM of the 128-row tiles (their register budget).
 #ifndef W4A4_GEMM_BIG_TILE_BLOCKS
 #define W4A4_GEMM_BIG_TILE_BLOCKS 4
@@ -50,10 +52,6 @@ namespace {
 // Tuning knob: 256-row activation tiles from this many such blocks per SM up.
 #ifndef W4A4_GEMM_HUGE_TILES_FROM
 #define W4A4_GEMM_HUGE_TILES_FROM 6
-#endif
-// Tuning knob: ring depth of the 256-row tiles (3 blocks of 4 stages do not fit an SM's shared memory).
-#ifndef W4A4_GEMM_HUGE_TILE_STAGES
-#define W4A4_GEMM_HUGE_TILE_STAGES 4
 #endif
 
 constexpr int kThreads = 128;  // one warpgroup
@@ -67,8 +65,6 @@ struct Tile {
   static_assert(BM == 64 || BM == 128 || BM == 256, "activation tiles of 64, 128 or 256 rows");
   static_assert(kMPad % BM == 0, "padded activations hold whole tiles");
   static constexpr int kMinBlocks = BM == 64 ? 4 : BM == 128 ? W4A4_GEMM_BIG_TILE_BLOCKS : 3;  // register budget
-  static constexpr int kStages = BM == 256 ? W4A4_GEMM_HUGE_TILE_STAGES : W4A4_GEMM_STAGES;
-  static __device__ __forceinline__ uint32_t slot(int g) { return static_cast<uint32_t>(g) % kStages; }
   // The e4m3 activation tile, K-major in wgmma's canonical no-swizzle layout: 8 x 16-byte core matrices,
   // byte (m, k) at (k / 16) * kCoreK + (m / 8) * kCoreM + (m % 8) * 16 + k % 16.
   static constexpr int kCoreK = BM * 16;  // bytes between core matrices adjacent in K (leading byte offset)
@@ -207,7 +203,6 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
                              int N_pad, int K, int lora_ld, int2 segment_start) {
   using T = Tile<BM>;
   using RawStage = typename T::RawStage;
-  constexpr int kStages = T::kStages;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   using Layout = typename T::template SmemLayout<R, OutT>;
   auto& ring_s = *reinterpret_cast<RawStage(*)[kStages]>(smem_raw);
@@ -248,7 +243,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   const uint32_t thr16 = opaque(16 * tid), ws_off = opaque(sizeof(float) * wrow0), ra_off = opaque(16 * t);
 
   auto load_next_stage = [&](int g) {
-    const uint32_t slot = ring + T::slot(g) * static_cast<uint32_t>(sizeof(RawStage)) + thr16;
+    const uint32_t slot = ring + (g & (kStages - 1)) * static_cast<uint32_t>(sizeof(RawStage)) + thr16;
 #pragma unroll
     for (int h = 0; h < T::kActChunksPerThread; ++h)
       cp_async_16(slot + offsetof(RawStage, act) + 16 * kThreads * h,
@@ -301,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   __syncthreads();
 
   for (int g = 0; g < G; ++g) {
-    const RawStage& s = ring_s[T::slot(g)];
+    const RawStage& s = ring_s[g & (kStages - 1)];
     // This warp's weight rows straight into A fragments (k-step 0: low nibbles, k-step 1: high).
     const uint32_t wv[4] = {static_cast<uint32_t>(wrec.x), static_cast<uint32_t>(wrec.y),
                             static_cast<uint32_t>(wrec.z), static_cast<uint32_t>(wrec.w)};
@@ -311,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
       a0[i] = e4m3_from_code(wv[i]);
       a1[i] = e4m3_from_code(wv[i] >> 4);
     }
-    const uint32_t tile = ring + T::slot(g) * static_cast<uint32_t>(sizeof(RawStage)) +
+    const uint32_t tile = ring + (g & (kStages - 1)) * static_cast<uint32_t>(sizeof(RawStage)) +
                           static_cast<uint32_t>(offsetof(RawStage, act));
     fence_operands(a0);
     fence_operands(a1);
@@ -330,7 +325,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     if (g + 1 < G) {
       cp_async_wait<kStages - 2>();
       fence_proxy_async();
-      wrec = at_offset<int4>(ring_s[T::slot(g + 1)].w, thr16);
+      wrec = at_offset<int4>(ring_s[(g + 1) & (kStages - 1)].w, thr16);
     }
 
     wgmma_wait_all();
@@ -412,7 +407,8 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   // addresses row l % 8 of block (2p + l / 16, l / 8 % 2).
   if (T::kEpilogueDataAfterLoop) __syncthreads();
   OutT* ytile = reinterpret_cast<OutT*>(ring_s);
-  const uint32_t ytile_lane = smem_addr(ytile + (8 * (lane / 16) + lane % 8) * kYStride + warp * 16 + 8 * (lane / 8 % 2));
+  const uint32_t ytile_lane =
+      smem_addr(ytile + (8 * (lane / 16) + lane % 8) * kYStride + warp * 16 + 8 * (lane / 8 % 2));
 #pragma unroll
   for (int p = 0; p < BM / 16; ++p) {
     const float* a = &acc[8 * p];  // j = 2p: a[0..3], j = 2p + 1: a[4..7]; in each, h = 0 then h = 1
