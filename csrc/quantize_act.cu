@@ -18,9 +18,10 @@
 // before).
 //
 // Divisions are correctly rounded (the reference's IEEE float32 x / smooth and xs / scale) without a
-// division instruction: with y = RN(1/b) (1/smooth precomputed at load, 1/scale once per row),
+// division instruction: with y = RN(1/b) (1/smooth precomputed at load, 1/(512 scale) once per row),
 // q = RN(a * y), r = fma(-q, b, a) (exact) and RN(q + r * y) = RN(a / b) (Markstein), barring
-// overflow/underflow, which int4 quantization of finite activations does not reach.
+// overflow/underflow: smooth is clamped to [1e-3, 1e3] where it is made, and the scale's range is checked
+// per warp (below).
 //
 // Fused producer (Prologue::kRmsNorm): x is the residual stream and the kernel quantizes
 // T(w * T(x * rsqrt(mean(x^2) + eps))), Qwen3's RMSNorm with its roundings, so the normed x never goes
@@ -165,13 +166,31 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
   // overlaps the arithmetic instead of following it. Only up to 32 low-rank columns: with 48-96 the second
   // group's registers spilled (up to 40 bytes).
   constexpr bool kPrefetch = R <= 32;
-  // The group's low-rank weights (MMA B fragments) are loaded before the quantization arithmetic, so that it
-  // covers their latency (ncu: the MMAs waited on these loads), where that measured faster: 16 columns without
-  // a prologue, o_proj's and down_proj's inputs (4-18%). At 32 columns the registers leave room for 3 blocks
-  // per SM instead of 4; with the RMSNorm prologue it measured 4-10% slower (docs/kernels.md, v24).
-  constexpr bool kEarlyLowRank = R <= 16 && P == Prologue::kNone;
+  // The low-rank MMAs waited on their pd_t loads (ncu: 18-20% of the stall samples), so the B fragments are
+  // fetched ahead of use. 4-warp blocks of up to 48 columns stage them: each warp copies its next group's pd_t
+  // slice into shared memory with cp.async once it has used the current one, and the copy runs behind the
+  // next group's arithmetic without holding registers (docs/kernels.md, v30; 64 and 96 columns would take
+  // 40-61 KB per block and are not staged). 16-warp blocks (small grids) at 16 columns without a prologue load
+  // the group's fragments into registers before the quantization arithmetic instead (v24: 4-18% faster; with
+  // the RMSNorm prologue 4-10% slower, the extra registers).
+  constexpr bool kStagedLowRank = kWarpsPerBlock == 4 && R <= 48;
+  constexpr bool kEarlyLowRank = !kStagedLowRank && R <= 16 && P == Prologue::kNone;
+  // Rows padded by 16 elements: a half-warp's 8-byte fragment loads (4 rows x 32 bytes) fall in distinct banks.
+  constexpr int kPdStride = kGroup + 16;
+  __shared__ __align__(16) T pd_s[kStagedLowRank ? kWarpsPerBlock : 1][kStagedLowRank ? R * kPdStride : 1];
+  // Lane l copies 16-byte piece l % 8 of rows l / 8 + 4i of the warp's group slice.
+  const T* pd_src = pd_t + static_cast<int64_t>(lane / 8) * K + 8 * (lane % 8);
+  const uint32_t pd_dst =
+      smem_addr(&pd_s[kStagedLowRank ? warp : 0][0]) + sizeof(T) * ((lane / 8) * kPdStride + 8 * (lane % 8));
+  auto stage_low_rank = [&](int g) {
+#pragma unroll
+    for (int i = 0; i < R / 4; ++i)
+      cp_async_16(pd_dst + sizeof(T) * 4 * i * kPdStride, pd_src + static_cast<int64_t>(4 * i) * K + g * kGroup);
+    cp_async_commit();
+  };
   GroupInput cur, next;
   if (kPrefetch && warp < G) load_group<T, P>(cur, x, norm_w, off0, off1, ok0, ok1, warp, t);
+  if (kStagedLowRank && warp < G) stage_low_rank(warp);
   for (int g = warp; g < G; g += kWarpsPerBlock) {
     if (!kPrefetch) load_group<T, P>(cur, x, norm_w, off0, off1, ok0, ok1, g, t);
     if (kPrefetch && g + kWarpsPerBlock < G)
@@ -215,14 +234,24 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
         }
       }
     }
-    float scale[2], rscale[2];
+    // The quotients come out in units of 2^-9, the e4m3 grid's integers: the divisor is 512 scale, whose
+    // float32 reciprocal is exactly 2^-9 times scale's, so div_rn gives RN(xs / scale) * 2^-9 with no extra
+    // multiply. With scale in [2^-90, 2^100] nothing over- or underflows where it matters, and
+    // |xs| <= amax = 7 scale (1 + 2^-24) keeps every quotient below 7.5, so no clamp is needed either. A warp
+    // with a row outside that range (never seen in practice; zero rows aside) takes IEEE division and the
+    // clamp, as the reference does; one branch for the warp leaves both rows' arithmetic free to interleave.
+    float scale[2], divisor[2], rdivisor[2];
+    bool grid_units = true;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
       amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 2));
       scale[r] = amax[r] / 7.0f;
-      rscale[r] = 1.0f / scale[r];
+      divisor[r] = 512.0f * scale[r];
+      rdivisor[r] = 1.0f / divisor[r];
+      grid_units = grid_units && (scale[r] == 0.f || (scale[r] >= 0x1p-90f && scale[r] <= 0x1p100f));
     }
+    grid_units = __all_sync(0xffffffffu, grid_units);
     if (t == 0) {
       float* at = &scales_s[g][4 * ((gr >> 1) & 3) + (gr & 1)];
       at[0] = scale[0];
@@ -234,28 +263,58 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     // word each.
     int8_t* tile =
         qact + (static_cast<int64_t>(mtile / 8) * G + g) * kActTileBytes + ((mtile % 8) * 16 + gr) * 16 + 4 * t;
+    uint32_t words[2][4];
+    if (grid_units) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          float v[4];
+#pragma unroll
+          for (int b = 0; b < 4; ++b) v[b] = div_rn(xs[r][c][b], divisor[r], rdivisor[r]);
+          words[r][c] = e4m3x2_of_grid_units(v[0], v[1]) | e4m3x2_of_grid_units(v[2], v[3]) << 16;
+        }
+    } else {
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          float v[4];
+#pragma unroll
+          for (int b = 0; b < 4; ++b) v[b] = xs[r][c][b] / scale[r];
+          words[r][c] = e4m3x2_of_rounded(v[0], v[1]) | e4m3x2_of_rounded(v[2], v[3]) << 16;
+        }
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        float v[4];
-#pragma unroll
-        for (int b = 0; b < 4; ++b) v[b] = div_rn(xs[r][c][b], scale[r], rscale[r]);
-        const uint32_t word = e4m3x2_of_rounded(v[0], v[1]) | e4m3x2_of_rounded(v[2], v[3]) << 16;
-        *reinterpret_cast<uint32_t*>(tile + c * kActChunkBytes + r * 8 * 16) = scale[r] > 0.f ? word : 0u;
-      }
+      for (int c = 0; c < 4; ++c)
+        *reinterpret_cast<uint32_t*>(tile + c * kActChunkBytes + r * 8 * 16) = scale[r] > 0.f ? words[r][c] : 0u;
 
     // Low-rank down-projection on the unsmoothed input; smoothing is folded into pd_t at load.
+    if (kStagedLowRank) {
+      cp_async_wait<0>();
+      __syncwarp();  // the other lanes' pieces of the slice have landed
+    }
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const uint32_t a[4] = {raw[0][c].x, raw[1][c].x, raw[0][c].y, raw[1][c].y};
 #pragma unroll
       for (int nt = 0; nt < kTiles; ++nt) {
-        const uint2 b = kEarlyLowRank ? pd_frag[kEarlyLowRank ? nt : 0][c]
-                                  : *reinterpret_cast<const uint2*>(pd_t + static_cast<int64_t>(nt * 8 + gr) * K +
-                                                                    g * kGroup + 16 * c + 4 * t);
+        uint2 b;
+        if (kStagedLowRank)
+          b = *reinterpret_cast<const uint2*>(&pd_s[warp][(nt * 8 + gr) * kPdStride + 16 * c + 4 * t]);
+        else if (kEarlyLowRank)
+          b = pd_frag[kEarlyLowRank ? nt : 0][c];
+        else
+          b = *reinterpret_cast<const uint2*>(pd_t + static_cast<int64_t>(nt * 8 + gr) * K + g * kGroup + 16 * c +
+                                              4 * t);
         mma_16816<T>(lacc[nt], a, b.x, b.y);
       }
+    }
+    if (kStagedLowRank && g + kWarpsPerBlock < G) {
+      __syncwarp();  // every lane has read the slice it overwrites
+      stage_low_rank(g + kWarpsPerBlock);
     }
     if (kPrefetch) cur = next;
   }

@@ -38,18 +38,22 @@ __device__ __forceinline__ uint32_t e4m3_from_code(uint32_t codes) {
   return (codes & 0x0F0F0F0Fu) + 121u * ((codes >> 3) & 0x01010101u);
 }
 
-// The e4m3 bytes of clamp(round_half_even(v), -8, 7) for two floats v (lo in the low byte). Below 2^-5 the
-// e4m3 values are the integers times 2^-9 (subnormals, then the smallest normals), so the hardware
-// conversion of v * 2^-9 (exact: a power of two) rounds v to an integer, ties to even, as torch.round does;
-// the clamp goes first (integer bounds commute with the rounding). A v that rounds to 0 from below gives
-// e4m3 -0 (0x80), which the tensor cores multiply as 0.
-__device__ __forceinline__ uint32_t e4m3x2_of_rounded(float lo, float hi) {
-  constexpr float kLow = -8.0f / 512, kHigh = 7.0f / 512;
-  lo = fminf(fmaxf(lo * (1.0f / 512), kLow), kHigh);
-  hi = fminf(fmaxf(hi * (1.0f / 512), kLow), kHigh);
+// The e4m3 bytes of two floats v * 2^-9 with |v| < 7.5 (lo in the low byte): below 2^-5 the e4m3 values are
+// the integers times 2^-9 (subnormals, then the smallest normals), so the hardware conversion rounds v to an
+// integer, ties to even, as torch.round does. A v that rounds to 0 from below gives e4m3 -0 (0x80), which the
+// tensor cores multiply as 0.
+__device__ __forceinline__ uint32_t e4m3x2_of_grid_units(float lo, float hi) {
   uint16_t pair;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(pair) : "f"(hi), "f"(lo));
   return pair;
+}
+
+// The e4m3 bytes of clamp(round_half_even(v), -8, 7) for any two floats v: scaled by 2^-9 (exact: a power of
+// two) and clamped first (integer bounds commute with the rounding).
+__device__ __forceinline__ uint32_t e4m3x2_of_rounded(float lo, float hi) {
+  constexpr float kLow = -8.0f / 512, kHigh = 7.0f / 512;
+  return e4m3x2_of_grid_units(fminf(fmaxf(lo * (1.0f / 512), kLow), kHigh),
+                              fminf(fmaxf(hi * (1.0f / 512), kLow), kHigh));
 }
 
 // D += A * B with bf16 or fp16 inputs and float32 accumulators (m16n8k16).

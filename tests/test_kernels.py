@@ -169,6 +169,27 @@ def test_quantize_act_ties_and_zero_groups():
     assert ratios_ref[1, 0] == 0 and amax_ref[0] == 1.0
 
 
+def test_quantize_act_extreme_scales():
+    """Rows whose scales leave the kernel's fast range [2^-90, 2^100] (or sit just inside it) quantize exactly
+    like the reference, ties included: 2^-130 is a subnormal scale."""
+    k = 128
+    ties = torch.tensor([7.0, 2.5, -3.5, 0.5, -0.5, 1.5, -2.5, 6.5], device=DEV)
+    exponents = (-100, 110, -88, 99, -130)
+    x = torch.randn(len(exponents) + 1, k, generator=fresh_generator(), device=DEV)
+    for row, e in enumerate(exponents):
+        x[row, :8] = ties
+        x[row] *= 2.0**e
+    x = x.to(torch.bfloat16)
+    layer = random_layer(128, k, 16, smooth=False, bias=False, g=fresh_generator())
+    packed = CudaW4A4Backend().prepare(layer)
+    qact, aratios, amax, _ = kops.load().quantize_act_lora_down(x, None, packed.pd_t[torch.bfloat16])
+    q_ref, s_ref = quantize_activations(x.cpu())
+    q = unpack_activations(qact.cpu())[: len(x)]
+    assert torch.equal(q, q_ref)
+    assert all(q[row, :8].tolist() == [7, 2, -4, 0, 0, 2, -2, 6] for row in range(len(exponents)))
+    assert torch.equal(activation_scales_in_row_order(amax)[: len(x)].cpu(), s_ref.amax(dim=1))
+
+
 @pytest.mark.parametrize("m", (*ODD_M, 17001))
 @pytest.mark.parametrize("n,k", OMNIVOICE_SHAPES)
 def test_w4a4_linear_matches_reference(m, n, k):
