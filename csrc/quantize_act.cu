@@ -5,8 +5,12 @@
 // A block owns 16 rows; its warps take the K groups in turn (warp w: groups w, w + W, ...), and the
 // low-rank partial sums of the warps are added in shared memory at the end. W = 16 warps per block while
 // the grid is small (few rows: spread each row's groups over many warps), 4 once there are 2+ blocks per
-// SM (measured 1.15-1.25x faster from M = 8192, docs/kernels.md). Lane (gr, t) loads rows gr and gr + 8,
-// columns 16c + 4t .. 16c + 4t + 3 of the group for c = 0..3, so the per-row max is a 4-lane shuffle and
+// SM (measured 1.15-1.25x faster from M = 8192, docs/kernels.md). The smallest grids (a quarter of a row
+// set per SM or less, M <= 512 on an H200; K >= 2048, no prologue) spread each row set over a cluster of 8
+// blocks of 4 warps instead, so that more SMs get work: warp w of block c takes groups 4c + w,
+// 4c + w + 32, ..., and the blocks' partial sums and row maxima meet through distributed shared memory,
+// added in rank order (docs/kernels.md, v32). Lane (gr, t) loads rows gr and gr + 8, columns
+// 16c + 4t .. 16c + 4t + 3 of the group for c = 0..3, so the per-row max is a 4-lane shuffle and
 // each quantized word is 4 consecutive bytes of the output layout. The low-rank product reuses the same
 // registers as bf16/fp16 MMA fragments by permuting k inside each 16-wide block (lane t's columns 4t,
 // 4t+1 play k = 2t, 2t+1 and 4t+2, 4t+3 play k = 2t+8, 2t+9); proj_down is read with the same
@@ -28,16 +32,21 @@
 // through memory (the block sums each row's squares in a pre-pass over the same elements). A SiLU(gate) * up
 // prologue for down_proj was measured 5-22% slower than the silu_mul kernel + this kernel and was removed
 // (docs/kernels.md).
+#include <cooperative_groups.h>
+
 #include "w4a4_common.cuh"
 #include "w4a4_launch.h"
 
 namespace w4a4 {
 namespace {
 
+namespace cg = cooperative_groups;
+
 // Tuning knob (OVBATCH_KERNEL_DEFINES): 4-warp blocks from this many 16-row blocks per SM up.
 #ifndef W4A4_QUANT_SMALL_BLOCKS_FROM
 #define W4A4_QUANT_SMALL_BLOCKS_FROM 2
 #endif
+constexpr int kClusterSize = 8;  // blocks per 16-row set on the smallest grids (the portable cluster limit)
 
 __device__ __forceinline__ float div_rn(float a, float b, float rb) {
   const float q = a * rb;
@@ -129,7 +138,7 @@ __device__ __forceinline__ void row_rstd(const T* x0, const T* x1, bool ok0, boo
 template <int R, int kWarpsPerBlock>
 constexpr int kQuantizeMinBlocks = kWarpsPerBlock == 4 && R >= 48 ? 4 : 0;
 
-template <typename T, Prologue P, bool kSmooth, int R, int kWarpsPerBlock>
+template <typename T, Prologue P, bool kSmooth, int R, int kWarpsPerBlock, int kClusterBlocks>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kWarpsPerBlock>))
     quantize_act_lora_down_kernel(const T* __restrict__ x, const T* __restrict__ norm_w,
                                   float eps, int ldx, const float* __restrict__ smooth,
@@ -142,12 +151,20 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
   constexpr int kChunkTiles = kTiles % 4 == 0 ? 4 : 2;
   static_assert(R % 16 == 0 && kTiles % kChunkTiles == 0, "low-rank widths are multiples of 16");
   __shared__ float partial[kWarpsPerBlock][kChunkTiles * 4][32];
+  // In a cluster: the block's sums of every fragment element (nt, e) of every lane, and its rows' largest
+  // scales (by their place in scales_s), for the cluster to add up.
+  constexpr bool kCluster = kClusterBlocks > 1;
+  static_assert(!kCluster || P == Prologue::kNone, "clusters only without a prologue (row_rstd is per block)");
+  __shared__ float block_sums[kCluster ? kTiles * 4 : 1][32];
+  __shared__ float block_amax[kCluster ? 16 : 1];
   // Per group, the block's 16 rows in the order they take among the 32 of activation_scale_position: row
   // r < 8 at 4 ((r >> 1) & 3) + (r & 1), row r + 8 two places after it.
   __shared__ float scales_s[kMaxGroups][16];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gr = lane >> 2, t = lane & 3;
-  const int mtile = blockIdx.x;
+  const int mtile = blockIdx.x / kClusterBlocks, rank = blockIdx.x % kClusterBlocks;
+  const int first_group = rank * kWarpsPerBlock + warp;
+  constexpr int kGroupStep = kClusterBlocks * kWarpsPerBlock;
   const int row0 = mtile * 16 + gr, row1 = row0 + 8;
   const bool ok0 = row0 < M, ok1 = row1 < M;
   const int G = K / kGroup;
@@ -189,12 +206,12 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     cp_async_commit();
   };
   GroupInput cur, next;
-  if (kPrefetch && warp < G) load_group<T, P>(cur, x, norm_w, off0, off1, ok0, ok1, warp, t);
-  if (kStagedLowRank && warp < G) stage_low_rank(warp);
-  for (int g = warp; g < G; g += kWarpsPerBlock) {
+  if (kPrefetch && first_group < G) load_group<T, P>(cur, x, norm_w, off0, off1, ok0, ok1, first_group, t);
+  if (kStagedLowRank && first_group < G) stage_low_rank(first_group);
+  for (int g = first_group; g < G; g += kGroupStep) {
     if (!kPrefetch) load_group<T, P>(cur, x, norm_w, off0, off1, ok0, ok1, g, t);
-    if (kPrefetch && g + kWarpsPerBlock < G)
-      load_group<T, P>(next, x, norm_w, off0, off1, ok0, ok1, g + kWarpsPerBlock, t);
+    if (kPrefetch && g + kGroupStep < G)
+      load_group<T, P>(next, x, norm_w, off0, off1, ok0, ok1, g + kGroupStep, t);
     uint2 pd_frag[kEarlyLowRank ? kTiles : 1][4];
     if (kEarlyLowRank) {
 #pragma unroll
@@ -312,71 +329,153 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
         mma_16816<T>(lacc[nt], a, b.x, b.y);
       }
     }
-    if (kStagedLowRank && g + kWarpsPerBlock < G) {
+    if (kStagedLowRank && g + kGroupStep < G) {
       __syncwarp();  // every lane has read the slice it overwrites
-      stage_low_rank(g + kWarpsPerBlock);
+      stage_low_rank(g + kGroupStep);
     }
     if (kPrefetch) cur = next;
   }
 
-  __syncthreads();
-  // Thread i writes the ratios of the block's scales 2 (i % 8) and 2 (i % 8) + 1 (rows side by side) for
-  // groups i / 8, ...: the 16 rows fill 4 of every 8 places of their 32 (the first or second 4 of them).
-  {
+  if constexpr (kCluster) {
+    // The block's groups are done. Its rows' largest scales over them go to block_amax and its warps'
+    // low-rank partial sums, a chunk of columns at a time, to block_sums; then the cluster adds up the
+    // blocks'. Thread i takes places 2 (i % 8) and 2 (i % 8) + 1 of scales_s, as below.
+    __syncthreads();
     const int pos = 2 * (threadIdx.x % 8);
+    if (threadIdx.x < 8) {
+      float2 amax = make_float2(0.f, 0.f);
+      for (int g0 = rank * kWarpsPerBlock; g0 < G; g0 += kGroupStep)
+        for (int g = g0; g < min(g0 + kWarpsPerBlock, G); ++g) {
+          const float2 s = *reinterpret_cast<const float2*>(&scales_s[g][pos]);
+          amax = make_float2(fmaxf(amax.x, s.x), fmaxf(amax.y, s.y));
+        }
+      block_amax[pos] = amax.x;
+      block_amax[pos + 1] = amax.y;
+    }
+#pragma unroll
+    for (int chunk = 0; chunk < kTiles; chunk += kChunkTiles) {
+      if (chunk > 0) __syncthreads();  // the previous chunk's partial sums have been read
+#pragma unroll
+      for (int nt = 0; nt < kChunkTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) partial[warp][nt * 4 + e][lane] = lacc[chunk + nt][e];
+      __syncthreads();
+      for (int i = threadIdx.x; i < kChunkTiles * 4 * 32; i += kWarpsPerBlock * 32) {
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarpsPerBlock; ++w) sum += partial[w][i >> 5][i & 31];
+        block_sums[chunk * 4 + (i >> 5)][i & 31] = sum;
+      }
+    }
+    cg::this_cluster().sync();  // every block's block_amax and block_sums are complete
+
+    // Each block writes the ratios of its own groups (its j-th: (j / W) C W + W rank + j % W); rank 0 the
+    // row maxima.
     const int64_t col = static_cast<int64_t>(mtile / 2) * 32 + 8 * (pos / 4) + 4 * (mtile % 2) + pos % 4;
     float2 amax = make_float2(0.f, 0.f);
-    for (int g = 0; g < G; ++g) {
-      const float2 s = *reinterpret_cast<const float2*>(&scales_s[g][pos]);
-      amax = make_float2(fmaxf(amax.x, s.x), fmaxf(amax.y, s.y));
+#pragma unroll
+    for (int c = 0; c < kClusterBlocks; ++c) {
+      const float* other = cg::this_cluster().map_shared_rank(block_amax, c);
+      amax = make_float2(fmaxf(amax.x, other[pos]), fmaxf(amax.y, other[pos + 1]));
     }
     const float2 inv = make_float2(amax.x > 0.f ? 1.f / amax.x : 0.f, amax.y > 0.f ? 1.f / amax.y : 0.f);
-    if (threadIdx.x < 8) *reinterpret_cast<float2*>(amax_rows + col) = amax;
-    for (int g = threadIdx.x / 8; g < G; g += kWarpsPerBlock * 4) {
+    if (rank == 0 && threadIdx.x < 8) *reinterpret_cast<float2*>(amax_rows + col) = amax;
+    for (int j = threadIdx.x / 8;; j += kWarpsPerBlock * 4) {
+      const int g = (j / kWarpsPerBlock) * kGroupStep + rank * kWarpsPerBlock + j % kWarpsPerBlock;
+      if (g >= G) break;
       const float2 s = *reinterpret_cast<const float2*>(&scales_s[g][pos]);
       *reinterpret_cast<__half2*>(aratios + g * M_pad + col) = __floats2half2_rn(s.x * inv.x, s.y * inv.y);
     }
-  }
 
-#pragma unroll
-  for (int chunk = 0; chunk < kTiles; chunk += kChunkTiles) {
-    if (chunk > 0) __syncthreads();  // the previous chunk's partial sums have been read
-#pragma unroll
-    for (int nt = 0; nt < kChunkTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) partial[warp][nt * 4 + e][lane] = lacc[chunk + nt][e];
-    __syncthreads();
-    // Thread i adds fragment element i of every warp: element (nt, e) of lane l is row gr + 8 * (e >> 1),
-    // column nt * 8 + 2t + (e & 1).
-    for (int i = threadIdx.x; i < kChunkTiles * 4 * 32; i += kWarpsPerBlock * 32) {
-      const int l = i & 31, ne = i >> 5, nt = chunk + (ne >> 2), e = ne & 3;
+    // Block c adds fragment elements 128 c + i, ... over the cluster's blocks in rank order: element (nt, e)
+    // of lane l is row gr + 8 * (e >> 1), column nt * 8 + 2t + (e & 1).
+    for (int i = rank * kWarpsPerBlock * 32 + threadIdx.x; i < kTiles * 4 * 32; i += kGroupStep * 32) {
+      const int l = i & 31, nt = i >> 7, e = (i >> 5) & 3;
       float sum = 0.f;
 #pragma unroll
-      for (int w = 0; w < kWarpsPerBlock; ++w) sum += partial[w][ne][l];
+      for (int c = 0; c < kClusterBlocks; ++c) sum += cg::this_cluster().map_shared_rank(&block_sums[0][0], c)[i];
       const int row = mtile * 16 + (l >> 2) + 8 * (e >> 1), col = nt * 8 + 2 * (l & 3) + (e & 1);
       lora[static_cast<int64_t>(row) * R + lora_position(col)] = __uint_as_float(to_tf32(sum));
+    }
+    cg::this_cluster().sync();  // no block leaves while another reads its shared memory
+  } else {
+    __syncthreads();
+    // Thread i writes the ratios of the block's scales 2 (i % 8) and 2 (i % 8) + 1 (rows side by side) for
+    // groups i / 8, ...: the 16 rows fill 4 of every 8 places of their 32 (the first or second 4 of them).
+    {
+      const int pos = 2 * (threadIdx.x % 8);
+      const int64_t col = static_cast<int64_t>(mtile / 2) * 32 + 8 * (pos / 4) + 4 * (mtile % 2) + pos % 4;
+      float2 amax = make_float2(0.f, 0.f);
+      for (int g = 0; g < G; ++g) {
+        const float2 s = *reinterpret_cast<const float2*>(&scales_s[g][pos]);
+        amax = make_float2(fmaxf(amax.x, s.x), fmaxf(amax.y, s.y));
+      }
+      const float2 inv = make_float2(amax.x > 0.f ? 1.f / amax.x : 0.f, amax.y > 0.f ? 1.f / amax.y : 0.f);
+      if (threadIdx.x < 8) *reinterpret_cast<float2*>(amax_rows + col) = amax;
+      for (int g = threadIdx.x / 8; g < G; g += kWarpsPerBlock * 4) {
+        const float2 s = *reinterpret_cast<const float2*>(&scales_s[g][pos]);
+        *reinterpret_cast<__half2*>(aratios + g * M_pad + col) = __floats2half2_rn(s.x * inv.x, s.y * inv.y);
+      }
+    }
+
+#pragma unroll
+    for (int chunk = 0; chunk < kTiles; chunk += kChunkTiles) {
+      if (chunk > 0) __syncthreads();  // the previous chunk's partial sums have been read
+#pragma unroll
+      for (int nt = 0; nt < kChunkTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) partial[warp][nt * 4 + e][lane] = lacc[chunk + nt][e];
+      __syncthreads();
+      // Thread i adds fragment element i of every warp: element (nt, e) of lane l is row gr + 8 * (e >> 1),
+      // column nt * 8 + 2t + (e & 1).
+      for (int i = threadIdx.x; i < kChunkTiles * 4 * 32; i += kWarpsPerBlock * 32) {
+        const int l = i & 31, ne = i >> 5, nt = chunk + (ne >> 2), e = ne & 3;
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarpsPerBlock; ++w) sum += partial[w][ne][l];
+        const int row = mtile * 16 + (l >> 2) + 8 * (e >> 1), col = nt * 8 + 2 * (l & 3) + (e & 1);
+        lora[static_cast<int64_t>(row) * R + lora_position(col)] = __uint_as_float(to_tf32(sum));
+      }
     }
   }
 }
 
-template <typename T, Prologue P, bool kSmooth, int R, int kWarps>
+template <typename T, Prologue P, bool kSmooth, int R, int kWarps, int kClusterBlocks>
 cudaError_t launch_warps(const QuantizeArgs& a, cudaStream_t stream) {
-  const dim3 grid(a.M_pad / 16);
-  quantize_act_lora_down_kernel<T, P, kSmooth, R, kWarps><<<grid, kWarps * 32, 0, stream>>>(
-      static_cast<const T*>(a.x), static_cast<const T*>(a.norm_weight), a.eps, a.ldx,
-      a.smooth, a.smooth == nullptr ? nullptr : a.smooth + a.K, static_cast<const T*>(a.pd_t),
-      static_cast<int8_t*>(a.qact), static_cast<__half*>(a.aratios), a.amax, a.lora, a.M, a.M_pad,
-      a.K);
-  return cudaGetLastError();
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kClusterBlocks;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(a.M_pad / 16 * kClusterBlocks);
+  config.blockDim = dim3(kWarps * 32);
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = kClusterBlocks > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&config, quantize_act_lora_down_kernel<T, P, kSmooth, R, kWarps, kClusterBlocks>,
+                            static_cast<const T*>(a.x), static_cast<const T*>(a.norm_weight), a.eps, a.ldx, a.smooth,
+                            a.smooth == nullptr ? nullptr : a.smooth + a.K, static_cast<const T*>(a.pd_t),
+                            static_cast<int8_t*>(a.qact), static_cast<__half*>(a.aratios), a.amax, a.lora, a.M,
+                            a.M_pad, a.K);
 }
 
+// 4-warp blocks from W4A4_QUANT_SMALL_BLOCKS_FROM row sets per SM, 16-warp blocks below; clusters of 8 4-warp
+// blocks on grids of at most a quarter of a row set per SM with 32+ K groups (one or more per warp; at
+// K = 1024 they measured no faster) and no prologue: o_proj's and down_proj's inputs (the RMSNorm prologue
+// feeds q/k/v and gate/up, whose K is the hidden size, 1024).
 template <typename T, Prologue P, bool kSmooth, int R>
 cudaError_t launch_typed(const QuantizeArgs& a, cudaStream_t stream) {
   int sms = 0;
   const cudaError_t err = sm_count(&sms);
   if (err != cudaSuccess) return err;
-  return a.M_pad / 16 >= W4A4_QUANT_SMALL_BLOCKS_FROM * sms ? launch_warps<T, P, kSmooth, R, 4>(a, stream)
-                                                             : launch_warps<T, P, kSmooth, R, 16>(a, stream);
+  const int row_sets = a.M_pad / 16;
+  if (row_sets >= W4A4_QUANT_SMALL_BLOCKS_FROM * sms) return launch_warps<T, P, kSmooth, R, 4, 1>(a, stream);
+  if constexpr (P == Prologue::kNone) {
+    if (4 * row_sets <= sms && a.K / kGroup >= 4 * kClusterSize)
+      return launch_warps<T, P, kSmooth, R, 4, kClusterSize>(a, stream);
+  }
+  return launch_warps<T, P, kSmooth, R, 16, 1>(a, stream);
 }
 
 template <typename T, Prologue P, int R>

@@ -97,7 +97,8 @@ def smoothed_cpu(x, layer):
     return xs / layer.smooth.cpu().float() if layer.smooth is not None else xs
 
 
-# 17001 rows: enough 16-row blocks for the quantize kernel's 4-warp variant (it picks 16 warps below).
+# 17001 rows: enough 16-row blocks for the quantize kernel's 4-warp variant (it picks 16 warps below, and
+# clusters of 8 blocks at 1 and 7 rows with K >= 2048).
 @pytest.mark.parametrize("m", (*ODD_M, 17001))
 @pytest.mark.parametrize("k", (1024, 2048, 3072))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
