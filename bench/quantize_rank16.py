@@ -7,7 +7,6 @@ RMSNorm prologue at K = 1024 (beside it, for the kernels that share its code). S
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -15,30 +14,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.environment import environment, write_result  # noqa: E402
 from bench.kernels import graph_time_us  # noqa: E402
-from engine.kernels import ops as kops  # noqa: E402
+from bench.quantize_shapes import run, smoothing  # noqa: E402
 
 K_VALUES = (1024, 2048, 3072)
 M_VALUES = (512, 2048, 8192, 32768)
 RANK = 16
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", type=Path, default=Path("bench/results/quantize-rank16-h200.json"))
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/quantize_rank16.py needs a CUDA GPU", file=sys.stderr)
-        return 1
-    g = torch.Generator(device="cuda").manual_seed(0)
-    op = kops.load()
+def measure_rank16(op, g: torch.Generator) -> list[dict]:
     rows = []
     for k in K_VALUES:
-        smooth = torch.rand(k, generator=g, device="cuda") + 0.5
-        smooth = torch.stack([smooth, 1 / smooth])
+        smooth = smoothing(k, g)
         pd_t = (torch.randn(RANK, k, generator=g, device="cuda") * 0.03).bfloat16()
         norm_w = (torch.rand(k, generator=g, device="cuda") + 0.5).bfloat16()
         for m in M_VALUES:
@@ -52,14 +39,17 @@ def main() -> int:
                 row["rmsnorm_quantize_us"] = round(graph_time_us(normed), 2)
             rows.append(row)
             print(row, flush=True)
-    result = {
-        "environment": environment("triton"),
-        "notes": "quantize_act_lora_down (no prologue) and rmsnorm_quantize_act_lora_down at rank 16, bf16 "
+    return rows
+
+
+def main() -> int:
+    return run(
+        __doc__,
+        "bench/results/quantize-rank16-h200.json",
+        "quantize_act_lora_down (no prologue) and rmsnorm_quantize_act_lora_down at rank 16, bf16 "
         "input with smoothing; CUDA-graph replays, do_bench medians with L2 cleared.",
-        "rows": rows,
-    }
-    write_result(args.out, result)
-    return 0
+        measure_rank16,
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,21 +25,29 @@ WIDTHS = (16, 32, 48)  # 48: with the RMSNorm prologue
 M_VALUES = (512, 2048, 8192, 32768)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", type=Path, default=Path("bench/results/quantize-shapes-h200.json"))
+def smoothing(k: int, g: torch.Generator) -> torch.Tensor:
+    """A random smoothing vector and its reciprocal, [2, k] float32, as the quantize kernels take them."""
+    smooth = torch.rand(k, generator=g, device="cuda") + 0.5
+    return torch.stack([smooth, 1 / smooth])
+
+
+def run(doc: str, default_out: str, notes: str, measure: Callable[[object, torch.Generator], list]) -> int:
+    """The quantize benchmarks' command line: --out, a GPU check, measure(ops, generator) -> rows, JSON."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(default_out))
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("bench/quantize_shapes.py needs a CUDA GPU", file=sys.stderr)
+        print(f"{sys.argv[0]} needs a CUDA GPU", file=sys.stderr)
         return 1
-    g = torch.Generator(device="cuda").manual_seed(0)
-    op = kops.load()
+    rows = measure(kops.load(), torch.Generator(device="cuda").manual_seed(0))
+    write_result(args.out, {"environment": environment("triton"), "notes": notes, "rows": rows})
+    return 0
+
+
+def measure_shapes(op, g: torch.Generator) -> list[dict]:
     rows = []
     for k in K_VALUES:
-        smooth = torch.rand(k, generator=g, device="cuda") + 0.5
-        smooth = torch.stack([smooth, 1 / smooth])
+        smooth = smoothing(k, g)
         norm_w = (torch.rand(k, generator=g, device="cuda") + 0.5).bfloat16()
         for r in WIDTHS:
             pd_t = (torch.randn(r, k, generator=g, device="cuda") * 0.03).bfloat16()
@@ -54,14 +63,17 @@ def main() -> int:
                 row = {"M": m, "K": k, "R": r, "rmsnorm": r == 48, "quantize_us": us}
                 rows.append(row)
                 print(row, flush=True)
-    result = {
-        "environment": environment("triton"),
-        "notes": "quantize_act_lora_down (R 16, 32) and rmsnorm_quantize_act_lora_down (R 48), bf16 input "
+    return rows
+
+
+def main() -> int:
+    return run(
+        __doc__,
+        "bench/results/quantize-shapes-h200.json",
+        "quantize_act_lora_down (R 16, 32) and rmsnorm_quantize_act_lora_down (R 48), bf16 input "
         "with smoothing; CUDA-graph replays, do_bench medians with L2 cleared.",
-        "rows": rows,
-    }
-    write_result(args.out, result)
-    return 0
+        measure_shapes,
+    )
 
 
 if __name__ == "__main__":
