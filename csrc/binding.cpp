@@ -300,6 +300,13 @@ Tensor gemm_lora_up(const Tensor& qact, const Tensor& aratios, const Tensor& ama
   return y;
 }
 
+int64_t gemm_k_splits(int64_t M, int64_t N, int64_t K) {
+  int k_splits = 0;
+  check_launch(w4a4::w4a4_gemm_k_splits(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), &k_splits),
+               "gemm_k_splits");
+  return k_splits;
+}
+
 // The whole W4A4 linear on x [M, K]: both kernels, intermediates from the caching allocator.
 Tensor w4a4_linear(const Tensor& x, const std::optional<Tensor>& smooth, const Tensor& pd_t, const Tensor& qweight,
                    const Tensor& wscales, const Tensor& proj_up, const std::optional<Tensor>& bias, int64_t N) {
@@ -323,6 +330,7 @@ TORCH_LIBRARY(ovbatch_w4a4, m) {
   m.def(
       "gemm_lora_up(Tensor qact, Tensor aratios, Tensor amax, Tensor lora, Tensor qweight, Tensor wscales, "
       "Tensor proj_up, Tensor? bias, int M, int N, ScalarType out_dtype, int[] segment_starts=[]) -> Tensor");
+  m.def("gemm_k_splits(int M, int N, int K) -> int", &gemm_k_splits);
   m.def(
       "w4a4_linear(Tensor x, Tensor? smooth, Tensor pd_t, Tensor qweight, Tensor wscales, Tensor proj_up, "
       "Tensor? bias, int N) -> Tensor");

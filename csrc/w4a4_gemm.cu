@@ -6,7 +6,9 @@
 // the block computes a transposed tile acc[n, m] (64 weight rows x BM activation rows, BM = 64, 128 or 256)
 // and transposes it through shared memory on the way out. One warpgroup (128 threads) per block, 3 or 4
 // blocks per SM; the blocks interleave, so one block's float work runs while another's wgmma uses the
-// tensor cores.
+// tensor cores. On grids too small for that (at most one 64-row tile per SM) a block has kSplit warpgroups
+// instead, each walking its own contiguous range of K groups through its own ring; the first adds the
+// others' sums and runs the epilogue alone (docs/kernels.md, v33).
 //
 // Per 64-wide K group (kStages-deep cp.async ring of the operands and their scales):
 //   1. the activation tile arrives as the quantize kernel wrote it, e4m3 bytes in wgmma's canonical
@@ -53,8 +55,14 @@ static_assert((kStages & (kStages - 1)) == 0, "stage count must be a power of tw
 #ifndef W4A4_GEMM_HUGE_TILES_FROM
 #define W4A4_GEMM_HUGE_TILES_FROM 6
 #endif
+// Tuning knob: warpgroups per block, each on a range of K groups, where 64-row tiles leave SMs without a block.
+#ifndef W4A4_GEMM_K_SPLIT
+#define W4A4_GEMM_K_SPLIT 4
+#endif
+constexpr int kSmallGridSplit = W4A4_GEMM_K_SPLIT;
+constexpr int kMinGroupsPerSplit = 4;  // fewer K groups than this per warpgroup: no split
 
-constexpr int kThreads = 128;  // one warpgroup
+constexpr int kThreads = 128;  // one warpgroup: the threads that copy, fold and run the epilogue
 constexpr int kTileN = 64;     // weight rows per block: wgmma's M
 constexpr int kYStride = kTileN + 8;  // the epilogue's output tile ytile[m][n], rows padded by 8 elements
 
@@ -84,9 +92,10 @@ struct Tile {
   // free ring, where the output tile later overwrites them; 64-row blocks (small grids, often one per SM)
   // copy them at the start, behind the first stages, into their own space after the ring (docs/kernels.md, v23).
   static constexpr bool kEpilogueDataAfterLoop = BM >= 128;
-  template <int R, typename OutT>
+  template <int R, typename OutT, int kSplit>
   struct SmemLayout {
-    static constexpr size_t kRing = sizeof(RawStage) * kStages;
+    static_assert(kSplit == 1 || !kEpilogueDataAfterLoop, "split K only on 64-row tiles");
+    static constexpr size_t kRing = sizeof(RawStage) * kStages * kSplit;  // one ring per warpgroup
     static constexpr size_t kLora = sizeof(float) * BM * (R + 8);
     static constexpr size_t kLoraOffset = kEpilogueDataAfterLoop ? 0 : kRing;
     static constexpr size_t kAmaxOffset = kLoraOffset + kLora;
@@ -193,8 +202,8 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
 __device__ __forceinline__ __half2 as_half2(uint32_t bits) { return *reinterpret_cast<const __half2*>(&bits); }
 __device__ __forceinline__ uint32_t bits_of(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
 
-template <int BM, int R, typename OutT>
-__global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
+template <int BM, int R, typename OutT, int kSplit>
+__global__ void __launch_bounds__(kThreads * kSplit, Tile<BM>::kMinBlocks / kSplit)
     w4a4_gemm_lora_up_kernel(const int8_t* __restrict__ qact, const __half* __restrict__ aratios,
                              const float* __restrict__ amax_rows,
                              const int4* __restrict__ qweight, const float* __restrict__ wscales,
@@ -204,15 +213,27 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   using T = Tile<BM>;
   using RawStage = typename T::RawStage;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  using Layout = typename T::template SmemLayout<R, OutT>;
-  auto& ring_s = *reinterpret_cast<RawStage(*)[kStages]>(smem_raw);
+  using Layout = typename T::template SmemLayout<R, OutT, kSplit>;
+  constexpr uint32_t kWarpgroupRing = sizeof(RawStage) * kStages;
+  const int wg = kSplit == 1 ? 0 : threadIdx.x / kThreads;  // this thread's warpgroup
+  auto& ring_s = *reinterpret_cast<RawStage(*)[kStages]>(smem_raw + wg * kWarpgroupRing);
   auto& lora_tile = *reinterpret_cast<float(*)[BM][R + 8]>(smem_raw + Layout::kLoraOffset);
   const float* amax_s = reinterpret_cast<const float*>(smem_raw + Layout::kAmaxOffset);
 
   const int G = K / kGroup;
+  // This warpgroup's K groups: g_begin .. g_begin + Gw - 1.
+  const int g_begin = wg * G / kSplit, Gw = (wg + 1) * G / kSplit - g_begin;
   const int n0 = blockIdx.x * kTileN, m0 = blockIdx.y * BM;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = kSplit == 1 ? threadIdx.x : threadIdx.x % kThreads, lane = tid & 31, warp = tid >> 5;
   const int gr = lane >> 2, t = lane & 3;
+  // A barrier of this warpgroup's threads (the whole block when it is one warpgroup).
+  auto warpgroup_sync = [&] {
+    if constexpr (kSplit == 1) {
+      __syncthreads();
+    } else {
+      asm volatile("bar.sync %0, %1;\n" ::"r"(1 + wg), "n"(kThreads) : "memory");
+    }
+  };
 
   // Static copy plan: 16-byte activation chunks tid + 128 h (chunk j of the stage's tile is its row j % BM
   // of k chunk j / BM, which lies in the 128-row tile of global memory at (j / BM) * 2048 + 16 * row: the
@@ -226,16 +247,17 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   constexpr int kActHalves = BM > kActBlockRows ? BM / kActBlockRows : 1;  // 128-row global tiles per stage
   constexpr int kActChunkStride = kThreads * kActHalves / BM * kActChunkBytes;  // global bytes, h to h + kActHalves
   const int8_t* act_src[kActHalves];
-  act_src[0] = qact + static_cast<int64_t>(m0 / kActBlockRows) * G * kActTileBytes + (m0 % kActBlockRows) * 16 +
-               (tid * kActHalves / BM) * kActChunkBytes + (tid % BM) * 16;
+  act_src[0] = qact + (static_cast<int64_t>(m0 / kActBlockRows) * G + g_begin) * kActTileBytes +
+               (m0 % kActBlockRows) * 16 + (tid * kActHalves / BM) * kActChunkBytes + (tid % BM) * 16;
   for (int i = 1; i < kActHalves; ++i) act_src[i] = act_src[i - 1] + static_cast<int64_t>(G) * kActTileBytes;
-  const int4* w_src = qweight + static_cast<int64_t>(n0 / 16 + warp) * G * 32 + lane;
+  const int4* w_src = qweight + (static_cast<int64_t>(n0 / 16 + warp) * G + g_begin) * 32 + lane;
   const bool act_scales = tid < BM / 8;
   // Opaque, so each refill does not re-read threadIdx (S2R) and the stride from constant memory (v16 profile).
   const bool copies_scales = opaque(tid < BM / 8 + kTileN / 4);
   const char* s_src = act_scales ? reinterpret_cast<const char*>(aratios + m0 + 8 * tid)
                                  : reinterpret_cast<const char*>(wscales + n0 + 4 * (tid - BM / 8));
   const int s_stride = static_cast<int>(opaque(act_scales ? sizeof(__half) * M_pad : sizeof(float) * N_pad));
+  s_src += static_cast<int64_t>(g_begin) * s_stride;
   const uint32_t ring = smem_addr(ring_s);
   const int wrow0 = warp * 16 + gr;  // this thread's weight rows: wrow0 and wrow0 + 8
   // Byte offsets of this thread's pieces of a ring slot: its 16-byte copy, its weights' scales, its
@@ -274,11 +296,11 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < G) load_next_stage(s);
+    if (s < Gw) load_next_stage(s);
     cp_async_commit();
   }
   // Committed with the first refill, waited for after the loop.
-  if (!T::kEpilogueDataAfterLoop) copy_epilogue_data();
+  if (!T::kEpilogueDataAfterLoop && wg == 0) copy_epilogue_data();
 
   uint32_t acc_h[BM / 4];  // half2 accumulators, d's layout
 #pragma unroll
@@ -293,9 +315,9 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   fence_proxy_async();
   // This thread's packed weight record of the next group.
   int4 wrec = at_offset<int4>(ring_s[0].w, thr16);
-  __syncthreads();
+  warpgroup_sync();
 
-  for (int g = 0; g < G; ++g) {
+  for (int g = 0; g < Gw; ++g) {
     const RawStage& s = ring_s[g & (kStages - 1)];
     // This warp's weight rows straight into A fragments (k-step 0: low nibbles, k-step 1: high).
     const uint32_t wv[4] = {static_cast<uint32_t>(wrec.x), static_cast<uint32_t>(wrec.y),
@@ -320,9 +342,9 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     const __half2 rw0 = __float2half2_rn(at_offset<float>(s.ws, ws_off)),
                   rw1 = __float2half2_rn(at_offset<float>(s.ws, ws_off + 8 * sizeof(float)));
 
-    if (g + kStages - 1 < G) load_next_stage(g + kStages - 1);
+    if (g + kStages - 1 < Gw) load_next_stage(g + kStages - 1);
     cp_async_commit();
-    if (g + 1 < G) {
+    if (g + 1 < Gw) {
       cp_async_wait<kStages - 2>();
       fence_proxy_async();
       wrec = at_offset<int4>(ring_s[(g + 1) & (kStages - 1)].w, thr16);
@@ -347,7 +369,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
         acc_h[2 * j + 1] = bits_of(__hfma2(as_half2(d[2 * j + 1]), __hmul2(ra, rw1), as_half2(acc_h[2 * j + 1])));
       }
     }
-    __syncthreads();
+    warpgroup_sync();
   }
   if (T::kEpilogueDataAfterLoop) {
     cp_async_wait<0>();
@@ -357,6 +379,30 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
   }
   cp_async_wait<0>();
   __syncthreads();
+  // The other warpgroups hand their fp16 sums to the first through their rings, now idle, and are done.
+  auto partial_sums = [&](int w) -> uint32_t(&)[BM / 4][kThreads] {
+    return *reinterpret_cast<uint32_t(*)[BM / 4][kThreads]>(smem_raw + w * kWarpgroupRing);
+  };
+  if constexpr (kSplit > 1) {
+    static_assert(sizeof(uint32_t) * BM / 4 * kThreads <= kWarpgroupRing, "a ring holds a warpgroup's sums");
+    if (wg > 0) {
+#pragma unroll
+      for (int i = 0; i < BM / 4; ++i) partial_sums(wg)[i][tid] = acc_h[i];
+    }
+    __syncthreads();
+    if (wg > 0) return;
+  }
+  // The block's sums of accumulator pair i in float32, the warpgroups' added in order.
+  auto group_sums = [&](int i) {
+    float2 v = __half22float2(as_half2(acc_h[i]));
+#pragma unroll
+    for (int w = 1; w < kSplit; ++w) {
+      const float2 p = __half22float2(as_half2(partial_sums(w)[i][tid]));
+      v.x += p.x;
+      v.y += p.y;
+    }
+    return v;
+  };
 
   // acc[4j + 2h + c] (weight row wrow0 + 8h, activation row 8j + 2t + c) in float32, the row factors and the
   // bias applied.
@@ -378,7 +424,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
         const int j = 2 * p + half;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const float2 v = __half22float2(as_half2(acc_h[2 * j + h]));
+          const float2 v = group_sums(2 * j + h);
           acc[4 * j + 2 * h] = fmaf(v.x, a[0] * w8[h], b[h]);
           acc[4 * j + 2 * h + 1] = fmaf(v.y, a[1] * w8[h], b[h]);
         }
@@ -415,7 +461,7 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
     stmatrix_x4_trans(ytile_lane + 16 * p * kYStride * sizeof(OutT), pack_pair<OutT>(a[0], a[1]),
                       pack_pair<OutT>(a[2], a[3]), pack_pair<OutT>(a[4], a[5]), pack_pair<OutT>(a[6], a[7]));
   }
-  __syncthreads();
+  warpgroup_sync();
   // Each thread copies 16-byte piece tid % kChunksPerRow of every kRowsPerPass-th row.
   constexpr int kChunksPerRow = kTileN * sizeof(OutT) / 16, kRowsPerPass = kThreads / kChunksPerRow;
   const int row = tid / kChunksPerRow, col = (tid % kChunksPerRow) * (16 / sizeof(OutT));
@@ -427,17 +473,17 @@ __global__ void __launch_bounds__(kThreads, Tile<BM>::kMinBlocks)
       *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(&ytile[(row + i * kRowsPerPass) * kYStride + col]);
 }
 
-template <int BM, int R, typename OutT>
+template <int BM, int R, typename OutT, int kSplit = 1>
 cudaError_t launch_tile(const GemmArgs& a, cudaStream_t stream) {
-  const size_t smem = Tile<BM>::template SmemLayout<R, OutT>::kBytes;
-  auto kernel = w4a4_gemm_lora_up_kernel<BM, R, OutT>;
+  const size_t smem = Tile<BM>::template SmemLayout<R, OutT, kSplit>::kBytes;
+  auto kernel = w4a4_gemm_lora_up_kernel<BM, R, OutT, kSplit>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
   const dim3 grid(a.N / kTileN, (a.M + BM - 1) / BM);
   static_assert(kMaxSegments == 3, "segment starts travel as one int2");
   int starts[kMaxSegments - 1];
   for (int s = 0; s < kMaxSegments - 1; ++s) starts[s] = s + 1 < a.segments ? a.segment_start[s] : INT_MAX;
-  kernel<<<grid, kThreads, smem, stream>>>(
+  kernel<<<grid, kThreads * kSplit, smem, stream>>>(
       static_cast<const int8_t*>(a.qact), static_cast<const __half*>(a.aratios), a.amax,
       static_cast<const int4*>(a.qweight),
       a.wscales, a.lora, a.proj_up, a.bias, static_cast<OutT*>(a.y), a.M,
@@ -445,15 +491,31 @@ cudaError_t launch_tile(const GemmArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Activation-tile height and warpgroups per block for an M x N x K GEMM on `sms` SMs.
+struct GemmPlan {
+  int bm, k_split;
+};
+
+GemmPlan plan_gemm(int M, int N, int K, int sms) {
+  const int huge_tiles = (N / kTileN) * ((M + 255) / 256), big_tiles = (N / kTileN) * ((M + 127) / 128);
+  if (huge_tiles >= W4A4_GEMM_HUGE_TILES_FROM * sms) return {256, 1};
+  if (big_tiles >= W4A4_GEMM_BIG_TILES_FROM * sms) return {128, 1};
+  // Split where the grid has at most one block per SM (at two, one warpgroup per block measured faster).
+  const int small_tiles = (N / kTileN) * ((M + 63) / 64);
+  const bool split = small_tiles <= sms && K / kGroup >= kMinGroupsPerSplit * kSmallGridSplit;
+  return {64, split ? kSmallGridSplit : 1};
+}
+
 template <int R, typename OutT>
 cudaError_t launch_typed(const GemmArgs& a, cudaStream_t stream) {
   int sms = 0;
   const cudaError_t err = sm_count(&sms);
   if (err != cudaSuccess) return err;
-  const int huge_tiles = (a.N / kTileN) * ((a.M + 255) / 256), big_tiles = (a.N / kTileN) * ((a.M + 127) / 128);
-  if (huge_tiles >= W4A4_GEMM_HUGE_TILES_FROM * sms) return launch_tile<256, R, OutT>(a, stream);
-  return big_tiles >= W4A4_GEMM_BIG_TILES_FROM * sms ? launch_tile<128, R, OutT>(a, stream)
-                                                     : launch_tile<64, R, OutT>(a, stream);
+  const GemmPlan plan = plan_gemm(a.M, a.N, a.K, sms);
+  if (plan.bm == 256) return launch_tile<256, R, OutT>(a, stream);
+  if (plan.bm == 128) return launch_tile<128, R, OutT>(a, stream);
+  return plan.k_split == 1 ? launch_tile<64, R, OutT>(a, stream)
+                           : launch_tile<64, R, OutT, kSmallGridSplit>(a, stream);
 }
 
 template <typename OutT>
@@ -464,6 +526,13 @@ cudaError_t launch_rank(const GemmArgs& a, cudaStream_t stream) {
 }
 
 }  // namespace
+
+cudaError_t w4a4_gemm_k_splits(int M, int N, int K, int* k_splits) {
+  int sms = 0;
+  const cudaError_t err = sm_count(&sms);
+  if (err == cudaSuccess) *k_splits = plan_gemm(M, N, K, sms).k_split;
+  return err;
+}
 
 cudaError_t launch_w4a4_gemm_lora_up(const GemmArgs& a, cudaStream_t stream) {
   if (a.M_pad % kMPad || a.M > a.M_pad || a.N_pad % kBlockN || a.N > a.N_pad || a.N % kTileN || a.K < kGroup ||

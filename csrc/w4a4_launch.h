@@ -109,6 +109,8 @@ inline cudaError_t sm_count(int* sms) {
 
 cudaError_t launch_quantize_act_lora_down(const QuantizeArgs& args, cudaStream_t stream);
 cudaError_t launch_w4a4_gemm_lora_up(const GemmArgs& args, cudaStream_t stream);
+// How many warpgroups split the K groups of each block of that GEMM (its fold order: emulate_gemm_fold).
+cudaError_t w4a4_gemm_k_splits(int M, int N, int K, int* k_splits);
 cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& args, cudaStream_t stream);
 cudaError_t launch_rms_norm(const RmsNormArgs& args, cudaStream_t stream);
 cudaError_t launch_silu_mul(const SiluMulArgs& args, cudaStream_t stream);

@@ -179,9 +179,12 @@ def test_grouped_gemm_gives_each_layer_its_output(widths, k, rank, smooth, bias_
     poison(((m, sum(widths)), dtype))
     y = backend.forward(x, group)
     assert y.shape == (m, sum(widths)) and torch.isfinite(y).all()
+    splits = kops.load().gemm_k_splits
     for t, part in zip(tensors, y.split(list(widths), dim=-1)):
         alone = backend.forward(x, backend.prepare(t))
-        assert rel_err(part, alone) < 1e-6, "the group differs from the layer run alone"
+        # exact under the same K split; another split folds the groups in another order (fp16 roundings)
+        tol = 1e-6 if splits(m, sum(widths), k) == splits(m, t.out_features, k) else 3e-3
+        assert rel_err(part, alone) < tol, "the group differs from the layer run alone"
         assert rel_err(part, w4a4_linear_reference(x, t)) <= REL_TOL
 
 

@@ -233,11 +233,23 @@ def test_w4a4_linear_variants(m, n, k, rank, smooth, bias, dtype):
     assert rel_err(y, ref) <= REL_TOL
 
 
-def test_quantized_term_is_the_fp16_fold():
-    """Without the low-rank branch the GEMM computes emulate_gemm_fold's roundings bit for bit, on the
-    quantize kernel's own output; against the float32 reference that fp16 fold costs ~1e-3."""
+def test_small_grids_split_k():
+    """o_proj's shape: at 257 rows (64-row tiles, under one block per SM) the GEMM splits each block's K
+    groups over warpgroups; at 1024 rows (two 64-row tiles per SM), 2049 rows (128-row tiles), or with too
+    few K groups, it does not."""
+    assert kops.load().gemm_k_splits(257, 1024, 2048) > 1
+    assert kops.load().gemm_k_splits(1024, 1024, 2048) == 1
+    assert kops.load().gemm_k_splits(2049, 1024, 2048) == 1
+    assert kops.load().gemm_k_splits(257, 1024, 128) == 1
+
+
+@pytest.mark.parametrize("m", [257, 2049])
+def test_quantized_term_is_the_fp16_fold(m):
+    """Without the low-rank branch the GEMM computes emulate_gemm_fold's roundings bit for bit (with the K
+    split it chose), on the quantize kernel's own output; against the float32 reference that fp16 fold
+    costs ~1e-3."""
     g = fresh_generator()
-    n, k, m = 1024, 2048, 257
+    n, k = 1024, 2048
     layer = random_layer(n, k, 16, smooth=False, bias=False, g=g)
     layer.proj_up.zero_()
     packed = CudaW4A4Backend().prepare(layer)
@@ -251,7 +263,8 @@ def test_quantized_term_is_the_fp16_fold():
     row_max = activation_scales_in_row_order(amax)[:m].cpu()
     qw = unpack_int4(layer.qweight.cpu())
     kscales = kernel_weight_scales(layer.wscales.cpu(), n)
-    assert torch.equal(y.cpu(), emulate_gemm_fold(qx, ratios, row_max, qw, kscales).half())
+    k_splits = kops.load().gemm_k_splits(m, n, k)
+    assert torch.equal(y.cpu(), emulate_gemm_fold(qx, ratios, row_max, qw, kscales, k_splits).half())
     # the CPU reference: IEEE activation scales (see smoothed_cpu), so both sides quantize identically
     cpu_layer = W4A4Tensors(**{f.name: _cpu(getattr(layer, f.name)) for f in dataclasses.fields(layer)})
     ref = w4a4_linear_reference(x.cpu(), cpu_layer)
@@ -294,7 +307,8 @@ def test_group_dots_are_exact():
         qact, aratios, amax, lora, packed.qweight, packed.wscales, packed.proj_up, None, m, n, torch.float16
     )
     kscales = kernel_weight_scales(layer.wscales.cpu(), n)
-    want = emulate_gemm_fold(qx.cpu(), ratios.cpu(), row_max.cpu(), qw.cpu(), kscales)
+    k_splits = kops.load().gemm_k_splits(m, n, k)
+    want = emulate_gemm_fold(qx.cpu(), ratios.cpu(), row_max.cpu(), qw.cpu(), kscales, k_splits)
     assert torch.equal(y.cpu(), want.half())
     by_group = (qx.double().reshape(m, groups, 64), qw.double().reshape(n, groups, 64))
     dots = torch.einsum("mgk,ngk->mng", *by_group)

@@ -146,7 +146,12 @@ def fp16_rounded_once(x: torch.Tensor) -> torch.Tensor:
 
 
 def emulate_gemm_fold(
-    qx: torch.Tensor, aratios: torch.Tensor, amax: torch.Tensor, qw: torch.Tensor, kscales: torch.Tensor
+    qx: torch.Tensor,
+    aratios: torch.Tensor,
+    amax: torch.Tensor,
+    qw: torch.Tensor,
+    kscales: torch.Tensor,
+    k_splits: int = 1,
 ) -> torch.Tensor:
     """The GEMM's quantized term rounding for rounding, before the low-rank branch: qx int [M, K] with
     aratios fp16 [M, K/64] and amax float32 [M] (activation_scale_ratios), qw int [N, K] with kscales
@@ -154,7 +159,9 @@ def emulate_gemm_fold(
 
     Per group, fp16 throughout: d = dot * 2^-18 (wgmma's sum), s = ra * rw (one rounding),
     acc = fma(d, s, acc) (one rounding); then acc * (amax_row * 8 wmax_row) in float32. Each fp16 step is its
-    exact float64 value rounded once."""
+    exact float64 value rounded once. With k_splits = S (the GEMM's choice on small grids: gemm_k_splits)
+    split w of S folds groups w G / S .. (w + 1) G / S - 1 into its own acc, and the S sums are added in
+    float32 in split order before the scaling."""
     groups = aratios.shape[1]
     dots = torch.einsum(
         "mgk,ngk->mng",
@@ -163,12 +170,15 @@ def emulate_gemm_fold(
     )
     ra = aratios.double()
     rw = kscales[:groups].t().half().double()
-    acc = torch.zeros(dots.shape[:2], dtype=torch.float16, device=dots.device)
-    for g in range(groups):
-        d = fp16_rounded_once(dots[..., g] * 2.0**-18).double()
-        s = fp16_rounded_once(ra[:, g, None] * rw[None, :, g]).double()
-        acc = fp16_rounded_once(d * s + acc.double())
-    return acc.float() * (amax[:, None] * kscales[groups][None, :])
+    total = torch.zeros(dots.shape[:2], device=dots.device)
+    for split in range(k_splits):
+        acc = torch.zeros(dots.shape[:2], dtype=torch.float16, device=dots.device)
+        for g in range(split * groups // k_splits, (split + 1) * groups // k_splits):
+            d = fp16_rounded_once(dots[..., g] * 2.0**-18).double()
+            s = fp16_rounded_once(ra[:, g, None] * rw[None, :, g]).double()
+            acc = fp16_rounded_once(d * s + acc.double())
+        total = total + acc.float()
+    return total * (amax[:, None] * kscales[groups][None, :])
 
 
 @dataclass
