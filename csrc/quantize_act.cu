@@ -336,22 +336,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     if (kPrefetch) cur = next;
   }
 
-  if constexpr (kCluster) {
-    // The block's groups are done. Its rows' largest scales over them go to block_amax and its warps'
-    // low-rank partial sums, a chunk of columns at a time, to block_sums; then the cluster adds up the
-    // blocks'. Thread i takes places 2 (i % 8) and 2 (i % 8) + 1 of scales_s, as below.
-    __syncthreads();
-    const int pos = 2 * (threadIdx.x % 8);
-    if (threadIdx.x < 8) {
-      float2 amax = make_float2(0.f, 0.f);
-      for (int g0 = rank * kWarpsPerBlock; g0 < G; g0 += kGroupStep)
-        for (int g = g0; g < min(g0 + kWarpsPerBlock, G); ++g) {
-          const float2 s = *reinterpret_cast<const float2*>(&scales_s[g][pos]);
-          amax = make_float2(fmaxf(amax.x, s.x), fmaxf(amax.y, s.y));
-        }
-      block_amax[pos] = amax.x;
-      block_amax[pos + 1] = amax.y;
-    }
+  // The warps' low-rank partial sums added up, a chunk of columns at a time: store(i, sum) for fragment element
+  // i = 128 nt + 32 e + l, element (nt, e) of lane l (row gr + 8 (e >> 1), column nt * 8 + 2t + (e & 1)).
+  auto add_warp_sums = [&](auto&& store) {
 #pragma unroll
     for (int chunk = 0; chunk < kTiles; chunk += kChunkTiles) {
       if (chunk > 0) __syncthreads();  // the previous chunk's partial sums have been read
@@ -364,9 +351,34 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
         float sum = 0.f;
 #pragma unroll
         for (int w = 0; w < kWarpsPerBlock; ++w) sum += partial[w][i >> 5][i & 31];
-        block_sums[chunk * 4 + (i >> 5)][i & 31] = sum;
+        store(chunk * 4 * 32 + i, sum);
       }
     }
+  };
+  // Fragment element i's place in lora.
+  auto lora_at = [&](int i) -> float& {
+    const int l = i & 31, nt = i >> 7, e = (i >> 5) & 3;
+    const int row = mtile * 16 + (l >> 2) + 8 * (e >> 1), col = nt * 8 + 2 * (l & 3) + (e & 1);
+    return lora[static_cast<int64_t>(row) * R + lora_position(col)];
+  };
+
+  if constexpr (kCluster) {
+    // The block's groups are done. Its rows' largest scales over them go to block_amax and its warps'
+    // low-rank partial sums to block_sums; then the cluster adds up the blocks'. Thread i takes places
+    // 2 (i % 8) and 2 (i % 8) + 1 of scales_s, as below.
+    __syncthreads();
+    const int pos = 2 * (threadIdx.x % 8);
+    if (threadIdx.x < 8) {
+      float2 amax = make_float2(0.f, 0.f);
+      for (int g0 = rank * kWarpsPerBlock; g0 < G; g0 += kGroupStep)
+        for (int g = g0; g < min(g0 + kWarpsPerBlock, G); ++g) {
+          const float2 s = *reinterpret_cast<const float2*>(&scales_s[g][pos]);
+          amax = make_float2(fmaxf(amax.x, s.x), fmaxf(amax.y, s.y));
+        }
+      block_amax[pos] = amax.x;
+      block_amax[pos + 1] = amax.y;
+    }
+    add_warp_sums([&](int i, float sum) { block_sums[i >> 5][i & 31] = sum; });
     cg::this_cluster().sync();  // every block's block_amax and block_sums are complete
 
     // Each block writes the ratios of its own groups (its j-th: (j / W) C W + W rank + j % W); rank 0 the
@@ -387,15 +399,12 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
       *reinterpret_cast<__half2*>(aratios + g * M_pad + col) = __floats2half2_rn(s.x * inv.x, s.y * inv.y);
     }
 
-    // Block c adds fragment elements 128 c + i, ... over the cluster's blocks in rank order: element (nt, e)
-    // of lane l is row gr + 8 * (e >> 1), column nt * 8 + 2t + (e & 1).
+    // Block c adds fragment elements 128 c + i, ... over the cluster's blocks in rank order.
     for (int i = rank * kWarpsPerBlock * 32 + threadIdx.x; i < kTiles * 4 * 32; i += kGroupStep * 32) {
-      const int l = i & 31, nt = i >> 7, e = (i >> 5) & 3;
       float sum = 0.f;
 #pragma unroll
       for (int c = 0; c < kClusterBlocks; ++c) sum += cg::this_cluster().map_shared_rank(&block_sums[0][0], c)[i];
-      const int row = mtile * 16 + (l >> 2) + 8 * (e >> 1), col = nt * 8 + 2 * (l & 3) + (e & 1);
-      lora[static_cast<int64_t>(row) * R + lora_position(col)] = __uint_as_float(to_tf32(sum));
+      lora_at(i) = __uint_as_float(to_tf32(sum));
     }
     cg::this_cluster().sync();  // no block leaves while another reads its shared memory
   } else {
@@ -418,25 +427,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
       }
     }
 
-#pragma unroll
-    for (int chunk = 0; chunk < kTiles; chunk += kChunkTiles) {
-      if (chunk > 0) __syncthreads();  // the previous chunk's partial sums have been read
-#pragma unroll
-      for (int nt = 0; nt < kChunkTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) partial[warp][nt * 4 + e][lane] = lacc[chunk + nt][e];
-      __syncthreads();
-      // Thread i adds fragment element i of every warp: element (nt, e) of lane l is row gr + 8 * (e >> 1),
-      // column nt * 8 + 2t + (e & 1).
-      for (int i = threadIdx.x; i < kChunkTiles * 4 * 32; i += kWarpsPerBlock * 32) {
-        const int l = i & 31, ne = i >> 5, nt = chunk + (ne >> 2), e = ne & 3;
-        float sum = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWarpsPerBlock; ++w) sum += partial[w][ne][l];
-        const int row = mtile * 16 + (l >> 2) + 8 * (e >> 1), col = nt * 8 + 2 * (l & 3) + (e & 1);
-        lora[static_cast<int64_t>(row) * R + lora_position(col)] = __uint_as_float(to_tf32(sum));
-      }
-    }
+    add_warp_sums([&](int i, float sum) { lora_at(i) = __uint_as_float(to_tf32(sum)); });
   }
 }
 
