@@ -220,9 +220,11 @@ def test_fp16_fold_worst_case_stays_finite_and_exact():
     assert torch.equal(y, exact.expand(2, 3))
 
 
-def test_fp16_fold_error_is_about_1e3():
+@pytest.mark.parametrize("k_splits", [1, 4])
+def test_fp16_fold_error_is_about_1e3(k_splits):
     """The fold's fp16 roundings on LLM-like activations (outlier channels) at K = 3072: ~1e-3 relative
-    Frobenius error against the exact sum, a tenth of the kernels' 1e-2 tolerance."""
+    Frobenius error against the exact sum, a tenth of the kernels' 1e-2 tolerance, with the K groups folded
+    in one range or in the small grids' four (gemm_k_splits)."""
     g = torch.Generator().manual_seed(0)
     m, n, k = 96, 128, 3072
     x = torch.randn(m, k, generator=g)
@@ -230,7 +232,7 @@ def test_fp16_fold_error_is_about_1e3():
     qx, ascales = quantize_activations(x)
     qw = torch.randint(-8, 8, (n, k), generator=g)
     ws = (torch.rand(n, k // 64, generator=g) * 0.02 + 1e-4).half()
-    y = emulate_gemm_fold(qx, *activation_scale_ratios(ascales), qw, kernel_weight_scales(ws, n))
+    y = emulate_gemm_fold(qx, *activation_scale_ratios(ascales), qw, kernel_weight_scales(ws, n), k_splits)
     groups = (m, k // 64, 64), (n, k // 64, 64)
     dots = torch.einsum("mgk,ngk->mng", qx.double().reshape(groups[0]), qw.double().reshape(groups[1]))
     exact = (dots * ascales.double()[:, None, :] * ws.double()[None]).sum(-1)
