@@ -44,7 +44,9 @@ from engine.runner import Runner  # noqa: E402
 
 FRAME_RATE = 25
 REF_FRAMES, TARGET_FRAMES = 125, 150
-BUCKETS = (1024, 2048, 4096, 8192, 12288, 16384, 24576, 32768)
+# The engine's default graph buckets (engine/config.py) plus 12288 and two above 16384, so that every case,
+# up to B = 32 with varied lengths, replays a graph.
+BUCKETS = (512, 1024, 2048, 4096, 8192, 12288, 16384, 24576, 32768)
 CASES = {"B1": (1, False), "B8_same": (8, False), "B16_vary": (16, True), "B32_vary": (32, True)}
 
 

@@ -280,28 +280,23 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     // word each.
     int8_t* tile =
         qact + (static_cast<int64_t>(mtile / 8) * G + g) * kActTileBytes + ((mtile % 8) * 16 + gr) * 16 + 4 * t;
+    // words[r][c]: the 4 bytes of row r, block c; pair_bytes(lo, hi, r) encodes two of row r's values.
     uint32_t words[2][4];
-    if (grid_units) {
+    auto quantize_words = [&](auto pair_bytes) {
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          float v[4];
-#pragma unroll
-          for (int b = 0; b < 4; ++b) v[b] = div_rn(xs[r][c][b], divisor[r], rdivisor[r]);
-          words[r][c] = e4m3x2_of_grid_units(v[0], v[1]) | e4m3x2_of_grid_units(v[2], v[3]) << 16;
+          const float* v = xs[r][c];
+          words[r][c] = pair_bytes(v[0], v[1], r) | pair_bytes(v[2], v[3], r) << 16;
         }
-    } else {
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          float v[4];
-#pragma unroll
-          for (int b = 0; b < 4; ++b) v[b] = xs[r][c][b] / scale[r];
-          words[r][c] = e4m3x2_of_rounded(v[0], v[1]) | e4m3x2_of_rounded(v[2], v[3]) << 16;
-        }
-    }
+    };
+    if (grid_units)
+      quantize_words([&](float lo, float hi, int r) {
+        return e4m3x2_of_grid_units(div_rn(lo, divisor[r], rdivisor[r]), div_rn(hi, divisor[r], rdivisor[r]));
+      });
+    else
+      quantize_words([&](float lo, float hi, int r) { return e4m3x2_of_rounded(lo / scale[r], hi / scale[r]); });
 #pragma unroll
     for (int r = 0; r < 2; ++r)
 #pragma unroll
