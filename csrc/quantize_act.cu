@@ -409,10 +409,16 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     {
       const int pos = 2 * (threadIdx.x % 8);
       const int64_t col = static_cast<int64_t>(mtile / 2) * 32 + 8 * (pos / 4) + 4 * (mtile % 2) + pos % 4;
+      // Lanes l, l + 8, l + 16 and l + 24 share pos: each takes every 4th group, then two shuffles meet them.
       float2 amax = make_float2(0.f, 0.f);
-      for (int g = 0; g < G; ++g) {
+      for (int g = (threadIdx.x / 8) % 4; g < G; g += 4) {
         const float2 s = *reinterpret_cast<const float2*>(&scales_s[g][pos]);
         amax = make_float2(fmaxf(amax.x, s.x), fmaxf(amax.y, s.y));
+      }
+#pragma unroll
+      for (int lanes = 8; lanes <= 16; lanes *= 2) {
+        amax.x = fmaxf(amax.x, __shfl_xor_sync(0xffffffffu, amax.x, lanes));
+        amax.y = fmaxf(amax.y, __shfl_xor_sync(0xffffffffu, amax.y, lanes));
       }
       const float2 inv = make_float2(amax.x > 0.f ? 1.f / amax.x : 0.f, amax.y > 0.f ? 1.f / amax.y : 0.f);
       if (threadIdx.x < 8) *reinterpret_cast<float2*>(amax_rows + col) = amax;
