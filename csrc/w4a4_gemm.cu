@@ -500,7 +500,8 @@ GemmPlan plan_gemm(int M, int N, int K, int sms) {
   const int huge_tiles = (N / kTileN) * ((M + 255) / 256), big_tiles = (N / kTileN) * ((M + 127) / 128);
   if (huge_tiles >= W4A4_GEMM_HUGE_TILES_FROM * sms) return {256, 1};
   if (big_tiles >= W4A4_GEMM_BIG_TILES_FROM * sms) return {128, 1};
-  // Split where the grid has at most one block per SM (at two, one warpgroup per block measured faster).
+  // Split where the grid has at most one block per SM (at two per SM, 4 warpgroups measured 5-17% slower and 2
+  // within 3% of one: docs/kernels.md, v33).
   const int small_tiles = (N / kTileN) * ((M + 63) / 64);
   const bool split = small_tiles <= sms && K / kGroup >= kMinGroupsPerSplit * kSmallGridSplit;
   return {64, split ? kSmallGridSplit : 1};
