@@ -130,6 +130,20 @@ __device__ __forceinline__ void row_rstd(const T* x0, const T* x1, bool ok0, boo
   }
 }
 
+// 16-warp blocks at 16 low-rank columns without a prologue load each group's pd_t fragments into registers
+// before the quantization arithmetic (v24: 4-18% faster than loading them before the MMAs; staging them, below,
+// measured a median 2.4% slower there, v37).
+template <Prologue P, int R, int kWarpsPerBlock>
+constexpr bool kEarlyLowRank = kWarpsPerBlock == 16 && R <= 16 && P == Prologue::kNone;
+// The other kernels up to 48 columns stage pd_t slices in shared memory (below): rows padded by 16 elements, so
+// that a half-warp's 8-byte fragment loads (4 rows x 32 bytes) fall in distinct banks; a slice per warp (123 KB
+// in a 16-warp block at 48 columns).
+constexpr int kPdStride = kGroup + 16;
+template <typename T, Prologue P, int R, int kWarpsPerBlock>
+constexpr int kStagedLowRankBytes = R <= 48 && !kEarlyLowRank<P, R, kWarpsPerBlock>
+                                        ? kWarpsPerBlock * R * kPdStride * static_cast<int>(sizeof(T))
+                                        : 0;
+
 // 4-warp blocks of the groups' low-rank products (R = 48, 64, 96) are told 4 blocks fit an SM, which caps them
 // at 128 registers: left alone, rank-32 groups (64, 96) take up to 147 and 3 fit, and since v25 the R = 48
 // RMSNorm kernel took 102-106 registers for a fifth block (at 106 measured 1.2-1.5x slower than v24's 128,
@@ -184,21 +198,18 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
   // group's registers spilled (up to 40 bytes).
   constexpr bool kPrefetch = R <= 32;
   // The low-rank MMAs waited on their pd_t loads (ncu: 18-20% of the stall samples), so the B fragments are
-  // fetched ahead of use. 4-warp blocks of up to 48 columns stage them: each warp copies its next group's pd_t
-  // slice into shared memory with cp.async once it has used the current one, and the copy runs behind the
-  // next group's arithmetic without holding registers (docs/kernels.md, v30; 64 and 96 columns would take
-  // 40-61 KB per block and are not staged). 16-warp blocks (small grids) at 16 columns without a prologue load
-  // the group's fragments into registers before the quantization arithmetic instead (v24: 4-18% faster; with
-  // the RMSNorm prologue 4-10% slower, the extra registers).
-  constexpr bool kStagedLowRank = kWarpsPerBlock == 4 && R <= 48;
-  constexpr bool kEarlyLowRank = !kStagedLowRank && R <= 16 && P == Prologue::kNone;
-  // Rows padded by 16 elements: a half-warp's 8-byte fragment loads (4 rows x 32 bytes) fall in distinct banks.
-  constexpr int kPdStride = kGroup + 16;
-  __shared__ __align__(16) T pd_s[kStagedLowRank ? kWarpsPerBlock : 1][kStagedLowRank ? R * kPdStride : 1];
+  // fetched ahead of use: up to 48 columns, each warp copies its first group's pd_t slice into (dynamic) shared
+  // memory with cp.async at the start and its next one once it has used the current one, so the copy runs
+  // behind the arithmetic without holding registers (docs/kernels.md: v30 in 4-warp blocks, v37 in 16-warp
+  // blocks; 64 and 96 columns would take 40-61 KB per 4-warp block and are not staged), or loads them early
+  // (kEarlyLowRank, above).
+  constexpr bool kStagedLowRank = kStagedLowRankBytes<T, P, R, kWarpsPerBlock> > 0;
+  constexpr bool kEarly = kEarlyLowRank<P, R, kWarpsPerBlock>;
+  extern __shared__ __align__(16) unsigned char dynamic_smem[];
+  T* pd_s = reinterpret_cast<T*>(dynamic_smem) + warp * R * kPdStride;  // this warp's slice
   // Lane l copies 16-byte piece l % 8 of rows l / 8 + 4i of the warp's group slice.
   const T* pd_src = pd_t + static_cast<int64_t>(lane / 8) * K + 8 * (lane % 8);
-  const uint32_t pd_dst =
-      smem_addr(&pd_s[kStagedLowRank ? warp : 0][0]) + sizeof(T) * ((lane / 8) * kPdStride + 8 * (lane % 8));
+  const uint32_t pd_dst = smem_addr(pd_s) + sizeof(T) * ((lane / 8) * kPdStride + 8 * (lane % 8));
   auto stage_low_rank = [&](int g) {
 #pragma unroll
     for (int i = 0; i < R / 4; ++i)
@@ -212,13 +223,13 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     if (!kPrefetch) load_group<T, P>(cur, x, norm_w, off0, off1, ok0, ok1, g, t);
     if (kPrefetch && g + kGroupStep < G)
       load_group<T, P>(next, x, norm_w, off0, off1, ok0, ok1, g + kGroupStep, t);
-    uint2 pd_frag[kEarlyLowRank ? kTiles : 1][4];
-    if (kEarlyLowRank) {
+    uint2 pd_frag[kEarly ? kTiles : 1][4];
+    if (kEarly) {
 #pragma unroll
       for (int c = 0; c < 4; ++c)
 #pragma unroll
         for (int nt = 0; nt < kTiles; ++nt)
-          pd_frag[kEarlyLowRank ? nt : 0][c] = *reinterpret_cast<const uint2*>(
+          pd_frag[kEarly ? nt : 0][c] = *reinterpret_cast<const uint2*>(
               pd_t + static_cast<int64_t>(nt * 8 + gr) * K + g * kGroup + 16 * c + 4 * t);
     }
     // raw[row][c]: 4 consecutive input elements (8 bytes) of block c of this group, the prologue applied.
@@ -315,9 +326,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
       for (int nt = 0; nt < kTiles; ++nt) {
         uint2 b;
         if (kStagedLowRank)
-          b = *reinterpret_cast<const uint2*>(&pd_s[warp][(nt * 8 + gr) * kPdStride + 16 * c + 4 * t]);
-        else if (kEarlyLowRank)
-          b = pd_frag[kEarlyLowRank ? nt : 0][c];
+          b = *reinterpret_cast<const uint2*>(&pd_s[(nt * 8 + gr) * kPdStride + 16 * c + 4 * t]);
+        else if (kEarly)
+          b = pd_frag[kEarly ? nt : 0][c];
         else
           b = *reinterpret_cast<const uint2*>(pd_t + static_cast<int64_t>(nt * 8 + gr) * K + g * kGroup + 16 * c +
                                               4 * t);
@@ -439,17 +450,23 @@ cudaError_t launch_warps(const QuantizeArgs& a, cudaStream_t stream) {
   cluster.val.clusterDim.x = kClusterBlocks;
   cluster.val.clusterDim.y = 1;
   cluster.val.clusterDim.z = 1;
+  auto kernel = quantize_act_lora_down_kernel<T, P, kSmooth, R, kWarps, kClusterBlocks>;
+  constexpr int kDynamicSmem = kStagedLowRankBytes<T, P, R, kWarps>;
+  if (kDynamicSmem > 0) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kDynamicSmem);
+    if (err != cudaSuccess) return err;
+  }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(a.M_pad / 16 * kClusterBlocks);
   config.blockDim = dim3(kWarps * 32);
+  config.dynamicSmemBytes = kDynamicSmem;
   config.stream = stream;
   config.attrs = &cluster;
   config.numAttrs = kClusterBlocks > 1 ? 1 : 0;
-  return cudaLaunchKernelEx(&config, quantize_act_lora_down_kernel<T, P, kSmooth, R, kWarps, kClusterBlocks>,
-                            static_cast<const T*>(a.x), static_cast<const T*>(a.norm_weight), a.eps, a.ldx, a.smooth,
-                            a.smooth == nullptr ? nullptr : a.smooth + a.K, static_cast<const T*>(a.pd_t),
-                            static_cast<int8_t*>(a.qact), static_cast<__half*>(a.aratios), a.amax, a.lora, a.M,
-                            a.M_pad, a.K);
+  return cudaLaunchKernelEx(&config, kernel, static_cast<const T*>(a.x), static_cast<const T*>(a.norm_weight), a.eps,
+                            a.ldx, a.smooth, a.smooth == nullptr ? nullptr : a.smooth + a.K,
+                            static_cast<const T*>(a.pd_t), static_cast<int8_t*>(a.qact),
+                            static_cast<__half*>(a.aratios), a.amax, a.lora, a.M, a.M_pad, a.K);
 }
 
 // 4-warp blocks from W4A4_QUANT_SMALL_BLOCKS_FROM row sets per SM, 16-warp blocks below; clusters of 8 4-warp

@@ -86,23 +86,33 @@ struct Tile {
     float ws[kTileN];  // rw: fp16 values in float32
   };
 
-  // The block's low-rank activations lora_tile[BM][R + 8] (padded rows: a warp's 8-byte fragment loads fall in
-  // distinct banks), then amax_row of the block's activation rows (activation_scale_position order).
-  // Blocks of 128 rows and more (3-4 per SM, the others hide the wait) copy them after the K loop into the
-  // free ring, where the output tile later overwrites them; 64-row blocks (small grids, often one per SM)
+  // What the epilogue reads besides the accumulators: the block's low-rank activations lora_tile[BM][R + 8]
+  // (padded rows: a warp's 8-byte fragment loads fall in distinct banks), amax_row of its activation rows
+  // (activation_scale_position order), and the weight tile's proj_up rows pu_tile[64][R + 4] (padded likewise).
+  // Blocks of 128 rows and more (3-4 per SM, the others hide the wait) copy the first two after the K loop into
+  // the free ring, where the output tile later overwrites them; 64-row blocks (small grids, often one per SM)
   // copy them at the start, behind the first stages, into their own space after the ring (docs/kernels.md, v23).
+  // Every block copies proj_up at the start into its own space too, except 256-row blocks, whose rings fill the
+  // SM's shared memory: they copy it after the loop with the others (v37; read from global memory right before
+  // the low-rank MMAs before, its latency was on every block's path).
   static constexpr bool kEpilogueDataAfterLoop = BM >= 128;
+  static constexpr bool kProjUpAfterLoop = BM == 256;
   template <int R, typename OutT, int kSplit>
   struct SmemLayout {
     static_assert(kSplit == 1 || !kEpilogueDataAfterLoop, "split K only on 64-row tiles");
     static constexpr size_t kRing = sizeof(RawStage) * kStages * kSplit;  // one ring per warpgroup
-    static constexpr size_t kLora = sizeof(float) * BM * (R + 8);
-    static constexpr size_t kLoraOffset = kEpilogueDataAfterLoop ? 0 : kRing;
+    static constexpr size_t kLora = sizeof(float) * BM * (R + 8), kAmax = sizeof(float) * BM;
+    static constexpr size_t kProjUp = sizeof(float) * kTileN * (R + 4);
+    // The ring after the loop: lora_tile, amax_row (where copied after the loop), then pu_tile (likewise).
+    // The block's own space after the ring: pu_tile, lora_tile and amax_row, those copied at the start.
+    static constexpr size_t kOwn = kRing + (kProjUpAfterLoop ? 0 : kProjUp);
+    static constexpr size_t kLoraOffset = kEpilogueDataAfterLoop ? 0 : kOwn;
     static constexpr size_t kAmaxOffset = kLoraOffset + kLora;
-    static constexpr size_t kEnd = kAmaxOffset + sizeof(float) * BM;
-    static constexpr size_t kBytes = kEpilogueDataAfterLoop ? kRing : kEnd;
+    static constexpr size_t kProjUpOffset = kProjUpAfterLoop ? kAmaxOffset + kAmax : kRing;
+    static constexpr size_t kBytes = kEpilogueDataAfterLoop ? kOwn : kAmaxOffset + kAmax;
     static_assert(sizeof(OutT) * BM * kYStride <= kRing, "the ring holds the output tile");
-    static_assert(!kEpilogueDataAfterLoop || kEnd <= kRing, "and the low-rank activations and row maxima");
+    static_assert(!kEpilogueDataAfterLoop || kLora + kAmax + (kProjUpAfterLoop ? kProjUp : 0) <= kRing,
+                  "and what is copied into it after the loop");
   };
 
   // Shared-memory matrix descriptor, no swizzle: start, leading (K) and stride (M/N) byte offsets, >> 4.
@@ -219,6 +229,7 @@ __global__ void __launch_bounds__(kThreads * kSplit, Tile<BM>::kMinBlocks / kSpl
   auto& ring_s = *reinterpret_cast<RawStage(*)[kStages]>(smem_raw + wg * kWarpgroupRing);
   auto& lora_tile = *reinterpret_cast<float(*)[BM][R + 8]>(smem_raw + Layout::kLoraOffset);
   const float* amax_s = reinterpret_cast<const float*>(smem_raw + Layout::kAmaxOffset);
+  auto& pu_tile = *reinterpret_cast<float(*)[kTileN][R + 4]>(smem_raw + Layout::kProjUpOffset);
 
   const int G = K / kGroup;
   // This warpgroup's K groups: g_begin .. g_begin + Gw - 1.
@@ -278,20 +289,28 @@ __global__ void __launch_bounds__(kThreads * kSplit, Tile<BM>::kMinBlocks / kSpl
     s_src += s_stride;
   };
 
-  // What the epilogue reads: the block's low-rank activations (its segment's R columns; each thread copies
-  // one 16-byte piece of every kLoraRowsPerPass-th row) and amax_row.
+  // What the epilogue reads: the block's low-rank activations (its segment's R columns) and amax_row; the
+  // weight tile's proj_up rows. Each thread copies one 16-byte piece of every kPieceRowsPerPass-th row.
+  constexpr int kPiecesPerRow = R / 4, kPieceRowsPerPass = kThreads / kPiecesPerRow;
+  static_assert(kThreads % kPiecesPerRow == 0 && BM % kPieceRowsPerPass == 0 && kTileN % kPieceRowsPerPass == 0,
+                "whole rows per pass");
   auto copy_epilogue_data = [&] {
-    constexpr int kPiecesPerRow = R / 4, kLoraRowsPerPass = kThreads / kPiecesPerRow;
-    static_assert(kThreads % kPiecesPerRow == 0 && BM % kLoraRowsPerPass == 0, "whole rows per pass");
     const int segment = (n0 >= segment_start.x) + (n0 >= segment_start.y);
     const int row = tid / kPiecesPerRow, col = 4 * (tid % kPiecesPerRow);
     const float* src = lora + static_cast<int64_t>(m0 + row) * lora_ld + segment * R + col;
-    const int64_t src_step = static_cast<int64_t>(kLoraRowsPerPass) * lora_ld;
+    const int64_t src_step = static_cast<int64_t>(kPieceRowsPerPass) * lora_ld;
     const uint32_t dst = smem_addr(&lora_tile[row][col]);
 #pragma unroll
-    for (int i = 0; i < BM / kLoraRowsPerPass; ++i, src += src_step)
-      cp_async_16(dst + i * kLoraRowsPerPass * (R + 8) * sizeof(float), src);
+    for (int i = 0; i < BM / kPieceRowsPerPass; ++i, src += src_step)
+      cp_async_16(dst + i * kPieceRowsPerPass * (R + 8) * sizeof(float), src);
     if (tid < BM / 4) cp_async_16(smem_addr(amax_s) + 16 * tid, amax_rows + m0 + 4 * tid);
+  };
+  auto copy_proj_up = [&] {
+    const int row = tid / kPiecesPerRow, col = 4 * (tid % kPiecesPerRow);
+#pragma unroll
+    for (int i = 0; i < kTileN / kPieceRowsPerPass; ++i)
+      cp_async_16(smem_addr(&pu_tile[row + i * kPieceRowsPerPass][col]),
+                  proj_up + static_cast<int64_t>(n0 + row + i * kPieceRowsPerPass) * R + col);
   };
 
 #pragma unroll
@@ -301,6 +320,7 @@ __global__ void __launch_bounds__(kThreads * kSplit, Tile<BM>::kMinBlocks / kSpl
   }
   // Committed with the first refill, waited for after the loop.
   if (!T::kEpilogueDataAfterLoop && wg == 0) copy_epilogue_data();
+  if (!T::kProjUpAfterLoop && wg == 0) copy_proj_up();
 
   uint32_t acc_h[BM / 4];  // half2 accumulators, d's layout
 #pragma unroll
@@ -375,6 +395,7 @@ __global__ void __launch_bounds__(kThreads * kSplit, Tile<BM>::kMinBlocks / kSpl
     cp_async_wait<0>();
     __syncthreads();  // the ring is free
     copy_epilogue_data();
+    if (T::kProjUpAfterLoop) copy_proj_up();
     cp_async_commit();
   }
   cp_async_wait<0>();
@@ -433,8 +454,8 @@ __global__ void __launch_bounds__(kThreads * kSplit, Tile<BM>::kMinBlocks / kSpl
   }
 
   // Low-rank up-projection: acc[n, m] += proj_up[n, :] . lora[m, :] (tf32 MMA, float32 accumulation).
-  const float* pu0 = proj_up + static_cast<int64_t>(n0 + wrow0) * R + t;
-  const float* pu1 = pu0 + 8 * R;
+  const float* pu0 = &pu_tile[wrow0][t];
+  const float* pu1 = &pu_tile[wrow0 + 8][t];
 #pragma unroll
   for (int ks = 0; ks < R / 8; ++ks) {
     const uint32_t a[4] = {to_tf32(pu0[8 * ks]), to_tf32(pu1[8 * ks]), to_tf32(pu0[8 * ks + 4]),
