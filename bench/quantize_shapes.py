@@ -44,14 +44,14 @@ def run(doc: str, default_out: str, notes: str, measure: Callable[[object, torch
     return 0
 
 
-def measure_shapes(op, g: torch.Generator) -> list[dict]:
+def measure_shapes(op, g: torch.Generator, widths=WIDTHS, m_values=M_VALUES) -> list[dict]:
     rows = []
     for k in K_VALUES:
         smooth = smoothing(k, g)
         norm_w = (torch.rand(k, generator=g, device="cuda") + 0.5).bfloat16()
-        for r in WIDTHS:
+        for r in widths:
             pd_t = (torch.randn(r, k, generator=g, device="cuda") * 0.03).bfloat16()
-            for m in M_VALUES:
+            for m in m_values:
                 x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
                 if r == 48:
                     call = lambda x=x, w=norm_w, s=smooth, p=pd_t: op.rmsnorm_quantize_act_lora_down(  # noqa: E731

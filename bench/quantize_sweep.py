@@ -10,30 +10,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.kernels import graph_time_us  # noqa: E402
-from bench.quantize_shapes import K_VALUES, run, smoothing  # noqa: E402
+from bench.quantize_shapes import measure_shapes, run  # noqa: E402
 
-WIDTHS = (16, 32)
 M_VALUES = (256, 512, 1024, 2048, 4096)
-
-
-def measure_sweep(op, g: torch.Generator) -> list[dict]:
-    rows = []
-    for k in K_VALUES:
-        for r in WIDTHS:
-            pd_t = (torch.randn(r, k, generator=g, device="cuda") / k**0.5).bfloat16()
-            smooth = smoothing(k, g)
-            for m in M_VALUES:
-                x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
-                us = round(graph_time_us(lambda x=x, s=smooth, p=pd_t: op.quantize_act_lora_down(x, s, p)), 2)
-                row = {"M": m, "K": k, "R": r, "quantize_us": us}
-                rows.append(row)
-                print(row, flush=True)
-    return rows
 
 
 def main() -> int:
@@ -42,7 +23,7 @@ def main() -> int:
         "bench/results/quantize-sweep-h200.json",
         "quantize_act_lora_down (R 16, 32), bf16 input with smoothing; CUDA-graph replays, do_bench medians "
         "with L2 cleared.",
-        measure_sweep,
+        lambda op, g: measure_shapes(op, g, widths=(16, 32), m_values=M_VALUES),
     )
 
 
