@@ -8,13 +8,13 @@
 // SM (measured 1.15-1.25x faster from M = 8192, docs/kernels.md). The smallest grids (a quarter of a row
 // set per SM or less, M <= 512 on an H200; K >= 2048, no prologue) spread each row set over a cluster of 8
 // blocks of 4 warps instead, so that more SMs get work: warp w of block c takes groups 4c + w,
-// 4c + w + 32, ..., and the blocks' partial sums and row maxima meet through distributed shared memory,
-// added in rank order (docs/kernels.md, v32). Lane (gr, t) loads rows gr and gr + 8, columns
-// 16c + 4t .. 16c + 4t + 3 of the group for c = 0..3, so the per-row max is a 4-lane shuffle and
-// each quantized word is 4 consecutive bytes of the output layout. The low-rank product reuses the same
-// registers as bf16/fp16 MMA fragments by permuting k inside each 16-wide block (lane t's columns 4t,
-// 4t+1 play k = 2t, 2t+1 and 4t+2, 4t+3 play k = 2t+8, 2t+9); proj_down is read with the same
-// permutation, and a dot product does not depend on the order of k.
+// 4c + w + 32, ..., and the blocks send their scales and partial sums to the first block's shared memory
+// (distributed shared memory), which adds the sums in rank order (docs/kernels.md, v32, v38). Lane (gr, t)
+// loads rows gr and gr + 8, columns 16c + 4t .. 16c + 4t + 3 of the group for c = 0..3, so the per-row max
+// is a 4-lane shuffle and each quantized word is 4 consecutive bytes of the output layout. The low-rank
+// product reuses the same registers as bf16/fp16 MMA fragments by permuting k inside each 16-wide block (lane
+// t's columns 4t, 4t+1 play k = 2t, 2t+1 and 4t+2, 4t+3 play k = 2t+8, 2t+9); proj_down is read with the
+// same permutation, and a dot product does not depend on the order of k.
 //
 // The scales leave as the GEMM folds them (csrc/w4a4_gemm.cu): each row's largest scale amax_row (float32)
 // and per group the fp16 ratio scale / amax_row. The warps keep their float32 scales in shared memory as
@@ -32,15 +32,11 @@
 // through memory (the block sums each row's squares in a pre-pass over the same elements). A SiLU(gate) * up
 // prologue for down_proj was measured 5-22% slower than the silu_mul kernel + this kernel and was removed
 // (docs/kernels.md).
-#include <cooperative_groups.h>
-
 #include "w4a4_common.cuh"
 #include "w4a4_launch.h"
 
 namespace w4a4 {
 namespace {
-
-namespace cg = cooperative_groups;
 
 // Tuning knob (OVBATCH_KERNEL_DEFINES): 4-warp blocks from this many 16-row blocks per SM up.
 #ifndef W4A4_QUANT_SMALL_BLOCKS_FROM
@@ -165,12 +161,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
   constexpr int kChunkTiles = kTiles % 4 == 0 ? 4 : 2;
   static_assert(R % 16 == 0 && kTiles % kChunkTiles == 0, "low-rank widths are multiples of 16");
   __shared__ float partial[kWarpsPerBlock][kChunkTiles * 4][32];
-  // In a cluster: the block's sums of every fragment element (nt, e) of every lane, and its rows' largest
-  // scales (by their place in scales_s), for the cluster to add up.
+  // In a cluster, rank 0's: each block's sums of every fragment element (nt, e) of every lane.
   constexpr bool kCluster = kClusterBlocks > 1;
   static_assert(!kCluster || P == Prologue::kNone, "clusters only without a prologue (row_rstd is per block)");
-  __shared__ float block_sums[kCluster ? kTiles * 4 : 1][32];
-  __shared__ float block_amax[kCluster ? 16 : 1];
+  static_assert(!kCluster || R <= 32, "clusters only for single layers (their sums fill up to 16 KB)");
+  __shared__ float cluster_sums[kCluster ? kClusterBlocks : 1][kCluster ? kTiles * 4 * 32 : 1];
   // Per group, the block's 16 rows in the order they take among the 32 of activation_scale_position: row
   // r < 8 at 4 ((r >> 1) & 3) + (r & 1), row r + 8 two places after it.
   __shared__ float scales_s[kMaxGroups][16];
@@ -184,6 +179,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
   const int G = K / kGroup;
   const int64_t off0 = static_cast<int64_t>(row0) * ldx + 4 * t, off1 = static_cast<int64_t>(row1) * ldx + 4 * t;
 
+  if constexpr (kCluster) __cluster_barrier_arrive_relaxed();  // phase 1: this block runs (waited for at the end)
   float rstd[2] = {1.f, 1.f};
   if (P == Prologue::kRmsNorm) row_rstd<T, kWarpsPerBlock>(x + off0, x + off1, ok0, ok1, G, K, eps, rstd);
 
@@ -368,77 +364,60 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     return lora[static_cast<int64_t>(row) * R + lora_position(col)];
   };
 
-  if constexpr (kCluster) {
-    // The block's groups are done. Its rows' largest scales over them go to block_amax and its warps'
-    // low-rank partial sums to block_sums; then the cluster adds up the blocks'. Thread i takes places
-    // 2 (i % 8) and 2 (i % 8) + 1 of scales_s, as below.
-    __syncthreads();
+  // Thread i writes the ratios of scales 2 (i % 8) and 2 (i % 8) + 1 of scales_s (rows side by side) for groups
+  // i / 8, ...: the 16 rows fill 4 of every 8 places of their 32 (the first or second 4 of them).
+  auto write_scales = [&] {
     const int pos = 2 * (threadIdx.x % 8);
-    if (threadIdx.x < 8) {
-      float2 amax = make_float2(0.f, 0.f);
-      for (int g0 = rank * kWarpsPerBlock; g0 < G; g0 += kGroupStep)
-        for (int g = g0; g < min(g0 + kWarpsPerBlock, G); ++g) {
-          const float2 s = *reinterpret_cast<const float2*>(&scales_s[g][pos]);
-          amax = make_float2(fmaxf(amax.x, s.x), fmaxf(amax.y, s.y));
-        }
-      block_amax[pos] = amax.x;
-      block_amax[pos + 1] = amax.y;
-    }
-    add_warp_sums([&](int i, float sum) { block_sums[i >> 5][i & 31] = sum; });
-    cg::this_cluster().sync();  // every block's block_amax and block_sums are complete
-
-    // Each block writes the ratios of its own groups (its j-th: (j / W) C W + W rank + j % W); rank 0 the
-    // row maxima.
     const int64_t col = static_cast<int64_t>(mtile / 2) * 32 + 8 * (pos / 4) + 4 * (mtile % 2) + pos % 4;
+    // Lanes l, l + 8, l + 16 and l + 24 share pos: each takes every 4th group, then two shuffles meet them.
     float2 amax = make_float2(0.f, 0.f);
+    for (int g = (threadIdx.x / 8) % 4; g < G; g += 4) {
+      const float2 s = *reinterpret_cast<const float2*>(&scales_s[g][pos]);
+      amax = make_float2(fmaxf(amax.x, s.x), fmaxf(amax.y, s.y));
+    }
 #pragma unroll
-    for (int c = 0; c < kClusterBlocks; ++c) {
-      const float* other = cg::this_cluster().map_shared_rank(block_amax, c);
-      amax = make_float2(fmaxf(amax.x, other[pos]), fmaxf(amax.y, other[pos + 1]));
+    for (int lanes = 8; lanes <= 16; lanes *= 2) {
+      amax.x = fmaxf(amax.x, __shfl_xor_sync(0xffffffffu, amax.x, lanes));
+      amax.y = fmaxf(amax.y, __shfl_xor_sync(0xffffffffu, amax.y, lanes));
     }
     const float2 inv = make_float2(amax.x > 0.f ? 1.f / amax.x : 0.f, amax.y > 0.f ? 1.f / amax.y : 0.f);
-    if (rank == 0 && threadIdx.x < 8) *reinterpret_cast<float2*>(amax_rows + col) = amax;
-    for (int j = threadIdx.x / 8;; j += kWarpsPerBlock * 4) {
-      const int g = (j / kWarpsPerBlock) * kGroupStep + rank * kWarpsPerBlock + j % kWarpsPerBlock;
-      if (g >= G) break;
+    if (threadIdx.x < 8) *reinterpret_cast<float2*>(amax_rows + col) = amax;
+    for (int g = threadIdx.x / 8; g < G; g += kWarpsPerBlock * 4) {
       const float2 s = *reinterpret_cast<const float2*>(&scales_s[g][pos]);
       *reinterpret_cast<__half2*>(aratios + g * M_pad + col) = __floats2half2_rn(s.x * inv.x, s.y * inv.y);
     }
+  };
 
-    // Block c adds fragment elements 128 c + i, ... over the cluster's blocks in rank order.
-    for (int i = rank * kWarpsPerBlock * 32 + threadIdx.x; i < kTiles * 4 * 32; i += kGroupStep * 32) {
+  __syncthreads();  // scales_s is complete
+  if constexpr (kCluster) {
+    // Every block sends its groups' scales and its low-rank partial sums to rank 0's shared memory and leaves;
+    // rank 0 waits for them and finishes alone (v38: one cluster barrier and no reads of other blocks' memory;
+    // v32-v37 had every block read the others' row maxima and partial sums between two full cluster barriers).
+    __cluster_barrier_wait();  // phase 1 (arrived at the start): every block runs, so its shared memory is there
+    if (rank > 0) {
+      float(*scales0)[16] = static_cast<float(*)[16]>(__cluster_map_shared_rank(scales_s, 0));
+      // The block's j-th group is (j / W) C W + W rank + j % W.
+      for (int j = threadIdx.x / 16;; j += kWarpsPerBlock * 2) {
+        const int g = (j / kWarpsPerBlock) * kGroupStep + rank * kWarpsPerBlock + j % kWarpsPerBlock;
+        if (g >= G) break;
+        scales0[g][threadIdx.x % 16] = scales_s[g][threadIdx.x % 16];
+      }
+    }
+    float* sums0 = static_cast<float*>(__cluster_map_shared_rank(&cluster_sums[rank][0], 0));
+    add_warp_sums([&](int i, float sum) { sums0[i] = sum; });
+    __cluster_barrier_arrive();  // release: the stores above are seen by rank 0 after its wait
+    if (rank > 0) return;
+    __cluster_barrier_wait();
+    write_scales();
+    // The blocks' sums added in rank order.
+    for (int i = threadIdx.x; i < kTiles * 4 * 32; i += kWarpsPerBlock * 32) {
       float sum = 0.f;
 #pragma unroll
-      for (int c = 0; c < kClusterBlocks; ++c) sum += cg::this_cluster().map_shared_rank(&block_sums[0][0], c)[i];
+      for (int c = 0; c < kClusterBlocks; ++c) sum += cluster_sums[c][i];
       lora_at(i) = __uint_as_float(to_tf32(sum));
     }
-    cg::this_cluster().sync();  // no block leaves while another reads its shared memory
   } else {
-    __syncthreads();
-    // Thread i writes the ratios of the block's scales 2 (i % 8) and 2 (i % 8) + 1 (rows side by side) for
-    // groups i / 8, ...: the 16 rows fill 4 of every 8 places of their 32 (the first or second 4 of them).
-    {
-      const int pos = 2 * (threadIdx.x % 8);
-      const int64_t col = static_cast<int64_t>(mtile / 2) * 32 + 8 * (pos / 4) + 4 * (mtile % 2) + pos % 4;
-      // Lanes l, l + 8, l + 16 and l + 24 share pos: each takes every 4th group, then two shuffles meet them.
-      float2 amax = make_float2(0.f, 0.f);
-      for (int g = (threadIdx.x / 8) % 4; g < G; g += 4) {
-        const float2 s = *reinterpret_cast<const float2*>(&scales_s[g][pos]);
-        amax = make_float2(fmaxf(amax.x, s.x), fmaxf(amax.y, s.y));
-      }
-#pragma unroll
-      for (int lanes = 8; lanes <= 16; lanes *= 2) {
-        amax.x = fmaxf(amax.x, __shfl_xor_sync(0xffffffffu, amax.x, lanes));
-        amax.y = fmaxf(amax.y, __shfl_xor_sync(0xffffffffu, amax.y, lanes));
-      }
-      const float2 inv = make_float2(amax.x > 0.f ? 1.f / amax.x : 0.f, amax.y > 0.f ? 1.f / amax.y : 0.f);
-      if (threadIdx.x < 8) *reinterpret_cast<float2*>(amax_rows + col) = amax;
-      for (int g = threadIdx.x / 8; g < G; g += kWarpsPerBlock * 4) {
-        const float2 s = *reinterpret_cast<const float2*>(&scales_s[g][pos]);
-        *reinterpret_cast<__half2*>(aratios + g * M_pad + col) = __floats2half2_rn(s.x * inv.x, s.y * inv.y);
-      }
-    }
-
+    write_scales();
     add_warp_sums([&](int i, float sum) { lora_at(i) = __uint_as_float(to_tf32(sum)); });
   }
 }
@@ -471,8 +450,8 @@ cudaError_t launch_warps(const QuantizeArgs& a, cudaStream_t stream) {
 
 // 4-warp blocks from W4A4_QUANT_SMALL_BLOCKS_FROM row sets per SM, 16-warp blocks below; clusters of 8 4-warp
 // blocks on grids of at most a quarter of a row set per SM with 32+ K groups (one or more per warp; at
-// K = 1024, 4 blocks a cluster measured -6% to +4%) and no prologue: o_proj's and down_proj's inputs (the RMSNorm prologue
-// feeds q/k/v and gate/up, whose K is the hidden size, 1024).
+// K = 1024, 4 blocks a cluster measured -6% to +4%), no prologue and one layer's rank (up to 32 columns): o_proj's and
+// down_proj's inputs (the RMSNorm prologue feeds q/k/v and gate/up, whose K is the hidden size, 1024).
 template <typename T, Prologue P, bool kSmooth, int R>
 cudaError_t launch_typed(const QuantizeArgs& a, cudaStream_t stream) {
   int sms = 0;
@@ -480,7 +459,7 @@ cudaError_t launch_typed(const QuantizeArgs& a, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const int row_sets = a.M_pad / 16;
   if (row_sets >= W4A4_QUANT_SMALL_BLOCKS_FROM * sms) return launch_warps<T, P, kSmooth, R, 4, 1>(a, stream);
-  if constexpr (P == Prologue::kNone) {
+  if constexpr (P == Prologue::kNone && R <= 32) {
     if (4 * row_sets <= sms && a.K / kGroup >= 4 * kClusterSize)
       return launch_warps<T, P, kSmooth, R, 4, kClusterSize>(a, stream);
   }
