@@ -7,8 +7,8 @@
 // the grid is small (few rows: spread each row's groups over many warps), 4 once there are 2+ blocks per
 // SM (measured 1.15-1.25x faster from M = 8192, docs/kernels.md). The smallest grids (a quarter of a row
 // set per SM or less, M <= 512 on an H200; K >= 2048, no prologue) spread each row set over a cluster of 8
-// blocks of 4 warps instead, so that more SMs get work: warp w of block c takes groups 4c + w,
-// 4c + w + 32, ..., and the blocks send their scales and partial sums to the first block's shared memory
+// blocks of W = 4 warps (6 at K = 3072) instead, so that more SMs get work: warp w of block c takes groups
+// Wc + w, Wc + w + 8W, ..., and the blocks send their scales and partial sums to the first block's shared memory
 // (distributed shared memory), which adds the sums in rank order (docs/kernels.md, v32, v38). Lane (gr, t)
 // loads rows gr and gr + 8, columns 16c + 4t .. 16c + 4t + 3 of the group for c = 0..3, so the per-row max
 // is a 4-lane shuffle and each quantized word is 4 consecutive bytes of the output layout. The low-rank
@@ -448,8 +448,8 @@ cudaError_t launch_warps(const QuantizeArgs& a, cudaStream_t stream) {
                             static_cast<__half*>(a.aratios), a.amax, a.lora, a.M, a.M_pad, a.K);
 }
 
-// 4-warp blocks from W4A4_QUANT_SMALL_BLOCKS_FROM row sets per SM, 16-warp blocks below; clusters of 8 4-warp
-// blocks on grids of at most a quarter of a row set per SM with 32+ K groups (one or more per warp; at
+// 4-warp blocks from W4A4_QUANT_SMALL_BLOCKS_FROM row sets per SM, 16-warp blocks below; clusters of 8 blocks
+// of 4 or 6 warps on grids of at most a quarter of a row set per SM with 32+ K groups (one or more per warp; at
 // K = 1024, 4 blocks a cluster measured -6% to +4%), no prologue and one layer's rank (up to 32 columns): o_proj's and
 // down_proj's inputs (the RMSNorm prologue feeds q/k/v and gate/up, whose K is the hidden size, 1024).
 template <typename T, Prologue P, bool kSmooth, int R>
@@ -460,8 +460,13 @@ cudaError_t launch_typed(const QuantizeArgs& a, cudaStream_t stream) {
   const int row_sets = a.M_pad / 16;
   if (row_sets >= W4A4_QUANT_SMALL_BLOCKS_FROM * sms) return launch_warps<T, P, kSmooth, R, 4, 1>(a, stream);
   if constexpr (P == Prologue::kNone && R <= 32) {
-    if (4 * row_sets <= sms && a.K / kGroup >= 4 * kClusterSize)
+    const int groups = a.K / kGroup;
+    if (4 * row_sets <= sms && groups >= 4 * kClusterSize) {
+      // 6 warps a block where that gives each warp one group (K = 3072, down_proj) instead of some two.
+      if (groups > 4 * kClusterSize && groups <= 6 * kClusterSize)
+        return launch_warps<T, P, kSmooth, R, 6, kClusterSize>(a, stream);
       return launch_warps<T, P, kSmooth, R, 4, kClusterSize>(a, stream);
+    }
   }
   return launch_warps<T, P, kSmooth, R, 16, 1>(a, stream);
 }

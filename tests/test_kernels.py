@@ -217,6 +217,7 @@ def test_w4a4_linear_matches_reference(m, n, k):
         (64, 320, 640, 32, False, False, torch.float16),
         (5000, 3072, 1024, 16, True, False, torch.bfloat16),
         (77, 128, 64, 16, False, True, torch.bfloat16),  # one K group: fewer groups than ring slots
+        (300, 1024, 3072, 16, True, False, torch.float16),  # quantize in clusters at 16 low-rank columns
     ],
 )
 def test_w4a4_linear_variants(m, n, k, rank, smooth, bias, dtype):
