@@ -5,12 +5,14 @@
 // A block owns 16 rows; its warps take the K groups in turn (warp w: groups w, w + W, ...), and the
 // low-rank partial sums of the warps are added in shared memory at the end. W = 16 warps per block while
 // the grid is small (few rows: spread each row's groups over many warps), 4 once there are 2+ blocks per
-// SM (measured 1.15-1.25x faster from M = 8192, docs/kernels.md). The smallest grids (a quarter of a row
-// set per SM or less, M <= 512 on an H200; K >= 2048, no prologue) spread each row set over a cluster of 8
-// blocks of W = 4 warps (6 at K = 3072) instead, so that more SMs get work: warp w of block c takes groups
-// Wc + w, Wc + w + 8W, ..., and the blocks send their scales and partial sums to the first block's shared memory
-// (distributed shared memory), which adds the sums in rank order (docs/kernels.md, v32, v38). Lane (gr, t)
-// loads rows gr and gr + 8, columns 16c + 4t .. 16c + 4t + 3 of the group for c = 0..3, so the per-row max
+// SM (measured 1.15-1.25x faster from M = 8192, docs/kernels.md). On the smallest 16-warp grids a block owns
+// 8 rows instead (each lane one row: twice the blocks, half the quantization arithmetic a warp; v42, where
+// launch_typed says). The smallest grids (a quarter of a row set per SM or less, M <= 512 on an H200;
+// K >= 2048, no prologue) spread each row set over a cluster of 8 blocks of W = 4 warps (6 at K = 3072)
+// instead, so that more SMs get work: warp w of block c takes groups Wc + w, Wc + w + 8W, ..., and the blocks
+// send their scales and partial sums to the first block's shared memory (distributed shared memory), which
+// adds the sums in rank order (docs/kernels.md, v32, v38). Lane (gr, t) loads rows gr and gr + 8 (one of
+// them in 8-row blocks), columns 16c + 4t .. 16c + 4t + 3 of the group for c = 0..3, so the per-row max
 // is a 4-lane shuffle and each quantized word is 4 consecutive bytes of the output layout. The low-rank
 // product reuses the same registers as bf16/fp16 MMA fragments by permuting k inside each 16-wide block (lane
 // t's columns 4t, 4t+1 play k = 2t, 2t+1 and 4t+2, 4t+3 play k = 2t+8, 2t+9); proj_down is read with the
@@ -52,22 +54,26 @@ __device__ __forceinline__ float div_rn(float a, float b, float rb) {
 
 enum class Prologue { kNone, kRmsNorm };
 
-// A lane's share of one K group as loaded from memory: 4 consecutive elements (8 bytes) of block c for rows
-// gr and gr + 8 (zeros for rows past M), and for the RMSNorm prologue the norm weights of those columns.
+// A lane's share of one K group as loaded from memory: 4 consecutive elements (8 bytes) of block c for each of
+// its rows (gr and gr + 8 of 16-row blocks, one of them in 8-row blocks; zeros for rows past M), and for the
+// RMSNorm prologue the norm weights of those columns.
+template <int kLaneRows>
 struct GroupInput {
-  uint2 x[2][4];
+  uint2 x[kLaneRows][4];
   uint2 w[4];
 };
 
-template <typename T, Prologue P>
-__device__ __forceinline__ void load_group(GroupInput& in, const T* x, const T* norm_w, int64_t off0, int64_t off1,
-                                           bool ok0, bool ok1, int g, int t) {
+template <typename T, Prologue P, int kLaneRows>
+__device__ __forceinline__ void load_group(GroupInput<kLaneRows>& in, const T* x, const T* norm_w,
+                                           const int64_t (&off)[kLaneRows], const bool (&ok)[kLaneRows], int g,
+                                           int t) {
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    const int off = g * kGroup + 16 * c;
-    in.x[0][c] = ok0 ? *reinterpret_cast<const uint2*>(x + off0 + off) : make_uint2(0, 0);
-    in.x[1][c] = ok1 ? *reinterpret_cast<const uint2*>(x + off1 + off) : make_uint2(0, 0);
-    if (P == Prologue::kRmsNorm) in.w[c] = *reinterpret_cast<const uint2*>(norm_w + off + 4 * t);
+    const int col = g * kGroup + 16 * c;
+#pragma unroll
+    for (int r = 0; r < kLaneRows; ++r)
+      in.x[r][c] = ok[r] ? *reinterpret_cast<const uint2*>(x + off[r] + col) : make_uint2(0, 0);
+    if (P == Prologue::kRmsNorm) in.w[c] = *reinterpret_cast<const uint2*>(norm_w + col + 4 * t);
   }
 }
 
@@ -84,41 +90,37 @@ __device__ __forceinline__ uint2 apply_prologue(uint2 raw, uint2 wraw, float rst
   return out;
 }
 
-// 1 / sqrt(mean(x^2) + eps) of rows gr and gr + 8 of the block's 16 (kRmsNorm's pre-pass): each warp sums
-// the squares of the elements it will quantize, the warps' sums meet in shared memory.
-template <typename T, int kWarpsPerBlock>
-__device__ __forceinline__ void row_rstd(const T* x0, const T* x1, bool ok0, bool ok1, int G, int K, float eps,
-                                         float (&rstd)[2]) {
-  __shared__ float sumsq[kWarpsPerBlock][16];
+// 1 / sqrt(mean(x^2) + eps) of the lane's rows (kRmsNorm's pre-pass): each warp sums the squares of the
+// elements it will quantize, the warps' sums meet in shared memory.
+template <typename T, int kWarpsPerBlock, int kLaneRows>
+__device__ __forceinline__ void row_rstd(const T* x, const int64_t (&off)[kLaneRows], const bool (&ok)[kLaneRows],
+                                         int G, int K, float eps, float (&rstd)[kLaneRows]) {
+  __shared__ float sumsq[kWarpsPerBlock][8 * kLaneRows];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float ss[2] = {0.f, 0.f};
+  float ss[kLaneRows] = {};
   for (int g = warp; g < G; g += kWarpsPerBlock) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const int off = g * kGroup + 16 * c;
-      const uint2 raw[2] = {ok0 ? *reinterpret_cast<const uint2*>(x0 + off) : make_uint2(0, 0),
-                            ok1 ? *reinterpret_cast<const uint2*>(x1 + off) : make_uint2(0, 0)};
+      const int col = g * kGroup + 16 * c;
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const T* v = reinterpret_cast<const T*>(&raw[r]);
+      for (int r = 0; r < kLaneRows; ++r) {
+        const uint2 raw = ok[r] ? *reinterpret_cast<const uint2*>(x + off[r] + col) : make_uint2(0, 0);
+        const T* v = reinterpret_cast<const T*>(&raw);
 #pragma unroll
         for (int b = 0; b < 4; ++b) ss[r] = fmaf(to_float<T>(v[b]), to_float<T>(v[b]), ss[r]);
       }
     }
   }
+  const int gr = lane >> 2;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < kLaneRows; ++r) {
     ss[r] += __shfl_xor_sync(0xffffffffu, ss[r], 1);
     ss[r] += __shfl_xor_sync(0xffffffffu, ss[r], 2);
-  }
-  const int gr = lane >> 2;
-  if ((lane & 3) == 0) {
-    sumsq[warp][gr] = ss[0];
-    sumsq[warp][gr + 8] = ss[1];
+    if ((lane & 3) == 0) sumsq[warp][gr + 8 * r] = ss[r];
   }
   __syncthreads();
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < kLaneRows; ++r) {
     float total = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarpsPerBlock; ++w) total += sumsq[w][gr + 8 * r];
@@ -148,7 +150,7 @@ constexpr int kStagedLowRankBytes = R <= 48 && !kEarlyLowRank<P, R, kWarpsPerBlo
 template <int R, int kWarpsPerBlock>
 constexpr int kQuantizeMinBlocks = kWarpsPerBlock == 4 && R >= 48 ? 4 : 0;
 
-template <typename T, Prologue P, bool kSmooth, int R, int kWarpsPerBlock, int kClusterBlocks>
+template <typename T, Prologue P, bool kSmooth, int R, int kWarpsPerBlock, int kClusterBlocks, int kBlockRows>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kWarpsPerBlock>))
     quantize_act_lora_down_kernel(const T* __restrict__ x, const T* __restrict__ norm_w,
                                   float eps, int ldx, const float* __restrict__ smooth,
@@ -165,23 +167,35 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
   constexpr bool kCluster = kClusterBlocks > 1;
   static_assert(!kCluster || P == Prologue::kNone, "clusters only without a prologue (row_rstd is per block)");
   static_assert(!kCluster || R <= 32, "clusters only for single layers (their sums fill up to 16 KB)");
+  static_assert(kBlockRows == 16 || (kBlockRows == 8 && !kCluster), "8-row blocks only outside clusters");
+  constexpr int kLaneRows = kBlockRows / 8;
   __shared__ float cluster_sums[kCluster ? kClusterBlocks : 1][kCluster ? kTiles * 4 * 32 : 1];
   // Per group, the block's 16 rows in the order they take among the 32 of activation_scale_position: row
   // r < 8 at 4 ((r >> 1) & 3) + (r & 1), row r + 8 two places after it.
   __shared__ float scales_s[kMaxGroups][16];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gr = lane >> 2, t = lane & 3;
-  const int mtile = blockIdx.x / kClusterBlocks, rank = blockIdx.x % kClusterBlocks;
+  const int rank = blockIdx.x % kClusterBlocks;
+  // The 16-row set (mtile) and the block's half of it: lane row r is row gr + 8 (half + r) of the set.
+  const int mtile = blockIdx.x / kClusterBlocks / (16 / kBlockRows);
+  const int half = kBlockRows == 8 ? (blockIdx.x / kClusterBlocks) % 2 : 0;
   const int first_group = rank * kWarpsPerBlock + warp;
   constexpr int kGroupStep = kClusterBlocks * kWarpsPerBlock;
-  const int row0 = mtile * 16 + gr, row1 = row0 + 8;
-  const bool ok0 = row0 < M, ok1 = row1 < M;
+  bool ok[kLaneRows];
+  int64_t off[kLaneRows];
+#pragma unroll
+  for (int r = 0; r < kLaneRows; ++r) {
+    const int row = mtile * 16 + gr + 8 * (half + r);
+    ok[r] = row < M;
+    off[r] = static_cast<int64_t>(row) * ldx + 4 * t;
+  }
   const int G = K / kGroup;
-  const int64_t off0 = static_cast<int64_t>(row0) * ldx + 4 * t, off1 = static_cast<int64_t>(row1) * ldx + 4 * t;
 
   if constexpr (kCluster) __cluster_barrier_arrive_relaxed();  // phase 1: this block runs (waited for at the end)
-  float rstd[2] = {1.f, 1.f};
-  if (P == Prologue::kRmsNorm) row_rstd<T, kWarpsPerBlock>(x + off0, x + off1, ok0, ok1, G, K, eps, rstd);
+  float rstd[kLaneRows];
+#pragma unroll
+  for (int r = 0; r < kLaneRows; ++r) rstd[r] = 1.f;
+  if (P == Prologue::kRmsNorm) row_rstd<T, kWarpsPerBlock>(x, off, ok, G, K, eps, rstd);
 
   float lacc[kTiles][4];
 #pragma unroll
@@ -212,13 +226,12 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
       cp_async_16(pd_dst + sizeof(T) * 4 * i * kPdStride, pd_src + static_cast<int64_t>(4 * i) * K + g * kGroup);
     cp_async_commit();
   };
-  GroupInput cur, next;
-  if (kPrefetch && first_group < G) load_group<T, P>(cur, x, norm_w, off0, off1, ok0, ok1, first_group, t);
+  GroupInput<kLaneRows> cur, next;
+  if (kPrefetch && first_group < G) load_group<T, P>(cur, x, norm_w, off, ok, first_group, t);
   if (kStagedLowRank && first_group < G) stage_low_rank(first_group);
   for (int g = first_group; g < G; g += kGroupStep) {
-    if (!kPrefetch) load_group<T, P>(cur, x, norm_w, off0, off1, ok0, ok1, g, t);
-    if (kPrefetch && g + kGroupStep < G)
-      load_group<T, P>(next, x, norm_w, off0, off1, ok0, ok1, g + kGroupStep, t);
+    if (!kPrefetch) load_group<T, P>(cur, x, norm_w, off, ok, g, t);
+    if (kPrefetch && g + kGroupStep < G) load_group<T, P>(next, x, norm_w, off, ok, g + kGroupStep, t);
     uint2 pd_frag[kEarly ? kTiles : 1][4];
     if (kEarly) {
 #pragma unroll
@@ -228,17 +241,17 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
           pd_frag[kEarly ? nt : 0][c] = *reinterpret_cast<const uint2*>(
               pd_t + static_cast<int64_t>(nt * 8 + gr) * K + g * kGroup + 16 * c + 4 * t);
     }
-    // raw[row][c]: 4 consecutive input elements (8 bytes) of block c of this group, the prologue applied.
-    uint2 raw[2][4];
+    // raw[r][c]: 4 consecutive input elements (8 bytes) of block c of this group, the prologue applied.
+    uint2 raw[kLaneRows][4];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      raw[0][c] = ok0 ? apply_prologue<T, P>(cur.x[0][c], cur.w[c], rstd[0]) : make_uint2(0, 0);
-      raw[1][c] = ok1 ? apply_prologue<T, P>(cur.x[1][c], cur.w[c], rstd[1]) : make_uint2(0, 0);
-    }
+    for (int c = 0; c < 4; ++c)
+#pragma unroll
+      for (int r = 0; r < kLaneRows; ++r)
+        raw[r][c] = ok[r] ? apply_prologue<T, P>(cur.x[r][c], cur.w[c], rstd[r]) : make_uint2(0, 0);
 
     // Smoothed float32 values and the per-row max |x|.
-    float xs[2][4][4];
-    float amax[2] = {0.f, 0.f};
+    float xs[kLaneRows][4][4];
+    float amax[kLaneRows] = {};
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       float4 s = make_float4(1.f, 1.f, 1.f, 1.f), rs = s;
@@ -248,7 +261,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
       }
       const float sv[4] = {s.x, s.y, s.z, s.w}, rsv[4] = {rs.x, rs.y, rs.z, rs.w};
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
+      for (int r = 0; r < kLaneRows; ++r) {
         const T* v = reinterpret_cast<const T*>(&raw[r][c]);
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
@@ -264,10 +277,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     // |xs| <= amax = 7 scale (1 + 2^-24) keeps every quotient below 7.5, so no clamp is needed either. A warp
     // with a row outside that range (never seen in practice; zero rows aside) takes IEEE division and the
     // clamp, as the reference does; one branch for the warp leaves both rows' arithmetic free to interleave.
-    float scale[2], divisor[2], rdivisor[2];
+    float scale[kLaneRows], divisor[kLaneRows], rdivisor[kLaneRows];
     bool grid_units = true;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < kLaneRows; ++r) {
       amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
       amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 2));
       scale[r] = amax[r] / 7.0f;
@@ -278,20 +291,19 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     grid_units = __all_sync(0xffffffffu, grid_units);
     if (t == 0) {
       float* at = &scales_s[g][4 * ((gr >> 1) & 3) + (gr & 1)];
-      at[0] = scale[0];
-      at[2] = scale[1];
+#pragma unroll
+      for (int r = 0; r < kLaneRows; ++r) at[2 * (half + r)] = scale[r];
     }
 
     // q = clamp(round_half_even(xs / scale), -8, 7), stored as the e4m3 byte of q * 2^-9 (a zero group is 0,
-    // not its 0 / 0 quotients): rows gr and gr + 8 of this 16-row block, k = 16c + 4t .. 16c + 4t + 3, one
-    // word each.
+    // not its 0 / 0 quotients): the lane's rows, k = 16c + 4t .. 16c + 4t + 3, one word each.
     int8_t* tile =
         qact + (static_cast<int64_t>(mtile / 8) * G + g) * kActTileBytes + ((mtile % 8) * 16 + gr) * 16 + 4 * t;
     // words[r][c]: the 4 bytes of row r, block c; pair_bytes(lo, hi, r) encodes two of row r's values.
-    uint32_t words[2][4];
+    uint32_t words[kLaneRows][4];
     auto quantize_words = [&](auto pair_bytes) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
+      for (int r = 0; r < kLaneRows; ++r)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const float* v = xs[r][c];
@@ -305,10 +317,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     else
       quantize_words([&](float lo, float hi, int r) { return e4m3x2_of_rounded(lo / scale[r], hi / scale[r]); });
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
+    for (int r = 0; r < kLaneRows; ++r)
 #pragma unroll
       for (int c = 0; c < 4; ++c)
-        *reinterpret_cast<uint32_t*>(tile + c * kActChunkBytes + r * 8 * 16) = scale[r] > 0.f ? words[r][c] : 0u;
+        *reinterpret_cast<uint32_t*>(tile + c * kActChunkBytes + (half + r) * 8 * 16) =
+            scale[r] > 0.f ? words[r][c] : 0u;
 
     // Low-rank down-projection on the unsmoothed input; smoothing is folded into pd_t at load.
     if (kStagedLowRank) {
@@ -317,7 +330,12 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     }
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const uint32_t a[4] = {raw[0][c].x, raw[1][c].x, raw[0][c].y, raw[1][c].y};
+      // The A fragment's rows gr and gr + 8: an 8-row block's lane row goes where its half puts it, zeros in the
+      // other (so the sums land where lora_at puts the 16-row block's).
+      const uint2 zero = make_uint2(0, 0);
+      const uint2 lo = kLaneRows == 2 ? raw[0][c] : (half ? zero : raw[0][c]);
+      const uint2 hi = kLaneRows == 2 ? raw[kLaneRows - 1][c] : (half ? raw[0][c] : zero);
+      const uint32_t a[4] = {lo.x, hi.x, lo.y, hi.y};
 #pragma unroll
       for (int nt = 0; nt < kTiles; ++nt) {
         uint2 b;
@@ -357,7 +375,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
       }
     }
   };
-  // Fragment element i's place in lora.
+  // Whether fragment element i (row gr + 8 (e >> 1)) is one of the block's rows, and its place in lora.
+  auto block_row = [&](int i) { return kBlockRows == 16 || ((i >> 6) & 1) == half; };
   auto lora_at = [&](int i) -> float& {
     const int l = i & 31, nt = i >> 7, e = (i >> 5) & 3;
     const int row = mtile * 16 + (l >> 2) + 8 * (e >> 1), col = nt * 8 + 2 * (l & 3) + (e & 1);
@@ -365,13 +384,15 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
   };
 
   // Thread i writes the ratios of scales 2 (i % 8) and 2 (i % 8) + 1 of scales_s (rows side by side) for groups
-  // i / 8, ...: the 16 rows fill 4 of every 8 places of their 32 (the first or second 4 of them).
+  // i / 8, ...: the 16 rows fill 4 of every 8 places of their 32 (the first or second 4 of them); the rows
+  // gr + 8 half of an 8-row block are the pairs 2 half, 2 half + 1 of every 4 places.
   auto write_scales = [&] {
     const int pos = 2 * (threadIdx.x % 8);
+    const bool mine = kBlockRows == 16 || pos % 4 == 2 * half;
     const int64_t col = static_cast<int64_t>(mtile / 2) * 32 + 8 * (pos / 4) + 4 * (mtile % 2) + pos % 4;
     // Lanes l, l + 8, l + 16 and l + 24 share pos: each takes every 4th group, then two shuffles meet them.
     float2 amax = make_float2(0.f, 0.f);
-    for (int g = (threadIdx.x / 8) % 4; g < G; g += 4) {
+    for (int g = (threadIdx.x / 8) % 4; mine && g < G; g += 4) {
       const float2 s = *reinterpret_cast<const float2*>(&scales_s[g][pos]);
       amax = make_float2(fmaxf(amax.x, s.x), fmaxf(amax.y, s.y));
     }
@@ -381,8 +402,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
       amax.y = fmaxf(amax.y, __shfl_xor_sync(0xffffffffu, amax.y, lanes));
     }
     const float2 inv = make_float2(amax.x > 0.f ? 1.f / amax.x : 0.f, amax.y > 0.f ? 1.f / amax.y : 0.f);
-    if (threadIdx.x < 8) *reinterpret_cast<float2*>(amax_rows + col) = amax;
-    for (int g = threadIdx.x / 8; g < G; g += kWarpsPerBlock * 4) {
+    if (threadIdx.x < 8 && mine) *reinterpret_cast<float2*>(amax_rows + col) = amax;
+    for (int g = threadIdx.x / 8; mine && g < G; g += kWarpsPerBlock * 4) {
       const float2 s = *reinterpret_cast<const float2*>(&scales_s[g][pos]);
       *reinterpret_cast<__half2*>(aratios + g * M_pad + col) = __floats2half2_rn(s.x * inv.x, s.y * inv.y);
     }
@@ -418,25 +439,27 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     }
   } else {
     write_scales();
-    add_warp_sums([&](int i, float sum) { lora_at(i) = __uint_as_float(to_tf32(sum)); });
+    add_warp_sums([&](int i, float sum) {
+      if (block_row(i)) lora_at(i) = __uint_as_float(to_tf32(sum));
+    });
   }
 }
 
-template <typename T, Prologue P, bool kSmooth, int R, int kWarps, int kClusterBlocks>
+template <typename T, Prologue P, bool kSmooth, int R, int kWarps, int kClusterBlocks, int kBlockRows = 16>
 cudaError_t launch_warps(const QuantizeArgs& a, cudaStream_t stream) {
   cudaLaunchAttribute cluster;
   cluster.id = cudaLaunchAttributeClusterDimension;
   cluster.val.clusterDim.x = kClusterBlocks;
   cluster.val.clusterDim.y = 1;
   cluster.val.clusterDim.z = 1;
-  auto kernel = quantize_act_lora_down_kernel<T, P, kSmooth, R, kWarps, kClusterBlocks>;
+  auto kernel = quantize_act_lora_down_kernel<T, P, kSmooth, R, kWarps, kClusterBlocks, kBlockRows>;
   constexpr int kDynamicSmem = kStagedLowRankBytes<T, P, R, kWarps>;
   if (kDynamicSmem > 0) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kDynamicSmem);
     if (err != cudaSuccess) return err;
   }
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(a.M_pad / 16 * kClusterBlocks);
+  config.gridDim = dim3(a.M_pad / kBlockRows * kClusterBlocks);
   config.blockDim = dim3(kWarps * 32);
   config.dynamicSmemBytes = kDynamicSmem;
   config.stream = stream;
@@ -448,10 +471,11 @@ cudaError_t launch_warps(const QuantizeArgs& a, cudaStream_t stream) {
                             static_cast<__half*>(a.aratios), a.amax, a.lora, a.M, a.M_pad, a.K);
 }
 
-// 4-warp blocks from W4A4_QUANT_SMALL_BLOCKS_FROM row sets per SM, 16-warp blocks below; clusters of 8 blocks
-// of 4 or 6 warps on grids of at most a quarter of a row set per SM with 32+ K groups (one or more per warp; at
-// K = 1024, 4 blocks a cluster measured -6% to +4%), no prologue and one layer's rank (up to 32 columns): o_proj's and
-// down_proj's inputs (the RMSNorm prologue feeds q/k/v and gate/up, whose K is the hidden size, 1024).
+// 4-warp blocks from W4A4_QUANT_SMALL_BLOCKS_FROM row sets per SM, 16-warp blocks below (of 8 rows on the
+// smallest grids); clusters of 8 blocks of 4 or 6 warps on grids of at most a quarter of a row set per SM with 32+
+// K groups (one or more per warp; at K = 1024, 4 blocks a cluster measured -6% to +4%), no prologue and one layer's
+// rank (up to 32 columns): o_proj's and down_proj's inputs (the RMSNorm prologue feeds q/k/v and gate/up, whose K
+// is the hidden size, 1024).
 template <typename T, Prologue P, bool kSmooth, int R>
 cudaError_t launch_typed(const QuantizeArgs& a, cudaStream_t stream) {
   int sms = 0;
@@ -467,6 +491,12 @@ cudaError_t launch_typed(const QuantizeArgs& a, cudaStream_t stream) {
         return launch_warps<T, P, kSmooth, R, 6, kClusterSize>(a, stream);
       return launch_warps<T, P, kSmooth, R, 4, kClusterSize>(a, stream);
     }
+  }
+  // 8-row blocks where they measured faster (docs/kernels.md, v42): with the RMSNorm prologue or at 16 columns
+  // up to half a row set per SM, otherwise up to an eighth; not above 48 columns.
+  if constexpr (R <= 48) {
+    const bool half_rows_pay = P == Prologue::kRmsNorm || R == 16;
+    if ((half_rows_pay ? 2 : 8) * row_sets <= sms) return launch_warps<T, P, kSmooth, R, 16, 1, 8>(a, stream);
   }
   return launch_warps<T, P, kSmooth, R, 16, 1>(a, stream);
 }

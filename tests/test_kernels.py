@@ -98,8 +98,9 @@ def smoothed_cpu(x, layer):
 
 
 # 17001 rows: enough 16-row blocks for the quantize kernel's 4-warp variant (it picks 16 warps below, and
-# clusters of 8 blocks at 1 and 7 rows with K >= 2048).
-@pytest.mark.parametrize("m", (*ODD_M, 17001))
+# clusters of 8 blocks at 1 and 7 rows with K >= 2048); 200 rows: 16-warp blocks of 8 rows at K = 1024 on an
+# H200, both halves of every 16-row set filled.
+@pytest.mark.parametrize("m", (*ODD_M, 200, 17001))
 @pytest.mark.parametrize("k", (1024, 2048, 3072))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
 def test_quantize_act_bit_exact(m, k, dtype):
