@@ -170,8 +170,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
   static_assert(kBlockRows == 16 || (kBlockRows == 8 && !kCluster), "8-row blocks only outside clusters");
   constexpr int kLaneRows = kBlockRows / 8;
   __shared__ float cluster_sums[kCluster ? kClusterBlocks : 1][kCluster ? kTiles * 4 * 32 : 1];
-  // Per group, the block's 16 rows in the order they take among the 32 of activation_scale_position: row
-  // r < 8 at 4 ((r >> 1) & 3) + (r & 1), row r + 8 two places after it.
+  // Per group, the 16-row set's rows in the order they take among the 32 of activation_scale_position: row
+  // r < 8 at 4 ((r >> 1) & 3) + (r & 1), row r + 8 two places after it (an 8-row block fills its half's places).
   __shared__ float scales_s[kMaxGroups][16];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gr = lane >> 2, t = lane & 3;
