@@ -376,7 +376,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     }
   };
   // Whether fragment element i (row gr + 8 (e >> 1)) is one of the block's rows, and its place in lora.
-  auto block_row = [&](int i) { return kBlockRows == 16 || ((i >> 6) & 1) == half; };
+  auto is_block_row = [&](int i) { return kBlockRows == 16 || ((i >> 6) & 1) == half; };
   auto lora_at = [&](int i) -> float& {
     const int l = i & 31, nt = i >> 7, e = (i >> 5) & 3;
     const int row = mtile * 16 + (l >> 2) + 8 * (e >> 1), col = nt * 8 + 2 * (l & 3) + (e & 1);
@@ -440,7 +440,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
   } else {
     write_scales();
     add_warp_sums([&](int i, float sum) {
-      if (block_row(i)) lora_at(i) = __uint_as_float(to_tf32(sum));
+      if (is_block_row(i)) lora_at(i) = __uint_as_float(to_tf32(sum));
     });
   }
 }
