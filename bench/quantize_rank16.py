@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernels import graph_time_us  # noqa: E402
-from bench.quantize_shapes import run, smoothing  # noqa: E402
+from bench.quantize_shapes import quantize_call, run, smoothing  # noqa: E402
 
 K_VALUES = (1024, 2048, 3072)
 M_VALUES = (512, 2048, 8192, 32768)
@@ -30,12 +30,10 @@ def measure_rank16(op, g: torch.Generator) -> list[dict]:
         norm_w = (torch.rand(k, generator=g, device="cuda") + 0.5).bfloat16()
         for m in M_VALUES:
             x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
-            plain = lambda x=x, s=smooth, p=pd_t: op.quantize_act_lora_down(x, s, p)  # noqa: E731
+            plain = quantize_call(op, x, norm_w, smooth, pd_t, rmsnorm=False)
             row = {"M": m, "K": k, "R": RANK, "quantize_us": round(graph_time_us(plain), 2)}
             if k == 1024:
-                normed = lambda x=x, w=norm_w, s=smooth, p=pd_t: op.rmsnorm_quantize_act_lora_down(
-                    x, w, 1e-6, s, p
-                )  # noqa: E731
+                normed = quantize_call(op, x, norm_w, smooth, pd_t, rmsnorm=True)
                 row["rmsnorm_quantize_us"] = round(graph_time_us(normed), 2)
             rows.append(row)
             print(row, flush=True)

@@ -31,6 +31,13 @@ def smoothing(k: int, g: torch.Generator) -> torch.Tensor:
     return torch.stack([smooth, 1 / smooth])
 
 
+def quantize_call(op, x, norm_w, smooth, pd_t, rmsnorm: bool) -> Callable[[], object]:
+    """One quantize call on x: with the RMSNorm prologue (weights norm_w, eps 1e-6) or without."""
+    if rmsnorm:
+        return lambda: op.rmsnorm_quantize_act_lora_down(x, norm_w, 1e-6, smooth, pd_t)
+    return lambda: op.quantize_act_lora_down(x, smooth, pd_t)
+
+
 def run(doc: str, default_out: str, notes: str, measure: Callable[[object, torch.Generator], list]) -> int:
     """The quantize benchmarks' command line: --out, a GPU check, measure(ops, generator) -> rows, JSON."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,13 +60,7 @@ def measure_shapes(op, g: torch.Generator, widths=WIDTHS, m_values=M_VALUES) -> 
             pd_t = (torch.randn(r, k, generator=g, device="cuda") * 0.03).bfloat16()
             for m in m_values:
                 x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
-                if r == 48:
-                    call = lambda x=x, w=norm_w, s=smooth, p=pd_t: op.rmsnorm_quantize_act_lora_down(  # noqa: E731
-                        x, w, 1e-6, s, p
-                    )
-                else:
-                    call = lambda x=x, s=smooth, p=pd_t: op.quantize_act_lora_down(x, s, p)  # noqa: E731
-                us = round(graph_time_us(call), 2)
+                us = round(graph_time_us(quantize_call(op, x, norm_w, smooth, pd_t, rmsnorm=r == 48)), 2)
                 row = {"M": m, "K": k, "R": r, "rmsnorm": r == 48, "quantize_us": us}
                 rows.append(row)
                 print(row, flush=True)

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernel_times import captured, kernel_us  # noqa: E402
-from bench.quantize_shapes import run, smoothing  # noqa: E402
+from bench.quantize_shapes import quantize_call, run, smoothing  # noqa: E402
 
 # (K, low-rank widths, M values); the RMSNorm prologue only at K = 1024, the hidden size it normalizes.
 SHAPES = (
@@ -24,12 +24,6 @@ SHAPES = (
     (2048, (16, 32), (1024,)),
     (3072, (16, 32), (1024,)),
 )
-
-
-def quantize_call(op, x, norm_w, smooth, pd_t, rmsnorm: bool):
-    if rmsnorm:
-        return lambda: op.rmsnorm_quantize_act_lora_down(x, norm_w, 1e-6, smooth, pd_t)
-    return lambda: op.quantize_act_lora_down(x, smooth, pd_t)
 
 
 def measure_small_grids(op, g: torch.Generator) -> list[dict]:
