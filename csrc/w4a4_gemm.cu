@@ -361,6 +361,11 @@ __global__ void __launch_bounds__(kThreads * kSplit, Tile<BM>::kMinBlocks / kSpl
     // them may have to wait until they have read their address registers (ncu: long-scoreboard stalls).
     const __half2 rw0 = __float2half2_rn(at_offset<float>(s.ws, ws_off)),
                   rw1 = __float2half2_rn(at_offset<float>(s.ws, ws_off + 8 * sizeof(float)));
+    // So are the 64-row tiles' first activation scale ratios: read after the wgmma wait, the first HMUL2 of
+    // the fold waited for them (ncu, v42). The taller tiles measured up to 3.5% slower with it (docs/kernels.md,
+    // v45 and v45b).
+    constexpr bool kEarlyRatios = BM == 64;
+    const uint4 ra8_first = kEarlyRatios ? at_offset<uint4>(s.ra, ra_off) : uint4{};
 
     if (g + kStages - 1 < Gw) load_next_stage(g + kStages - 1);
     cp_async_commit();
@@ -379,7 +384,7 @@ __global__ void __launch_bounds__(kThreads * kSplit, Tile<BM>::kMinBlocks / kSpl
     // thread's activation rows in j = 4p .. 4p + 3 lie side by side (activation_scale_position).
 #pragma unroll
     for (int p = 0; p < BM / 32; ++p) {
-      const uint4 ra8 = at_offset<uint4>(s.ra, ra_off + 32 * sizeof(__half) * p);
+      const uint4 ra8 = kEarlyRatios && p == 0 ? ra8_first : at_offset<uint4>(s.ra, ra_off + 32 * sizeof(__half) * p);
       const uint32_t ra_pairs[4] = {ra8.x, ra8.y, ra8.z, ra8.w};
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
