@@ -7,6 +7,9 @@
   projections, K 1024, as separate layers (how the engine ran them before groups) and as one grouped GEMM:
   bf16 (the RMSNorm kernel + cuBLAS) and W4A4 (the norm inside activation quantization).
 - silu_mul: silu(gate) * up of [M, 3072], torch (two kernels) against the kernel.
+- swiglu: RMSNorm(x) -> silu(gate) * up (gate, up 3072 x 1024, rank 16: the SwiGLU GEMM's rank). bf16: the
+  RMSNorm kernel + one cuBLAS GEMM + the silu_mul kernel; W4A4: the grouped GEMM + the silu_mul kernel, and
+  the SwiGLU GEMM (silu(gate) * up in its epilogue).
 - qk_norm_rope: q/k head RMSNorm + RoPE on the q/k/v output (16 + 8 heads of 128): torch against the kernel.
 
 CUDA-graph replays timed like bench/kernels.py (do_bench medians, L2 cleared).
@@ -114,6 +117,30 @@ def norm_group(m: int, g: torch.Generator, case: str, widths: tuple[int, ...]) -
     return row
 
 
+def swiglu(m: int, g: torch.Generator) -> dict:
+    k = HIDDEN
+    backend = CudaW4A4Backend()
+    gate = random_layer(INTERMEDIATE, k, g, rank=16)
+    up = dataclasses.replace(random_layer(INTERMEDIATE, k, g, rank=16), smooth=gate.smooth)
+    group, fused = backend.prepare_group([gate, up]), backend.prepare_swiglu([gate, up])
+    norm = RMSNorm(k, 1e-6).to("cuda", torch.bfloat16)
+    x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(2 * INTERMEDIATE, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    ops = kops.load()
+
+    def silu_mul_of(gate_up: torch.Tensor) -> torch.Tensor:
+        return ops.silu_mul(*gate_up.split(INTERMEDIATE, dim=-1))
+
+    variants = {
+        "bf16": lambda: silu_mul_of(norm(x) @ w.t()),
+        "w4a4_silu_mul": lambda: silu_mul_of(backend.forward_rmsnorm(x, norm.weight, norm.eps, group)),
+        "w4a4_swiglu_gemm": lambda: backend.forward_rmsnorm(x, norm.weight, norm.eps, fused),
+    }
+    row = {"M": m, "case": "swiglu", "N": 2 * INTERMEDIATE, "K": k, "rank": 16}
+    row.update(timed(variants, ("w4a4_swiglu_gemm", "w4a4_silu_mul")))
+    return row
+
+
 def qk_norm_rope(m: int, g: torch.Generator) -> dict:
     qkv = torch.randn(m, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=g, device="cuda").to(torch.bfloat16)
     q = qkv[:, : HEADS * HEAD_DIM].view(m, HEADS, HEAD_DIM)
@@ -147,6 +174,7 @@ def main() -> int:
             norm_qkv,
             functools.partial(norm_group, case="group_qkv", widths=(2048, 1024, 1024)),
             functools.partial(norm_group, case="group_gate_up", widths=(INTERMEDIATE, INTERMEDIATE)),
+            swiglu,
             qk_norm_rope,
         ):
             rows.append(case(m, g))

@@ -7,7 +7,9 @@ with SDPA (eager, padded batch), as the anchor did; ours runs bf16 on the fastes
 eagerly and with CUDA graphs, and in W4A4 (backbone Linears on the W4A4 kernels) with CUDA graphs; the
 `_unfused` variants run with the fused kernels off (OVBATCH_FUSED_KERNELS=0: torch's RMSNorm, SiLU*up and
 q/k norm + RoPE around the Linears), which is what they save; the `_ungrouped` variants run q/k/v and gate/up
-as separate layers (OVBATCH_GROUPED_PROJECTIONS=0) instead of one GEMM each.
+as separate layers (OVBATCH_GROUPED_PROJECTIONS=0) instead of one GEMM each; `_silu_mul` runs W4A4 gate/up
+as the grouped GEMM + the silu_mul kernel instead of the GEMM that writes silu(gate) * up
+(OVBATCH_SWIGLU_GEMM=0).
 Medians of the repetitions; RTF = wall time / audio time.
 
     python bench/generate.py [--out bench/results/generate-h200.json] [--reps 5]
@@ -60,7 +62,11 @@ def requests(batch: int, vary: bool) -> list[Request]:
 
 
 # the switches a variant's label turns off (engine/kernels/fused.py, engine/quant/linear.py)
-SWITCHES = {"_unfused": "OVBATCH_FUSED_KERNELS", "_ungrouped": "OVBATCH_GROUPED_PROJECTIONS"}
+SWITCHES = {
+    "_unfused": "OVBATCH_FUSED_KERNELS",
+    "_ungrouped": "OVBATCH_GROUPED_PROJECTIONS",
+    "_silu_mul": "OVBATCH_SWIGLU_GEMM",
+}
 
 
 @contextlib.contextmanager
@@ -127,6 +133,7 @@ def main() -> None:
     w4a4 = w4a4_copy(ours)
     for label, model in (
         ("ours_w4a4_graphs", w4a4),
+        ("ours_w4a4_graphs_silu_mul", w4a4),
         ("ours_bf16_graphs_unfused", ours),
         ("ours_w4a4_graphs_unfused", w4a4),
         ("ours_bf16_graphs_ungrouped", ours),

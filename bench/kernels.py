@@ -36,13 +36,13 @@ WGMMA_S8_OPS_PER_S = 1979e12
 BF16_FLOPS_PER_S = 790e12
 
 
-def random_layer(n: int, k: int, g: torch.Generator) -> W4A4Tensors:
+def random_layer(n: int, k: int, g: torch.Generator, rank: int = RANK) -> W4A4Tensors:
     dev = "cuda"
     return W4A4Tensors(
         qweight=pack_int4(torch.randint(-8, 8, (n, k), generator=g, device=dev)),
         wscales=(torch.rand(n, k // 64, generator=g, device=dev) * 0.02 + 1e-4).half(),
-        proj_down=(torch.randn(k, RANK, generator=g, device=dev) / k**0.5).half(),
-        proj_up=(torch.randn(n, RANK, generator=g, device=dev) * 0.05).half(),
+        proj_down=(torch.randn(k, rank, generator=g, device=dev) / k**0.5).half(),
+        proj_up=(torch.randn(n, rank, generator=g, device=dev) * 0.05).half(),
         smooth=(torch.rand(k, generator=g, device=dev) * 2 + 0.25).half(),
     )
 

@@ -45,6 +45,7 @@ def generate_rows(result: dict) -> list[str]:
                 ms["ours_bf16_graphs_ungrouped"],
                 ms["ours_bf16_graphs_unfused"],
                 f"{ms['ours_w4a4_graphs']} ({w4a4_ratio:.2f}x bf16)",
+                ms["ours_w4a4_graphs_silu_mul"],
                 ms["ours_w4a4_graphs_ungrouped"],
                 ms["ours_w4a4_graphs_unfused"],
             )
@@ -122,6 +123,23 @@ def group_rows(result: dict) -> list[str]:
     return rows
 
 
+def swiglu_rows(result: dict) -> list[str]:
+    """docs/kernels.md: RMSNorm -> silu(gate) * up, bf16, W4A4 grouped + silu_mul and the SwiGLU GEMM."""
+    rows = []
+    for m in sorted({r["M"] for r in result["rows"]}):
+        r = _fused_case(result, m, "swiglu")
+        rows.append(
+            row(
+                m,
+                f"{r['bf16_us']:.1f}",
+                f"{r['w4a4_silu_mul_us']:.1f}",
+                f"{r['w4a4_swiglu_gemm_us']:.1f} ({r['w4a4_silu_mul_us'] / r['w4a4_swiglu_gemm_us']:.2f}x)",
+                f"{r['speedup_w4a4_swiglu_gemm_vs_bf16']:.2f}x",
+            )
+        )
+    return rows
+
+
 def tables() -> dict[str, tuple[str, list[str]]]:
     """Table name -> (the document it lives in, its rows)."""
     generate, kernels, fused = load("generate-h200.json"), load("kernels-h200.json"), load("fused-h200.json")
@@ -131,6 +149,7 @@ def tables() -> dict[str, tuple[str, list[str]]]:
         "current kernel numbers": ("docs/kernels.md", kernel_rows(kernels)),
         "fused kernels": ("docs/kernels.md", fused_rows(fused)),
         "groups": ("docs/kernels.md", group_rows(fused)),
+        "swiglu": ("docs/kernels.md", swiglu_rows(fused)),
     }
 
 

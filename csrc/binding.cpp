@@ -220,10 +220,12 @@ Tensor silu_mul(const Tensor& gate, const Tensor& up) {
 // Packed activations of M real rows times packed weights of N real columns -> y [M, N] in out_dtype.
 // segment_starts: for a group of layers stacked along N, the first output column of each layer after the
 // first (multiples of 64); layer s reads low-rank columns s * R .. s * R + R - 1 of lora.
+// swiglu: the N rows are gate and up rows interleaved 8 by 8 (engine/kernels/w4a4.py swiglu_row_order) with
+// a block-diagonal proj_up [N_pad, 32] -> y = silu(gate) * up [M, N / 2].
 Tensor gemm_lora_up(const Tensor& qact, const Tensor& aratios, const Tensor& amax, const Tensor& lora,
                     const Tensor& qweight, const Tensor& wscales, const Tensor& proj_up,
                     const std::optional<Tensor>& bias, int64_t M, int64_t N, at::ScalarType out_dtype,
-                    at::IntArrayRef segment_starts) {
+                    at::IntArrayRef segment_starts, bool swiglu) {
   for (auto [t, name] : {std::pair{&qact, "qact"}, {&aratios, "aratios"}, {&amax, "amax"}, {&lora, "lora"},
                          {&qweight, "qweight"}, {&wscales, "wscales"}, {&proj_up, "proj_up"}}) {
     check_cuda(*t, name);
@@ -269,13 +271,17 @@ Tensor gemm_lora_up(const Tensor& qact, const Tensor& aratios, const Tensor& ama
               N_pad, "] (kernel_weight_scales), got ", wscales.sizes());
   TORCH_CHECK(proj_up.sizes() == torch::IntArrayRef({N_pad, R}), "ovbatch_w4a4: proj_up must be [", N_pad, ", ", R,
               "], got ", proj_up.sizes());
+  TORCH_CHECK(!swiglu || (segments == 1 && R == 32),
+              "ovbatch_w4a4: swiglu takes one segment of interleaved gate/up rows with proj_up [N_pad, 32] (two rank-16 "
+              "layers), got segment_starts ",
+              segment_starts, " and R = ", R);
   if (bias) {
     check_cuda(*bias, "bias");
     check_dtype(*bias, at::kFloat, "bias");
     TORCH_CHECK(bias->numel() == N, "ovbatch_w4a4: bias must have N = ", N, " elements, got ", bias->numel());
   }
   const c10::cuda::CUDAGuard guard(qact.device());
-  Tensor y = torch::empty({M, N}, qact.options().dtype(out_dtype));
+  Tensor y = torch::empty({M, swiglu ? N / 2 : N}, qact.options().dtype(out_dtype));
   w4a4::GemmArgs a{};
   a.qact = qact.data_ptr();
   a.aratios = aratios.data_ptr();
@@ -295,6 +301,7 @@ Tensor gemm_lora_up(const Tensor& qact, const Tensor& aratios, const Tensor& ama
   a.lora_ld = static_cast<int>(segments * R);
   a.segments = static_cast<int>(segments);
   for (size_t s = 0; s < segment_starts.size(); ++s) a.segment_start[s] = static_cast<int>(segment_starts[s]);
+  a.swiglu = swiglu;
   a.bf16 = out_dtype == at::kBFloat16;
   check_launch(w4a4::launch_w4a4_gemm_lora_up(a, c10::cuda::getCurrentCUDAStream()), "w4a4_gemm_lora_up");
   return y;
@@ -312,7 +319,7 @@ Tensor w4a4_linear(const Tensor& x, const std::optional<Tensor>& smooth, const T
                    const Tensor& wscales, const Tensor& proj_up, const std::optional<Tensor>& bias, int64_t N) {
   auto [qact, aratios, amax, lora] = quantize_act_lora_down(x, smooth, pd_t);
   return gemm_lora_up(qact, aratios, amax, lora, qweight, wscales, proj_up, bias, x.size(0), N, x.scalar_type(),
-                      {});
+                      {}, false);
 }
 
 }  // namespace
@@ -329,7 +336,8 @@ TORCH_LIBRARY(ovbatch_w4a4, m) {
       "(Tensor, Tensor)");
   m.def(
       "gemm_lora_up(Tensor qact, Tensor aratios, Tensor amax, Tensor lora, Tensor qweight, Tensor wscales, "
-      "Tensor proj_up, Tensor? bias, int M, int N, ScalarType out_dtype, int[] segment_starts=[]) -> Tensor");
+      "Tensor proj_up, Tensor? bias, int M, int N, ScalarType out_dtype, int[] segment_starts=[], "
+      "bool swiglu=False) -> Tensor");
   m.def("gemm_k_splits(int M, int N, int K) -> int", &gemm_k_splits);
   m.def(
       "w4a4_linear(Tensor x, Tensor? smooth, Tensor pd_t, Tensor qweight, Tensor wscales, Tensor proj_up, "

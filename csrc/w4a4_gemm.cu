@@ -27,7 +27,9 @@
 // of their scale tensor, [K/64 + 1, N_pad]), + proj_up[n, :] . lora[m, :] on tf32 mma.sync (its C fragment
 // matches wgmma's D layout), cast, transpose through shared memory (stmatrix), 16-byte stores of rows < M. A
 // grouped GEMM (layers that read one input, weights stacked along N) gives each layer's 64-row weight tiles
-// that layer's R low-rank columns of lora.
+// that layer's R low-rank columns of lora. The SwiGLU variant (kSwiGlu) takes gate and up rows interleaved 8 by
+// 8 (engine/kernels/w4a4.py swiglu_row_order), so that each thread holds a gate output and its up output, and
+// writes silu(gate) * up: half the output, and no silu_mul kernel after it.
 #include "w4a4_common.cuh"
 #include "w4a4_launch.h"
 
@@ -64,7 +66,6 @@ constexpr int kMinGroupsPerSplit = 4;  // fewer K groups than this per warpgroup
 
 constexpr int kThreads = 128;  // one warpgroup: the threads that copy, fold and run the epilogue
 constexpr int kTileN = 64;     // weight rows per block: wgmma's M
-constexpr int kYStride = kTileN + 8;  // the epilogue's output tile ytile[m][n], rows padded by 8 elements
 
 // Per activation-tile height BM (wgmma's N). Taller tiles spread each weight conversion and scale load
 // over more outputs; shorter ones (fewer registers, more blocks) win on small grids.
@@ -110,7 +111,7 @@ struct Tile {
     static constexpr size_t kAmaxOffset = kLoraOffset + kLora;
     static constexpr size_t kProjUpOffset = kProjUpAfterLoop ? kAmaxOffset + kAmax : kRing;
     static constexpr size_t kBytes = kEpilogueDataAfterLoop ? kOwn : kAmaxOffset + kAmax;
-    static_assert(sizeof(OutT) * BM * kYStride <= kRing, "the ring holds the output tile");
+    static_assert(sizeof(OutT) * BM * (kTileN + 8) <= kRing, "the ring holds the output tile");
     static_assert(!kEpilogueDataAfterLoop || kLora + kAmax + (kProjUpAfterLoop ? kProjUp : 0) <= kRing,
                   "and what is copied into it after the loop");
   };
@@ -212,7 +213,11 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
 __device__ __forceinline__ __half2 as_half2(uint32_t bits) { return *reinterpret_cast<const __half2*>(&bits); }
 __device__ __forceinline__ uint32_t bits_of(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
 
-template <int BM, int R, typename OutT, int kSplit>
+// silu(g) * u in float32 with one rounding at the end (torch rounds g, u and silu(g) to the output dtype as
+// well): __expf and __fdividef, a few ulp of float32 each, far below the output's rounding.
+__device__ __forceinline__ float silu_times(float g, float u) { return __fdividef(g, 1.0f + __expf(-g)) * u; }
+
+template <int BM, int R, typename OutT, int kSplit, bool kSwiGlu>
 __global__ void __launch_bounds__(kThreads * kSplit, Tile<BM>::kMinBlocks / kSplit)
     w4a4_gemm_lora_up_kernel(const int8_t* __restrict__ qact, const __half* __restrict__ aratios,
                              const float* __restrict__ amax_rows,
@@ -474,35 +479,55 @@ __global__ void __launch_bounds__(kThreads * kSplit, Tile<BM>::kMinBlocks / kSpl
   }
 
   // Transpose through shared memory (the ring), once every warp is done with the low-rank activations:
-  // ytile[m][n]. The 8 x 8 blocks (j, h) of the warp's outputs are matrices of stmatrix's fragment layout
-  // (row n, columns m); stored transposed, their rows are 8 outputs of one activation row, 16 bytes. Lane l
-  // addresses row l % 8 of block (2p + l / 16, l / 8 % 2).
+  // ytile[m][n]. The 8 x 8 blocks of the warp's outputs are matrices of stmatrix's fragment layout (row n,
+  // columns m); stored transposed, their rows are 8 outputs of one activation row, 16 bytes.
   if (T::kEpilogueDataAfterLoop) __syncthreads();
   OutT* ytile = reinterpret_cast<OutT*>(ring_s);
-  const uint32_t ytile_lane =
-      smem_addr(ytile + (8 * (lane / 16) + lane % 8) * kYStride + warp * 16 + 8 * (lane / 8 % 2));
+  constexpr int kOutN = kSwiGlu ? kTileN / 2 : kTileN;  // output columns of the block
+  constexpr int kOutStride = kOutN + 8;                 // ytile's rows, padded by 8 elements
+  if constexpr (kSwiGlu) {
+    // Weight rows wrow0 and wrow0 + 8 are the gate and up rows of output column 8 warp + gr of the block's 32.
+    // Matrix q of step p is activation rows 8 (4p + q) ..: lane l addresses row l % 8 of matrix l / 8.
+    const uint32_t ytile_lane = smem_addr(ytile + (8 * (lane / 8) + lane % 8) * kOutStride + warp * 8);
 #pragma unroll
-  for (int p = 0; p < BM / 16; ++p) {
-    const float* a = &acc[8 * p];  // j = 2p: a[0..3], j = 2p + 1: a[4..7]; in each, h = 0 then h = 1
-    stmatrix_x4_trans(ytile_lane + 16 * p * kYStride * sizeof(OutT), pack_pair<OutT>(a[0], a[1]),
-                      pack_pair<OutT>(a[2], a[3]), pack_pair<OutT>(a[4], a[5]), pack_pair<OutT>(a[6], a[7]));
+    for (int p = 0; p < BM / 32; ++p) {
+      uint32_t r[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float* a = &acc[4 * (4 * p + q)];  // gate: a[0], a[1]; up: a[2], a[3]
+        r[q] = pack_pair<OutT>(silu_times(a[0], a[2]), silu_times(a[1], a[3]));
+      }
+      stmatrix_x4_trans(ytile_lane + 32 * p * kOutStride * sizeof(OutT), r[0], r[1], r[2], r[3]);
+    }
+  } else {
+    // Blocks (j, h): lane l addresses row l % 8 of block (2p + l / 16, l / 8 % 2).
+    const uint32_t ytile_lane =
+        smem_addr(ytile + (8 * (lane / 16) + lane % 8) * kOutStride + warp * 16 + 8 * (lane / 8 % 2));
+#pragma unroll
+    for (int p = 0; p < BM / 16; ++p) {
+      const float* a = &acc[8 * p];  // j = 2p: a[0..3], j = 2p + 1: a[4..7]; in each, h = 0 then h = 1
+      stmatrix_x4_trans(ytile_lane + 16 * p * kOutStride * sizeof(OutT), pack_pair<OutT>(a[0], a[1]),
+                        pack_pair<OutT>(a[2], a[3]), pack_pair<OutT>(a[4], a[5]), pack_pair<OutT>(a[6], a[7]));
+    }
   }
   warpgroup_sync();
   // Each thread copies 16-byte piece tid % kChunksPerRow of every kRowsPerPass-th row.
-  constexpr int kChunksPerRow = kTileN * sizeof(OutT) / 16, kRowsPerPass = kThreads / kChunksPerRow;
+  constexpr int kChunksPerRow = kOutN * sizeof(OutT) / 16, kRowsPerPass = kThreads / kChunksPerRow;
+  const int out_ld = kSwiGlu ? N / 2 : N;
   const int row = tid / kChunksPerRow, col = (tid % kChunksPerRow) * (16 / sizeof(OutT));
-  OutT* dst = y + static_cast<int64_t>(m0 + row) * N + n0 + col;
-  const int64_t dst_step = static_cast<int64_t>(kRowsPerPass) * N;
+  OutT* dst = y + static_cast<int64_t>(m0 + row) * out_ld + (kSwiGlu ? n0 / 2 : n0) + col;
+  const int64_t dst_step = static_cast<int64_t>(kRowsPerPass) * out_ld;
 #pragma unroll
   for (int i = 0; i < BM / kRowsPerPass; ++i, dst += dst_step)
     if (m0 + row + i * kRowsPerPass < M)
-      *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(&ytile[(row + i * kRowsPerPass) * kYStride + col]);
+      *reinterpret_cast<int4*>(dst) =
+          *reinterpret_cast<const int4*>(&ytile[(row + i * kRowsPerPass) * kOutStride + col]);
 }
 
-template <int BM, int R, typename OutT, int kSplit = 1>
+template <int BM, int R, typename OutT, bool kSwiGlu, int kSplit = 1>
 cudaError_t launch_tile(const GemmArgs& a, cudaStream_t stream) {
   const size_t smem = Tile<BM>::template SmemLayout<R, OutT, kSplit>::kBytes;
-  auto kernel = w4a4_gemm_lora_up_kernel<BM, R, OutT, kSplit>;
+  auto kernel = w4a4_gemm_lora_up_kernel<BM, R, OutT, kSplit, kSwiGlu>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
   const dim3 grid(a.N / kTileN, (a.M + BM - 1) / BM);
@@ -533,22 +558,24 @@ GemmPlan plan_gemm(int M, int N, int K, int sms) {
   return {64, split ? kSmallGridSplit : 1};
 }
 
-template <int R, typename OutT>
+template <int R, typename OutT, bool kSwiGlu>
 cudaError_t launch_typed(const GemmArgs& a, cudaStream_t stream) {
   int sms = 0;
   const cudaError_t err = sm_count(&sms);
   if (err != cudaSuccess) return err;
   const GemmPlan plan = plan_gemm(a.M, a.N, a.K, sms);
-  if (plan.bm == 256) return launch_tile<256, R, OutT>(a, stream);
-  if (plan.bm == 128) return launch_tile<128, R, OutT>(a, stream);
-  return plan.k_split == 1 ? launch_tile<64, R, OutT>(a, stream)
-                           : launch_tile<64, R, OutT, kSmallGridSplit>(a, stream);
+  if (plan.bm == 256) return launch_tile<256, R, OutT, kSwiGlu>(a, stream);
+  if (plan.bm == 128) return launch_tile<128, R, OutT, kSwiGlu>(a, stream);
+  return plan.k_split == 1 ? launch_tile<64, R, OutT, kSwiGlu>(a, stream)
+                           : launch_tile<64, R, OutT, kSwiGlu, kSmallGridSplit>(a, stream);
 }
 
+// The SwiGLU variant only at R = 32: two rank-16 layers (the format's ranks are 16 and 32).
 template <typename OutT>
 cudaError_t launch_rank(const GemmArgs& a, cudaStream_t stream) {
-  if (a.R == 16) return launch_typed<16, OutT>(a, stream);
-  if (a.R == 32) return launch_typed<32, OutT>(a, stream);
+  if (a.swiglu) return a.R == 32 ? launch_typed<32, OutT, true>(a, stream) : cudaErrorInvalidValue;
+  if (a.R == 16) return launch_typed<16, OutT, false>(a, stream);
+  if (a.R == 32) return launch_typed<32, OutT, false>(a, stream);
   return cudaErrorInvalidValue;
 }
 
@@ -566,6 +593,7 @@ cudaError_t launch_w4a4_gemm_lora_up(const GemmArgs& a, cudaStream_t stream) {
       a.K % kGroup || a.K / kGroup > kMaxGroups)
     return cudaErrorInvalidValue;
   if (a.segments < 1 || a.segments > kMaxSegments || a.lora_ld != a.segments * a.R) return cudaErrorInvalidValue;
+  if (a.swiglu && a.segments != 1) return cudaErrorInvalidValue;
   for (int s = 0; s + 1 < a.segments; ++s)
     if (a.segment_start[s] % kTileN || a.segment_start[s] <= (s ? a.segment_start[s - 1] : 0) ||
         a.segment_start[s] >= a.N)

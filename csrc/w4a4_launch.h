@@ -44,12 +44,15 @@ struct GemmArgs {
   const float* lora;       // [M_pad, lora_ld] as the quantize kernel writes it
   const float* proj_up;    // [N_pad, R]: output row n's R low-rank weights
   const float* bias;       // [N] or nullptr
-  void* y;                 // [M, N] bf16 or fp16
+  void* y;                 // [M, N] bf16 or fp16 ([M, N / 2] with swiglu)
   int M, M_pad, N, N_pad, K, R;
   // Segment s (output rows from segment_start[s - 1], multiples of 64, increasing) reads low-rank columns
   // s * R .. s * R + R - 1 of lora; a plain layer is one segment with lora_ld = R.
   int lora_ld, segments;
   int segment_start[kMaxSegments - 1];
+  // Gate and up rows interleaved 8 by 8 (one segment, R = 32: both layers' 16 low-rank columns, proj_up block
+  // diagonal): y = silu(gate) * up.
+  bool swiglu;
   bool bf16;
 };
 

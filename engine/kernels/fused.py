@@ -4,7 +4,8 @@ Fused paths: RMSNorm -> W4A4 activation quantization (q/k/v and gate/up inputs),
 SiLU(gate) * up and q/k head norm + RoPE kernels. They run where the CUDA extension does (sm_90a) on
 bf16/fp16 tensors; OVBATCH_FUSED_KERNELS=0 turns them all off (the unfused torch path), which is how the
 benchmarks measure what they save. Grouped projections (q/k/v and gate/up as one GEMM each, bf16 and W4A4)
-run on the same condition; OVBATCH_GROUPED_PROJECTIONS=0 turns them off alone.
+run on the same condition; OVBATCH_GROUPED_PROJECTIONS=0 turns them off alone. The W4A4 gate/up GEMM that
+writes silu(gate) * up itself runs where both are on; OVBATCH_SWIGLU_GEMM=0 turns it off alone.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ def fused_enabled() -> bool:
 
 def groups_enabled() -> bool:
     return os.environ.get("OVBATCH_GROUPED_PROJECTIONS", "1") != "0"
+
+
+def swiglu_gemm_enabled() -> bool:
+    return os.environ.get("OVBATCH_SWIGLU_GEMM", "1") != "0"
 
 
 @functools.cache

@@ -45,9 +45,21 @@ def _fake_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps):
 
 
 def _fake_gemm(
-    qact, aratios, amax, lora, qweight, wscales, proj_up, bias, m, n, out_dtype, segment_starts=()
+    qact,
+    aratios,
+    amax,
+    lora,
+    qweight,
+    wscales,
+    proj_up,
+    bias,
+    m,
+    n,
+    out_dtype,
+    segment_starts=(),
+    swiglu=False,
 ):
-    return qact.new_empty((m, n), dtype=out_dtype)
+    return qact.new_empty((m, n // 2 if swiglu else n), dtype=out_dtype)
 
 
 def _fake_linear(x, smooth, pd_t, qweight, wscales, proj_up, bias, n):

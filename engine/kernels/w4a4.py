@@ -8,7 +8,8 @@ and `forward(x, packed) -> y`.
   `prepare` repacks the canonical layout once;
   `prepare_group` packs layers that read one input (q/k/v, gate/up) as one GEMM whose weights are stacked
   along N: one activation quantization computes every layer's low-rank input, and each layer's output
-  rows read their own low-rank columns.
+  rows read their own low-rank columns. `prepare_swiglu` packs gate and up with their rows interleaved, for
+  the GEMM whose epilogue writes silu(gate) * up.
 - `ReferenceW4A4Backend`: engine/quant/reference.py in plain torch, on any device.
 
 The kernels' operand layouts are defined here in torch (`pack_operand` / `unpack_operand` for the packed
@@ -191,8 +192,9 @@ class CudaW4A4Packed:
     bias: torch.Tensor | None  # float32 [N]
     in_features: int
     out_features: int
-    kernel_out_features: int  # out_features rounded up to the GEMM's 64-row granularity
+    kernel_out_features: int  # the GEMM's N: out_features rounded up to 64 rows (twice it with swiglu)
     splits: list[int]  # the output width of each layer stacked in this GEMM (one entry for a plain layer)
+    swiglu: bool = False  # gate and up rows interleaved (swiglu_row_order); the output is silu(gate) * up
 
     @property
     def segment_starts(self) -> list[int]:
@@ -217,6 +219,26 @@ def group_obstacle(tensors: list) -> str | None:
             t.smooth is not None and not torch.equal(t.smooth, first.smooth)
         ):
             return "the layers smooth their input differently, so their activations quantize differently"
+    return None
+
+
+def swiglu_row_order(width: int) -> torch.Tensor:
+    """The rows of cat(gate, up) [2 width, K] in the SwiGLU GEMM's order: for every 8 output columns, their
+    8 gate rows then their 8 up rows, so that a thread of the epilogue holds a gate output and its up output
+    (csrc/w4a4_gemm.cu: rows r and r + 8 of the warp's 16)."""
+    columns = torch.arange(0, width, 8)[:, None] + torch.arange(8)
+    return torch.stack((columns, columns + width), dim=1).reshape(-1)
+
+
+def swiglu_obstacle(tensors: list) -> str | None:
+    """Why (gate, up) cannot run as the SwiGLU GEMM, or None when they can."""
+    obstacle = group_obstacle(tensors)
+    if obstacle is not None:
+        return obstacle
+    if len(tensors) != 2 or tensors[0].out_features != tensors[1].out_features:
+        return "gate and up must be two layers of one output width"
+    if tensors[0].rank != 16:
+        return f"rank {tensors[0].rank}; the SwiGLU GEMM takes rank 16 (both layers' 32 low-rank columns)"
     return None
 
 
@@ -252,8 +274,18 @@ class CudaW4A4Backend:
             return None
         return self._pack(tensors)
 
-    def _pack(self, tensors: list) -> CudaW4A4Packed:
-        """The kernels' layout of one layer, or of a group stacked along N (group_obstacle is None)."""
+    def prepare_swiglu(self, layers) -> CudaW4A4Packed | None:
+        """gate and up packed for the GEMM that writes silu(gate) * up, or None (logged) when it cannot."""
+        tensors = [layer_tensors(layer).validate() for layer in layers]
+        obstacle = swiglu_obstacle(tensors)
+        if obstacle is not None:
+            log.info("W4A4 gate/up run without the SwiGLU GEMM: %s", obstacle)
+            return None
+        return self._pack(tensors, swiglu=True)
+
+    def _pack(self, tensors: list, swiglu: bool = False) -> CudaW4A4Packed:
+        """The kernels' layout of one layer, or of a group stacked along N (group_obstacle is None), or of
+        gate and up interleaved (swiglu_obstacle is None)."""
         first = tensors[0]
         device = first.qweight.device
         if device.type != "cuda":
@@ -264,7 +296,9 @@ class CudaW4A4Backend:
         n, k = sum(widths), first.in_features
         n_pad = ops.padded_rows(n, ops.BLOCK_N)
         n_run = ops.padded_rows(n, 64)
-        q = torch.cat([unpack_int4(t.qweight) for t in tensors])
+        # the rows in the GEMM's order: stacked, or interleaved for the SwiGLU GEMM
+        order = swiglu_row_order(widths[0]).to(device) if swiglu else torch.arange(n, device=device)
+        q = torch.cat([unpack_int4(t.qweight) for t in tensors])[order]
         q = torch.nn.functional.pad(q, (0, 0, 0, n_pad - n))
         pd = torch.cat([t.proj_down.float() for t in tensors], dim=1)
         smooth = None
@@ -274,29 +308,32 @@ class CudaW4A4Backend:
             # the kernel divides by smooth through its reciprocal (correctly rounded, computed on the CPU)
             smooth = torch.stack((s, (torch.ones(s.shape) / s.cpu()).to(s.device))).contiguous()
         pd_t = pd.t().contiguous()
-        proj_up = torch.cat([t.proj_up.float() for t in tensors])
+        # the SwiGLU GEMM's rows read both layers' low-rank columns: zeros in the other layer's
+        ups = [t.proj_up.float() for t in tensors]
+        proj_up = (torch.block_diag(*ups) if swiglu else torch.cat(ups))[order]
         bias = None
         if any(t.bias is not None for t in tensors):
             zeros = [torch.zeros(w, device=device) for w in widths]
             bias = torch.cat([t.bias.float() if t.bias is not None else z for t, z in zip(tensors, zeros)])
-            bias = torch.nn.functional.pad(bias, (0, n_run - n))
+            bias = torch.nn.functional.pad(bias[order], (0, n_run - n))
         return CudaW4A4Packed(
             qweight=pack_operand(q),
-            wscales=kernel_weight_scales(torch.cat([t.wscales for t in tensors]), n_pad),
+            wscales=kernel_weight_scales(torch.cat([t.wscales for t in tensors])[order], n_pad),
             proj_up=torch.nn.functional.pad(proj_up, (0, 0, 0, n_pad - n)).contiguous(),
             pd_t={dt: pd_t.to(dt) for dt in (torch.bfloat16, torch.float16)},
             smooth=smooth,
             bias=bias,
             in_features=k,
-            out_features=n,
+            out_features=n // 2 if swiglu else n,
             kernel_out_features=n_run,
-            splits=widths,
+            splits=[n // 2] if swiglu else widths,
+            swiglu=swiglu,
         )
 
     def forward(self, x: torch.Tensor, packed: CudaW4A4Packed) -> torch.Tensor:
         x2 = self._rows(x, packed)
         p = packed
-        if p.segment_starts:
+        if p.segment_starts or p.swiglu:
             quantized = ops.load().quantize_act_lora_down(x2, p.smooth, p.pd_t[x.dtype])
             return self._gemm(quantized, x2.shape[0], x.shape[:-1], x.dtype, p)
         y = ops.load().w4a4_linear(
@@ -332,14 +369,26 @@ class CudaW4A4Backend:
         p = packed
         n = p.kernel_out_features
         y = ops.load().gemm_lora_up(
-            qact, aratios, amax, lora, p.qweight, p.wscales, p.proj_up, p.bias, m, n, dtype, p.segment_starts
+            qact,
+            aratios,
+            amax,
+            lora,
+            p.qweight,
+            p.wscales,
+            p.proj_up,
+            p.bias,
+            m,
+            n,
+            dtype,
+            p.segment_starts,
+            p.swiglu,
         )
         return self._output(y, lead, packed)
 
     @staticmethod
     def _output(y: torch.Tensor, lead, packed: CudaW4A4Packed) -> torch.Tensor:
         n = packed.out_features
-        if packed.kernel_out_features != n:  # layers narrower than 64 rows (the tiny model's k/v projections)
+        if y.shape[-1] != n:  # layers narrower than 64 rows (the tiny model's k/v projections)
             y = y[:, :n]
         return y.reshape(*lead, n)
 

@@ -8,7 +8,8 @@ Fused kernels (engine/kernels/fused.py) take over where they can, with the same 
 SiLU(gate) * up and the q/k head norm + RoPE as one kernel each, and a Linear that offers
 `fuses_rmsnorm(x)` (W4A4Linear on the CUDA kernels) computes its input's RMSNorm inside its activation
 quantization. q/k/v and gate/up run as one GEMM each where the fused paths run (W4A4 groups, or bf16
-Linears whose weights view one stacked tensor).
+Linears whose weights view one stacked tensor); a rank-16 W4A4 gate/up GEMM also writes silu(gate) * up
+itself (swiglu_input).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.kernels.fused import fused_ops, groups_enabled
+from engine.kernels.fused import fused_ops, groups_enabled, swiglu_gemm_enabled
 from engine.quant.linear import grouped_forward
 
 LinearFactory = Callable[[str, int, int], nn.Module]  # (qualified name, in_features, out_features)
@@ -95,8 +96,7 @@ def normed_projections(x: Tensor, norm: RMSNorm, linears: tuple[nn.Module, ...])
     one (W4A4 groups; bf16 Linears viewing one stacked weight), the norm fused into W4A4 activation
     quantization where all can. Linears with hooks (calibration records their inputs) run one by one, as
     all do with OVBATCH_GROUPED_PROJECTIONS=0."""
-    hooked = any(linear._forward_hooks or linear._forward_pre_hooks for linear in linears)
-    group = not hooked and groups_enabled()
+    group = not has_hooks(linears) and groups_enabled()
     grouped = grouped_forward(linears, x, norm) if group else None
     if grouped is not None:
         return grouped
@@ -108,6 +108,22 @@ def normed_projections(x: Tensor, norm: RMSNorm, linears: tuple[nn.Module, ...])
     if weight is None:
         return [linear(h) for linear in linears]
     return list(F.linear(h, weight).split([linear.out_features for linear in linears], dim=-1))
+
+
+def has_hooks(linears: tuple[nn.Module, ...]) -> bool:
+    return any(linear._forward_hooks or linear._forward_pre_hooks for linear in linears)
+
+
+def swiglu_input(x: Tensor, norm: RMSNorm, gate: nn.Module, up: nn.Module) -> Tensor:
+    """silu(gate(norm(x))) * up(norm(x)): one W4A4 GEMM that applies silu(gate) * up in its epilogue where
+    the fused paths and grouped projections run, the switch is on (engine/kernels/fused.py) and the layers
+    allow it (engine/kernels/w4a4.py swiglu_obstacle), else the projections (normed_projections) and then
+    silu_mul."""
+    if not has_hooks((gate, up)) and groups_enabled() and swiglu_gemm_enabled() and fused_ops(x) is not None:
+        fused = grouped_forward((gate, up), x, norm, swiglu=True)
+        if fused is not None:
+            return fused
+    return silu_mul(*normed_projections(x, norm, (gate, up)))
 
 
 def stacked_weight(linears: tuple[nn.Module, ...]) -> Tensor | None:
@@ -150,5 +166,4 @@ class SwiGLU(nn.Module):
         self.down_proj = linear_factory(f"{prefix}.down_proj", intermediate, hidden)
 
     def forward(self, x: Tensor, norm: RMSNorm) -> Tensor:
-        gate, up = normed_projections(x, norm, (self.gate_proj, self.up_proj))
-        return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(swiglu_input(x, norm, self.gate_proj, self.up_proj))

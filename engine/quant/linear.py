@@ -5,8 +5,9 @@ where they are built and supported, the reference otherwise), or the reference d
 package cannot be imported. A backend turns the layer into its own layout once (`prepare`) per device.
 
 `grouped_forward` runs several layers that read one input (q/k/v, gate/up) as one GEMM on backends that
-offer `prepare_group`: one activation quantization instead of one per layer, and one wider GEMM.
-The model decides where to group (engine/model/layers.py normed_projections).
+offer `prepare_group`: one activation quantization instead of one per layer, and one wider GEMM. With
+`swiglu=True` it runs gate and up as one GEMM that writes silu(gate) * up (backends with `prepare_swiglu`).
+The model decides where to group (engine/model/layers.py normed_projections, swiglu_input).
 """
 
 from __future__ import annotations
@@ -55,11 +56,12 @@ class W4A4Linear(nn.Module):
         self._packed = None
         self._packed_for = None
         self.generation = 0  # counts changes of tensors or device: copies prepared before are stale
-        self._group_key = None  # grouped_forward's group led by this layer, and what it was made of
-        self._group_packed = None
+        # grouped_forward's groups led by this layer: {swiglu: (what the group was made of, its packed form)}
+        self._groups: dict[bool, tuple] = {}
 
     def _stale(self) -> None:
-        self._packed = self._group_packed = self._group_key = None
+        self._packed = None
+        self._groups = {}
         self.generation += 1
 
     @classmethod
@@ -123,20 +125,23 @@ class W4A4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}{smooth}"
 
 
-def grouped_forward(layers, x: torch.Tensor, norm=None) -> list[torch.Tensor] | None:
+def grouped_forward(layers, x: torch.Tensor, norm=None, swiglu: bool = False):
     """[layer(norm(x)) for layer in layers] (x itself without a norm) as one grouped W4A4 GEMM, or None when
     the layers cannot share one (not all W4A4, a backend without groups, different smoothing: the caller
-    then runs them one by one). The group is prepared once and rebuilt when a member changes."""
+    then runs them one by one). With swiglu, layers are (gate, up) and the result is the one tensor
+    silu(gate(h)) * up(h), or None where the backend has no such GEMM for them. A group is prepared once
+    and rebuilt when a member changes."""
     if len(layers) < 2 or not all(isinstance(layer, W4A4Linear) for layer in layers):
         return None
     backend = backend_for(x.device)
-    if not hasattr(backend, "prepare_group"):
+    prepare = getattr(backend, "prepare_swiglu" if swiglu else "prepare_group", None)
+    if prepare is None:
         return None
     first = layers[0]
     key = (backend, tuple(map(id, layers)), tuple(layer.generation for layer in layers))
-    if first._group_key != key:
-        first._group_packed, first._group_key = backend.prepare_group(layers), key
-    packed = first._group_packed
+    if first._groups.get(swiglu, (None,))[0] != key:
+        first._groups[swiglu] = (key, prepare(layers))
+    packed = first._groups[swiglu][1]
     if packed is None:
         return None
     if norm is None:
@@ -145,4 +150,4 @@ def grouped_forward(layers, x: torch.Tensor, norm=None) -> list[torch.Tensor] | 
         y = backend.forward_rmsnorm(x, norm.weight, norm.eps, packed)
     else:
         y = backend.forward(norm(x), packed)
-    return list(y.split(packed.splits, dim=-1))
+    return y if swiglu else list(y.split(packed.splits, dim=-1))
