@@ -10,6 +10,8 @@
 - swiglu: RMSNorm(x) -> silu(gate) * up (gate, up 3072 x 1024, rank 16: the SwiGLU GEMM's rank). bf16: the
   RMSNorm kernel + one cuBLAS GEMM + the silu_mul kernel; W4A4: the grouped GEMM + the silu_mul kernel, and
   the SwiGLU GEMM (silu(gate) * up in its epilogue).
+- residual_o, residual_down: x + linear(h) for o (1024 x 2048) and down (1024 x 3072). bf16: cuBLAS + torch's
+  add; W4A4: the linear + torch's add, and the add in the GEMM's epilogue.
 - qk_norm_rope: q/k head RMSNorm + RoPE on the q/k/v output (16 + 8 heads of 128): torch against the kernel.
 
 CUDA-graph replays timed like bench/kernels.py (do_bench medians, L2 cleared).
@@ -141,6 +143,21 @@ def swiglu(m: int, g: torch.Generator) -> dict:
     return row
 
 
+def residual(m: int, g: torch.Generator, case: str, k: int) -> dict:
+    n = HIDDEN
+    backend = CudaW4A4Backend()
+    packed = backend.prepare(random_layer(n, k, g))
+    h = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+    x = torch.randn(m, n, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    variants = {
+        "bf16": lambda: x + h @ w.t(),
+        "w4a4_add": lambda: x + backend.forward(h, packed),
+        "w4a4_fused": lambda: backend.forward(h, packed, residual=x),
+    }
+    return {"M": m, "case": case, "N": n, "K": k, **timed(variants, ("w4a4_fused", "w4a4_add"))}
+
+
 def qk_norm_rope(m: int, g: torch.Generator) -> dict:
     qkv = torch.randn(m, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=g, device="cuda").to(torch.bfloat16)
     q = qkv[:, : HEADS * HEAD_DIM].view(m, HEADS, HEAD_DIM)
@@ -175,6 +192,8 @@ def main() -> int:
             functools.partial(norm_group, case="group_qkv", widths=(2048, 1024, 1024)),
             functools.partial(norm_group, case="group_gate_up", widths=(INTERMEDIATE, INTERMEDIATE)),
             swiglu,
+            functools.partial(residual, case="residual_o", k=HEADS * HEAD_DIM),
+            functools.partial(residual, case="residual_down", k=INTERMEDIATE),
             qk_norm_rope,
         ):
             rows.append(case(m, g))

@@ -140,6 +140,25 @@ def swiglu_rows(result: dict) -> list[str]:
     return rows
 
 
+def residual_rows(result: dict) -> list[str]:
+    """docs/kernels.md: x + linear(h) for o and down: bf16, W4A4 + torch's add, the add in the epilogue."""
+    rows = []
+    for m in sorted({r["M"] for r in result["rows"]}):
+        for case, label in (("residual_o", "o"), ("residual_down", "down")):
+            r = _fused_case(result, m, case)
+            rows.append(
+                row(
+                    m,
+                    label,
+                    f"{r['bf16_us']:.1f}",
+                    f"{r['w4a4_add_us']:.1f}",
+                    f"{r['w4a4_fused_us']:.1f} ({r['w4a4_add_us'] / r['w4a4_fused_us']:.2f}x)",
+                    f"{r['speedup_w4a4_fused_vs_bf16']:.2f}x",
+                )
+            )
+    return rows
+
+
 def tables() -> dict[str, tuple[str, list[str]]]:
     """Table name -> (the document it lives in, its rows)."""
     generate, kernels, fused = load("generate-h200.json"), load("kernels-h200.json"), load("fused-h200.json")
@@ -150,6 +169,7 @@ def tables() -> dict[str, tuple[str, list[str]]]:
         "fused kernels": ("docs/kernels.md", fused_rows(fused)),
         "groups": ("docs/kernels.md", group_rows(fused)),
         "swiglu": ("docs/kernels.md", swiglu_rows(fused)),
+        "residual": ("docs/kernels.md", residual_rows(fused)),
     }
 
 

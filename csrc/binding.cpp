@@ -222,10 +222,11 @@ Tensor silu_mul(const Tensor& gate, const Tensor& up) {
 // first (multiples of 64); layer s reads low-rank columns s * R .. s * R + R - 1 of lora.
 // swiglu: the N rows are gate and up rows interleaved 8 by 8 (engine/kernels/w4a4.py swiglu_row_order) with
 // a block-diagonal proj_up [N_pad, 32] -> y = silu(gate) * up [M, N / 2].
+// residual [M, N] in out_dtype -> y = residual + y, rounded as torch adds them (not with swiglu).
 Tensor gemm_lora_up(const Tensor& qact, const Tensor& aratios, const Tensor& amax, const Tensor& lora,
                     const Tensor& qweight, const Tensor& wscales, const Tensor& proj_up,
                     const std::optional<Tensor>& bias, int64_t M, int64_t N, at::ScalarType out_dtype,
-                    at::IntArrayRef segment_starts, bool swiglu) {
+                    at::IntArrayRef segment_starts, bool swiglu, const std::optional<Tensor>& residual) {
   for (auto [t, name] : {std::pair{&qact, "qact"}, {&aratios, "aratios"}, {&amax, "amax"}, {&lora, "lora"},
                          {&qweight, "qweight"}, {&wscales, "wscales"}, {&proj_up, "proj_up"}}) {
     check_cuda(*t, name);
@@ -275,6 +276,12 @@ Tensor gemm_lora_up(const Tensor& qact, const Tensor& aratios, const Tensor& ama
               "ovbatch_w4a4: swiglu takes one segment of interleaved gate/up rows with proj_up [N_pad, 32] (two rank-16 "
               "layers), got segment_starts ",
               segment_starts, " and R = ", R);
+  if (residual) {
+    check_cuda(*residual, "residual");
+    check_dtype(*residual, out_dtype, "residual");
+    TORCH_CHECK(!swiglu && residual->sizes() == torch::IntArrayRef({M, N}), "ovbatch_w4a4: residual must be [", M,
+                ", ", N, "] (the output's shape; not with swiglu), got ", residual->sizes());
+  }
   if (bias) {
     check_cuda(*bias, "bias");
     check_dtype(*bias, at::kFloat, "bias");
@@ -302,6 +309,7 @@ Tensor gemm_lora_up(const Tensor& qact, const Tensor& aratios, const Tensor& ama
   a.segments = static_cast<int>(segments);
   for (size_t s = 0; s < segment_starts.size(); ++s) a.segment_start[s] = static_cast<int>(segment_starts[s]);
   a.swiglu = swiglu;
+  a.residual = residual ? residual->data_ptr() : nullptr;
   a.bf16 = out_dtype == at::kBFloat16;
   check_launch(w4a4::launch_w4a4_gemm_lora_up(a, c10::cuda::getCurrentCUDAStream()), "w4a4_gemm_lora_up");
   return y;
@@ -319,7 +327,7 @@ Tensor w4a4_linear(const Tensor& x, const std::optional<Tensor>& smooth, const T
                    const Tensor& wscales, const Tensor& proj_up, const std::optional<Tensor>& bias, int64_t N) {
   auto [qact, aratios, amax, lora] = quantize_act_lora_down(x, smooth, pd_t);
   return gemm_lora_up(qact, aratios, amax, lora, qweight, wscales, proj_up, bias, x.size(0), N, x.scalar_type(),
-                      {}, false);
+                      {}, false, std::nullopt);
 }
 
 }  // namespace
@@ -337,7 +345,7 @@ TORCH_LIBRARY(ovbatch_w4a4, m) {
   m.def(
       "gemm_lora_up(Tensor qact, Tensor aratios, Tensor amax, Tensor lora, Tensor qweight, Tensor wscales, "
       "Tensor proj_up, Tensor? bias, int M, int N, ScalarType out_dtype, int[] segment_starts=[], "
-      "bool swiglu=False) -> Tensor");
+      "bool swiglu=False, Tensor? residual=None) -> Tensor");
   m.def("gemm_k_splits(int M, int N, int K) -> int", &gemm_k_splits);
   m.def(
       "w4a4_linear(Tensor x, Tensor? smooth, Tensor pd_t, Tensor qweight, Tensor wscales, Tensor proj_up, "

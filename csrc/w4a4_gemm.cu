@@ -27,9 +27,10 @@
 // of their scale tensor, [K/64 + 1, N_pad]), + proj_up[n, :] . lora[m, :] on tf32 mma.sync (its C fragment
 // matches wgmma's D layout), cast, transpose through shared memory (stmatrix), 16-byte stores of rows < M. A
 // grouped GEMM (layers that read one input, weights stacked along N) gives each layer's 64-row weight tiles
-// that layer's R low-rank columns of lora. The SwiGLU variant (kSwiGlu) takes gate and up rows interleaved 8 by
+// that layer's R low-rank columns of lora. Two other epilogues: kSwiGlu takes gate and up rows interleaved 8 by
 // 8 (engine/kernels/w4a4.py swiglu_row_order), so that each thread holds a gate output and its up output, and
-// writes silu(gate) * up: half the output, and no silu_mul kernel after it.
+// writes silu(gate) * up: half the output, and no silu_mul kernel after it; kAddResidual writes
+// T(residual + T(y)), torch's rounding of `residual + linear(x)`, and no add kernel runs after it.
 #include "w4a4_common.cuh"
 #include "w4a4_launch.h"
 
@@ -210,6 +211,18 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(v);
 }
 
+// 8 elements of a + b, each T(float(a) + float(b)) as torch adds two bf16/fp16 tensors.
+template <typename OutT>
+__device__ __forceinline__ int4 add_pieces(int4 a, int4 b) {
+  const OutT* x = reinterpret_cast<const OutT*>(&a);
+  const OutT* y = reinterpret_cast<const OutT*>(&b);
+  int4 sum;
+  OutT* out = reinterpret_cast<OutT*>(&sum);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = from_float<OutT>(to_float<OutT>(x[i]) + to_float<OutT>(y[i]));
+  return sum;
+}
+
 __device__ __forceinline__ __half2 as_half2(uint32_t bits) { return *reinterpret_cast<const __half2*>(&bits); }
 __device__ __forceinline__ uint32_t bits_of(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
 
@@ -217,13 +230,16 @@ __device__ __forceinline__ uint32_t bits_of(__half2 v) { return *reinterpret_cas
 // well): __expf and __fdividef, a few ulp of float32 each, far below the output's rounding.
 __device__ __forceinline__ float silu_times(float g, float u) { return __fdividef(g, 1.0f + __expf(-g)) * u; }
 
-template <int BM, int R, typename OutT, int kSplit, bool kSwiGlu>
+enum class Epilogue { kStore, kSwiGlu, kAddResidual };
+
+template <int BM, int R, typename OutT, int kSplit, Epilogue E>
 __global__ void __launch_bounds__(kThreads * kSplit, Tile<BM>::kMinBlocks / kSplit)
     w4a4_gemm_lora_up_kernel(const int8_t* __restrict__ qact, const __half* __restrict__ aratios,
                              const float* __restrict__ amax_rows,
                              const int4* __restrict__ qweight, const float* __restrict__ wscales,
                              const float* __restrict__ lora, const float* __restrict__ proj_up,
-                             const float* __restrict__ bias, OutT* __restrict__ y, int M, int M_pad, int N,
+                             const float* __restrict__ bias, const OutT* __restrict__ residual,
+                             OutT* __restrict__ y, int M, int M_pad, int N,
                              int N_pad, int K, int lora_ld, int2 segment_start) {
   using T = Tile<BM>;
   using RawStage = typename T::RawStage;
@@ -326,6 +342,12 @@ __global__ void __launch_bounds__(kThreads * kSplit, Tile<BM>::kMinBlocks / kSpl
   // Committed with the first refill, waited for after the loop.
   if (!T::kEpilogueDataAfterLoop && wg == 0) copy_epilogue_data();
   if (!T::kProjUpAfterLoop && wg == 0) copy_proj_up();
+  // The residual rows the epilogue adds (one 128-byte line each) are fetched into L2 now, so that the
+  // epilogue's loads of them wait for L2 rather than memory.
+  if constexpr (E == Epilogue::kAddResidual) {
+    for (int r = tid; wg == 0 && r < BM && m0 + r < M; r += kThreads)
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(residual + static_cast<int64_t>(m0 + r) * N + n0));
+  }
 
   uint32_t acc_h[BM / 4];  // half2 accumulators, d's layout
 #pragma unroll
@@ -483,6 +505,7 @@ __global__ void __launch_bounds__(kThreads * kSplit, Tile<BM>::kMinBlocks / kSpl
   // columns m); stored transposed, their rows are 8 outputs of one activation row, 16 bytes.
   if (T::kEpilogueDataAfterLoop) __syncthreads();
   OutT* ytile = reinterpret_cast<OutT*>(ring_s);
+  constexpr bool kSwiGlu = E == Epilogue::kSwiGlu;
   constexpr int kOutN = kSwiGlu ? kTileN / 2 : kTileN;  // output columns of the block
   constexpr int kOutStride = kOutN + 8;                 // ytile's rows, padded by 8 elements
   if constexpr (kSwiGlu) {
@@ -511,23 +534,27 @@ __global__ void __launch_bounds__(kThreads * kSplit, Tile<BM>::kMinBlocks / kSpl
     }
   }
   warpgroup_sync();
-  // Each thread copies 16-byte piece tid % kChunksPerRow of every kRowsPerPass-th row.
+  // Each thread copies 16-byte piece tid % kChunksPerRow of every kRowsPerPass-th row (adding the residual's).
   constexpr int kChunksPerRow = kOutN * sizeof(OutT) / 16, kRowsPerPass = kThreads / kChunksPerRow;
   const int out_ld = kSwiGlu ? N / 2 : N;
   const int row = tid / kChunksPerRow, col = (tid % kChunksPerRow) * (16 / sizeof(OutT));
-  OutT* dst = y + static_cast<int64_t>(m0 + row) * out_ld + (kSwiGlu ? n0 / 2 : n0) + col;
+  const int64_t offset = static_cast<int64_t>(m0 + row) * out_ld + (kSwiGlu ? n0 / 2 : n0) + col;
+  OutT* dst = y + offset;
+  const OutT* res = residual + offset;
   const int64_t dst_step = static_cast<int64_t>(kRowsPerPass) * out_ld;
 #pragma unroll
-  for (int i = 0; i < BM / kRowsPerPass; ++i, dst += dst_step)
-    if (m0 + row + i * kRowsPerPass < M)
-      *reinterpret_cast<int4*>(dst) =
-          *reinterpret_cast<const int4*>(&ytile[(row + i * kRowsPerPass) * kOutStride + col]);
+  for (int i = 0; i < BM / kRowsPerPass; ++i, dst += dst_step, res += dst_step)
+    if (m0 + row + i * kRowsPerPass < M) {
+      int4 piece = *reinterpret_cast<const int4*>(&ytile[(row + i * kRowsPerPass) * kOutStride + col]);
+      if constexpr (E == Epilogue::kAddResidual) piece = add_pieces<OutT>(*reinterpret_cast<const int4*>(res), piece);
+      *reinterpret_cast<int4*>(dst) = piece;
+    }
 }
 
-template <int BM, int R, typename OutT, bool kSwiGlu, int kSplit = 1>
+template <int BM, int R, typename OutT, Epilogue E, int kSplit = 1>
 cudaError_t launch_tile(const GemmArgs& a, cudaStream_t stream) {
   const size_t smem = Tile<BM>::template SmemLayout<R, OutT, kSplit>::kBytes;
-  auto kernel = w4a4_gemm_lora_up_kernel<BM, R, OutT, kSplit, kSwiGlu>;
+  auto kernel = w4a4_gemm_lora_up_kernel<BM, R, OutT, kSplit, E>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
   const dim3 grid(a.N / kTileN, (a.M + BM - 1) / BM);
@@ -537,7 +564,7 @@ cudaError_t launch_tile(const GemmArgs& a, cudaStream_t stream) {
   kernel<<<grid, kThreads * kSplit, smem, stream>>>(
       static_cast<const int8_t*>(a.qact), static_cast<const __half*>(a.aratios), a.amax,
       static_cast<const int4*>(a.qweight),
-      a.wscales, a.lora, a.proj_up, a.bias, static_cast<OutT*>(a.y), a.M,
+      a.wscales, a.lora, a.proj_up, a.bias, static_cast<const OutT*>(a.residual), static_cast<OutT*>(a.y), a.M,
       a.M_pad, a.N, a.N_pad, a.K, a.lora_ld, make_int2(starts[0], starts[1]));
   return cudaGetLastError();
 }
@@ -558,25 +585,31 @@ GemmPlan plan_gemm(int M, int N, int K, int sms) {
   return {64, split ? kSmallGridSplit : 1};
 }
 
-template <int R, typename OutT, bool kSwiGlu>
+template <int R, typename OutT, Epilogue E>
 cudaError_t launch_typed(const GemmArgs& a, cudaStream_t stream) {
   int sms = 0;
   const cudaError_t err = sm_count(&sms);
   if (err != cudaSuccess) return err;
   const GemmPlan plan = plan_gemm(a.M, a.N, a.K, sms);
-  if (plan.bm == 256) return launch_tile<256, R, OutT, kSwiGlu>(a, stream);
-  if (plan.bm == 128) return launch_tile<128, R, OutT, kSwiGlu>(a, stream);
-  return plan.k_split == 1 ? launch_tile<64, R, OutT, kSwiGlu>(a, stream)
-                           : launch_tile<64, R, OutT, kSwiGlu, kSmallGridSplit>(a, stream);
+  if (plan.bm == 256) return launch_tile<256, R, OutT, E>(a, stream);
+  if (plan.bm == 128) return launch_tile<128, R, OutT, E>(a, stream);
+  return plan.k_split == 1 ? launch_tile<64, R, OutT, E>(a, stream)
+                           : launch_tile<64, R, OutT, E, kSmallGridSplit>(a, stream);
 }
 
-// The SwiGLU variant only at R = 32: two rank-16 layers (the format's ranks are 16 and 32).
-template <typename OutT>
+template <typename OutT, Epilogue E>
 cudaError_t launch_rank(const GemmArgs& a, cudaStream_t stream) {
-  if (a.swiglu) return a.R == 32 ? launch_typed<32, OutT, true>(a, stream) : cudaErrorInvalidValue;
-  if (a.R == 16) return launch_typed<16, OutT, false>(a, stream);
-  if (a.R == 32) return launch_typed<32, OutT, false>(a, stream);
+  if (a.R == 16) return launch_typed<16, OutT, E>(a, stream);
+  if (a.R == 32) return launch_typed<32, OutT, E>(a, stream);
   return cudaErrorInvalidValue;
+}
+
+// The SwiGLU epilogue only at R = 32: two rank-16 layers (the format's ranks are 16 and 32).
+template <typename OutT>
+cudaError_t launch_epilogue(const GemmArgs& a, cudaStream_t stream) {
+  if (a.swiglu) return a.R == 32 ? launch_typed<32, OutT, Epilogue::kSwiGlu>(a, stream) : cudaErrorInvalidValue;
+  if (a.residual != nullptr) return launch_rank<OutT, Epilogue::kAddResidual>(a, stream);
+  return launch_rank<OutT, Epilogue::kStore>(a, stream);
 }
 
 }  // namespace
@@ -593,13 +626,13 @@ cudaError_t launch_w4a4_gemm_lora_up(const GemmArgs& a, cudaStream_t stream) {
       a.K % kGroup || a.K / kGroup > kMaxGroups)
     return cudaErrorInvalidValue;
   if (a.segments < 1 || a.segments > kMaxSegments || a.lora_ld != a.segments * a.R) return cudaErrorInvalidValue;
-  if (a.swiglu && a.segments != 1) return cudaErrorInvalidValue;
+  if (a.swiglu && (a.segments != 1 || a.residual != nullptr)) return cudaErrorInvalidValue;
   for (int s = 0; s + 1 < a.segments; ++s)
     if (a.segment_start[s] % kTileN || a.segment_start[s] <= (s ? a.segment_start[s - 1] : 0) ||
         a.segment_start[s] >= a.N)
       return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
-  return a.bf16 ? launch_rank<__nv_bfloat16>(a, stream) : launch_rank<__half>(a, stream);
+  return a.bf16 ? launch_epilogue<__nv_bfloat16>(a, stream) : launch_epilogue<__half>(a, stream);
 }
 
 }  // namespace w4a4

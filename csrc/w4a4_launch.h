@@ -44,6 +44,7 @@ struct GemmArgs {
   const float* lora;       // [M_pad, lora_ld] as the quantize kernel writes it
   const float* proj_up;    // [N_pad, R]: output row n's R low-rank weights
   const float* bias;       // [N] or nullptr
+  const void* residual;    // [M, N] y's dtype, contiguous, or nullptr: y = T(residual + T(y)) (not with swiglu)
   void* y;                 // [M, N] bf16 or fp16 ([M, N / 2] with swiglu)
   int M, M_pad, N, N_pad, K, R;
   // Segment s (output rows from segment_start[s - 1], multiples of 64, increasing) reads low-rank columns

@@ -41,3 +41,13 @@ def test_composed_rmsnorm_equals_the_unfused_math(tmp_path):
     norm.weight.data = torch.rand(q_proj.in_features, generator=g) + 0.5
     assert not q_proj.fuses_rmsnorm(x)
     assert torch.equal(q_proj.forward_rmsnorm(x, norm), q_proj(norm(x)))
+
+
+def test_composed_residual_add_equals_the_unfused_math(tmp_path):
+    _, model = load_model(ensure_tiny_checkpoint(tmp_path))
+    o_proj = w4a4_copy(model).llm.layers[0].self_attn.o_proj
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, o_proj.in_features, generator=g)
+    x = torch.randn(5, o_proj.out_features, generator=g)
+    assert not o_proj.fuses_residual(h)
+    assert torch.equal(o_proj.forward_plus(h, x), x + o_proj(h))

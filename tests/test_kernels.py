@@ -235,6 +235,47 @@ def test_w4a4_linear_variants(m, n, k, rank, smooth, bias, dtype):
     assert rel_err(y, ref) <= REL_TOL
 
 
+@pytest.mark.parametrize(
+    "m,n,k,rank,bias,dtype",
+    [
+        (1, 1024, 2048, 16, False, torch.bfloat16),  # o_proj
+        (700, 1024, 3072, 16, False, torch.bfloat16),  # down_proj: 64-row tiles splitting K
+        (2049, 1024, 2048, 32, True, torch.float16),  # 128-row tiles
+        (17001, 1024, 3072, 16, False, torch.bfloat16),  # 256-row tiles
+        (7, 32, 128, 16, False, torch.bfloat16),  # narrower than the GEMM's 64 rows: added after it
+    ],
+)
+def test_residual_add_is_torch_add(m, n, k, rank, bias, dtype):
+    """forward(x, residual=r) adds r in the GEMM's epilogue, rounded as torch rounds r + forward(x): bit for
+    bit that sum (and the sum itself where the GEMM cannot read r: strided rows)."""
+    g = fresh_generator()
+    layer = random_layer(n, k, rank, smooth=True, bias=bias, g=g)
+    backend = CudaW4A4Backend()
+    packed = backend.prepare(layer)
+    x = random_activations(m, k, dtype, g)
+    residual = random_activations(m, n, dtype, g)
+    want = residual + backend.forward(x, packed)
+    poison(((m, n), dtype))
+    got = backend.forward(x, packed, residual=residual)
+    assert got.shape == (m, n) and torch.isfinite(got).all()
+    assert torch.equal(got, want)
+    strided = torch.cat((residual, residual), dim=1)[:, :n]
+    assert torch.equal(backend.forward(x, packed, residual=strided), want)
+
+
+def test_gemm_refuses_a_residual_of_another_shape():
+    g = fresh_generator()
+    packed = CudaW4A4Backend().prepare(random_layer(1024, 1024, 16, smooth=False, bias=False, g=g))
+    ops = kops.load()
+    quantized = ops.quantize_act_lora_down(
+        random_activations(5, 1024, torch.bfloat16, g), None, packed.pd_t[torch.bfloat16]
+    )
+    weights = (packed.qweight, packed.wscales, packed.proj_up, None)
+    residual = torch.zeros(5, 512, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(RuntimeError, match="residual must be"):
+        ops.gemm_lora_up(*quantized, *weights, 5, 1024, torch.bfloat16, [], False, residual)
+
+
 def test_small_grids_split_k():
     """o_proj's shape: at 257 rows (64-row tiles, under one block per SM) the GEMM splits each block's K
     groups over warpgroups; at 1024 rows (two 64-row tiles per SM), 2049 rows (128-row tiles), or with too

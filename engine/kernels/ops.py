@@ -58,6 +58,7 @@ def _fake_gemm(
     out_dtype,
     segment_starts=(),
     swiglu=False,
+    residual=None,
 ):
     return qact.new_empty((m, n // 2 if swiglu else n), dtype=out_dtype)
 

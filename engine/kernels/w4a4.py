@@ -245,6 +245,7 @@ def swiglu_obstacle(tensors: list) -> str | None:
 class CudaW4A4Backend:
     name = "cuda-sm90"
     has_fused_rmsnorm = True  # forward_rmsnorm runs the norm inside activation quantization
+    has_fused_residual = True  # forward(..., residual) adds it in the GEMM's epilogue
 
     def can_use(self, device) -> tuple[bool, str]:
         device = torch.device(device)
@@ -330,16 +331,37 @@ class CudaW4A4Backend:
             swiglu=swiglu,
         )
 
-    def forward(self, x: torch.Tensor, packed: CudaW4A4Packed) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, packed: CudaW4A4Packed, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The packed layer on x; with a residual (x's dtype, the output's shape): residual + that, added in
+        the GEMM's epilogue with torch's rounding where the GEMM writes the whole output (else after it)."""
         x2 = self._rows(x, packed)
         p = packed
-        if p.segment_starts or p.swiglu:
+        fused_residual = residual is not None and self._takes_residual(residual, x, p)
+        if p.segment_starts or p.swiglu or fused_residual:
             quantized = ops.load().quantize_act_lora_down(x2, p.smooth, p.pd_t[x.dtype])
-            return self._gemm(quantized, x2.shape[0], x.shape[:-1], x.dtype, p)
-        y = ops.load().w4a4_linear(
-            x2, p.smooth, p.pd_t[x.dtype], p.qweight, p.wscales, p.proj_up, p.bias, p.kernel_out_features
+            rows = residual.reshape(x2.shape[0], -1) if fused_residual else None
+            y = self._gemm(quantized, x2.shape[0], x.shape[:-1], x.dtype, p, rows)
+        else:
+            y = ops.load().w4a4_linear(
+                x2, p.smooth, p.pd_t[x.dtype], p.qweight, p.wscales, p.proj_up, p.bias, p.kernel_out_features
+            )
+            y = self._output(y, x.shape[:-1], packed)
+        return y if residual is None or fused_residual else residual + y
+
+    @staticmethod
+    def _takes_residual(residual: torch.Tensor, x: torch.Tensor, p: CudaW4A4Packed) -> bool:
+        """Whether the GEMM can add this residual: one plain layer whose output it writes whole, and rows it
+        can read (contiguous, 16-byte aligned, x's dtype)."""
+        return (
+            not (p.segment_starts or p.swiglu)
+            and p.kernel_out_features == p.out_features
+            and residual.shape == (*x.shape[:-1], p.out_features)
+            and residual.dtype == x.dtype
+            and residual.is_contiguous()
+            and residual.data_ptr() % 16 == 0
         )
-        return self._output(y, x.shape[:-1], packed)
 
     def forward_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, packed: CudaW4A4Packed):
         """forward(RMSNorm(x)) with the norm computed inside the activation quantization kernel."""
@@ -364,7 +386,7 @@ class CudaW4A4Backend:
             x2 = x2.clone(memory_format=torch.contiguous_format)
         return x2
 
-    def _gemm(self, quantized, m: int, lead, dtype, packed: CudaW4A4Packed) -> torch.Tensor:
+    def _gemm(self, quantized, m: int, lead, dtype, packed: CudaW4A4Packed, residual=None) -> torch.Tensor:
         qact, aratios, amax, lora = quantized
         p = packed
         n = p.kernel_out_features
@@ -382,6 +404,7 @@ class CudaW4A4Backend:
             dtype,
             p.segment_starts,
             p.swiglu,
+            residual,
         )
         return self._output(y, lead, packed)
 

@@ -9,7 +9,7 @@ SiLU(gate) * up and the q/k head norm + RoPE as one kernel each, and a Linear th
 `fuses_rmsnorm(x)` (W4A4Linear on the CUDA kernels) computes its input's RMSNorm inside its activation
 quantization. q/k/v and gate/up run as one GEMM each where the fused paths run (W4A4 groups, or bf16
 Linears whose weights view one stacked tensor); a rank-16 W4A4 gate/up GEMM also writes silu(gate) * up
-itself (swiglu_input).
+itself (swiglu_input), and the W4A4 o and down GEMMs add the residual stream (plus_linear).
 """
 
 from __future__ import annotations
@@ -126,6 +126,14 @@ def swiglu_input(x: Tensor, norm: RMSNorm, gate: nn.Module, up: nn.Module) -> Te
     return silu_mul(*normed_projections(x, norm, (gate, up)))
 
 
+def plus_linear(x: Tensor, linear: nn.Module, h: Tensor) -> Tensor:
+    """x + linear(h), the add inside the W4A4 GEMM's epilogue where the fused paths run (rounded as torch
+    rounds it: the same result, one kernel fewer)."""
+    if not has_hooks((linear,)) and getattr(linear, "fuses_residual", lambda _: False)(h):
+        return linear.forward_plus(h, x)
+    return x + linear(h)
+
+
 def stacked_weight(linears: tuple[nn.Module, ...]) -> Tensor | None:
     """A [sum of out_features, K] view over the linears' weights, so that they run as one GEMM (for
     inference: the view carries no gradient). The first call moves the weights into one tensor that they
@@ -157,7 +165,7 @@ def _adjacent(weights: list[Tensor]) -> bool:
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(h)) * up(h)) for h = norm(x)."""
+    """The MLP block with its residual: x + down(silu(gate(h)) * up(h)) for h = norm(x)."""
 
     def __init__(self, prefix: str, hidden: int, intermediate: int, linear_factory: LinearFactory) -> None:
         super().__init__()
@@ -166,4 +174,4 @@ class SwiGLU(nn.Module):
         self.down_proj = linear_factory(f"{prefix}.down_proj", intermediate, hidden)
 
     def forward(self, x: Tensor, norm: RMSNorm) -> Tensor:
-        return self.down_proj(swiglu_input(x, norm, self.gate_proj, self.up_proj))
+        return plus_linear(x, self.down_proj, swiglu_input(x, norm, self.gate_proj, self.up_proj))

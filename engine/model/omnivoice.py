@@ -22,6 +22,7 @@ from engine.model.layers import (
     SwiGLU,
     default_linear,
     normed_projections,
+    plus_linear,
     qk_norm_rope,
     rope_cos_sin,
 )
@@ -60,7 +61,7 @@ class SelfAttention(nn.Module):
     def forward(
         self, x: Tensor, norm: RMSNorm, cos: Tensor, sin: Tensor, batch: PackedBatch, attend
     ) -> Tensor:
-        """Attention over norm(x)."""
+        """The attention block with its residual: x + o_proj(attention over norm(x))."""
         t, d = x.shape[0], self.head_dim
         q, k, v = normed_projections(x, norm, (self.q_proj, self.k_proj, self.v_proj))
         q, k = qk_norm_rope(
@@ -68,7 +69,7 @@ class SelfAttention(nn.Module):
         )
         v = v.view(t, self.num_kv_heads, d)
         out = attend(q, k, v, batch.cu_seqlens, batch.max_seqlen)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return plus_linear(x, self.o_proj, out.reshape(t, self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
@@ -81,8 +82,8 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(f"{prefix}.mlp", cfg.hidden_size, cfg.intermediate_size, linear_factory)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, attend) -> Tensor:
-        x = x + self.self_attn(x, self.input_layernorm, cos, sin, batch, attend)
-        return x + self.mlp(x, self.post_attention_layernorm)
+        x = self.self_attn(x, self.input_layernorm, cos, sin, batch, attend)
+        return self.mlp(x, self.post_attention_layernorm)
 
 
 class Qwen3Backbone(nn.Module):

@@ -107,11 +107,26 @@ class W4A4Linear(nn.Module):
 
     def fuses_rmsnorm(self, x: torch.Tensor) -> bool:
         """Whether forward_rmsnorm on inputs like x runs the fused kernel (else it composes)."""
-        if not backend_for(x.device).has_fused_rmsnorm:
+        return self._fused_on(x, backend_for(x.device).has_fused_rmsnorm)
+
+    def fuses_residual(self, x: torch.Tensor) -> bool:
+        """Whether forward_plus on inputs like x adds in the GEMM's epilogue (else after it)."""
+        return self._fused_on(x, backend_for(x.device).has_fused_residual)
+
+    @staticmethod
+    def _fused_on(x: torch.Tensor, backend_has_it: bool) -> bool:
+        if not backend_has_it:
             return False
         from engine.kernels.fused import fused_ops  # importable: the backend came from engine.kernels
 
         return fused_ops(x) is not None
+
+    def forward_plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(x), rounded as torch rounds it."""
+        backend, packed = self._prepared(x.device)
+        if not self.fuses_residual(x):
+            return residual + backend.forward(x, packed)
+        return backend.forward(x, packed, residual=residual)
 
     def forward_rmsnorm(self, x: torch.Tensor, norm) -> torch.Tensor:
         """self(norm(x)) for an RMSNorm module `norm`."""

@@ -105,6 +105,7 @@ class ReferenceW4A4Backend:
 
     name = "reference"
     has_fused_rmsnorm = False
+    has_fused_residual = False
 
     def can_use(self, device) -> tuple[bool, str]:
         return True, ""
