@@ -540,13 +540,13 @@ __global__ void __launch_bounds__(kThreads * kSplit, Tile<BM>::kMinBlocks / kSpl
   const int row = tid / kChunksPerRow, col = (tid % kChunksPerRow) * (16 / sizeof(OutT));
   const int64_t offset = static_cast<int64_t>(m0 + row) * out_ld + (kSwiGlu ? n0 / 2 : n0) + col;
   OutT* dst = y + offset;
-  const OutT* res = residual + offset;
   const int64_t dst_step = static_cast<int64_t>(kRowsPerPass) * out_ld;
 #pragma unroll
-  for (int i = 0; i < BM / kRowsPerPass; ++i, dst += dst_step, res += dst_step)
+  for (int i = 0; i < BM / kRowsPerPass; ++i, dst += dst_step)
     if (m0 + row + i * kRowsPerPass < M) {
       int4 piece = *reinterpret_cast<const int4*>(&ytile[(row + i * kRowsPerPass) * kOutStride + col]);
-      if constexpr (E == Epilogue::kAddResidual) piece = add_pieces<OutT>(*reinterpret_cast<const int4*>(res), piece);
+      if constexpr (E == Epilogue::kAddResidual)
+        piece = add_pieces<OutT>(*reinterpret_cast<const int4*>(residual + offset + i * dst_step), piece);
       *reinterpret_cast<int4*>(dst) = piece;
     }
 }

@@ -99,13 +99,15 @@ def smoothed_cpu(x, layer):
 
 # 17001 rows: enough 16-row blocks for the quantize kernel's 4-warp variant (it picks 16 warps below, and
 # clusters of 8 blocks at 1 and 7 rows with K >= 2048); 200 rows: 16-warp blocks of 8 rows at K = 1024 on an
-# H200, both halves of every 16-row set filled.
+# H200, both halves of every 16-row set filled. 16-warp blocks load rank 16's proj_down fragments into
+# registers and stage rank 32's slices in shared memory; 4-warp blocks stage both.
 @pytest.mark.parametrize("m", (*ODD_M, 200, 17001))
 @pytest.mark.parametrize("k", (1024, 2048, 3072))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
-def test_quantize_act_bit_exact(m, k, dtype):
+@pytest.mark.parametrize("rank", (16, 32))
+def test_quantize_act_bit_exact(m, k, dtype, rank):
     g = fresh_generator()
-    layer = random_layer(1024, k, 32, smooth=(k != 2048), bias=False, g=g)
+    layer = random_layer(1024, k, rank, smooth=(k != 2048), bias=False, g=g)
     backend = CudaW4A4Backend()
     packed = backend.prepare(layer)
     x = random_activations(m, k, dtype, g)
@@ -115,7 +117,7 @@ def test_quantize_act_bit_exact(m, k, dtype):
         ((m_pad // 128, groups, 8192), torch.int8),
         ((groups, m_pad), torch.float16),
         ((m_pad,), torch.float32),
-        ((m_pad, 32), torch.float32),
+        ((m_pad, rank), torch.float32),
     )
     qact, aratios, amax, lora = kops.load().quantize_act_lora_down(x, packed.smooth, packed.pd_t[dtype])
     torch.cuda.synchronize()
@@ -139,11 +141,13 @@ def test_quantize_act_bit_exact(m, k, dtype):
     assert torch.equal(lora[m:], torch.zeros_like(lora[m:]))
 
 
-def test_quantize_act_reads_strided_rows():
+# 700 rows: 16-warp blocks; 17001: 4-warp blocks
+@pytest.mark.parametrize("m,first_column", ((700, 256), (17001, 4)))
+def test_quantize_act_reads_strided_rows(m, first_column):
     """Rows of a wider tensor (a column slice) quantize exactly as the same rows made contiguous."""
     g = fresh_generator()
     packed = CudaW4A4Backend().prepare(random_layer(1024, 1024, 32, smooth=True, bias=False, g=g))
-    x = random_activations(700, 1536, torch.bfloat16, g)[:, 256:1280]
+    x = random_activations(m, 1536, torch.bfloat16, g)[:, first_column : first_column + 1024]
     ops = kops.load()
     strided = ops.quantize_act_lora_down(x, packed.smooth, packed.pd_t[torch.bfloat16])
     dense = ops.quantize_act_lora_down(x.contiguous(), packed.smooth, packed.pd_t[torch.bfloat16])
