@@ -1,15 +1,19 @@
 // Kernel 3: Qwen3's per-head RMSNorm of q and k followed by rotate-half RoPE, one pass over q and k.
 //
 // torch runs this as a chain of elementwise kernels with float32 intermediates (engine/model/layers.py,
-// 8.5x-10x slower in bench/results/fused-h200.json); this one reads each head row once and writes it once,
+// 10x-18x slower in bench/results/fused-h200.json); this one reads each head row once and writes it once,
 // with the same roundings: the normed row is
 // T(w * T(x * rsqrt(mean(x^2) + eps))), then out = T(T(y * cos) + T(rot(y) * sin)) with
 // rot(y)[i] = -y[i + D/2] for i < D/2 and y[i - D/2] otherwise, cos/sin the model's T tables.
 // Only the order of the sum of squares differs from torch's reduction (last-bit rstd differences).
 //
-// 16-byte accesses: a head row is D / 8 lanes of 8 elements (a warp holds 256 / D rows); the lane holding
-// elements i.. of the first half trades its normed values with the lane holding i + D/2.. by one shuffle
-// distance, D / 16 lanes.
+// 16-byte accesses: a head row is D / 8 lanes of 8 elements, a warp holds 256 / D rows of one token's heads (q's,
+// then k's); the lane holding elements i.. of the first half trades its normed values with the lane holding
+// i + D/2.. by one shuffle distance, D / 16 lanes. The kernel is bound by its instructions more than by memory
+// (ncu, docs/kernels.md), so the arithmetic runs on pairs: one conversion rounds two floats to T, bf16 widens
+// to float by bit operations, and D is a template parameter.
+#include <type_traits>
+
 #include "w4a4_common.cuh"
 #include "w4a4_launch.h"
 
@@ -19,79 +23,126 @@ namespace {
 constexpr int kWarpsPerBlock = 8;
 constexpr int kVec = 8;
 
+// Two T values (a 32-bit word, lo first) as floats, and two floats rounded to T (round to nearest even, as
+// torch's casts) in one instruction.
 template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u));
+  else
+    return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  uint32_t out;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    *reinterpret_cast<__nv_bfloat162*>(&out) = __floats2bfloat162_rn(lo, hi);
+  else
+    *reinterpret_cast<__half2*>(&out) = __floats2half2_rn(lo, hi);
+  return out;
+}
+template <typename T>
+__device__ __forceinline__ float2 round2(float lo, float hi) {
+  return unpack2<T>(pack2<T>(lo, hi));
+}
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[kVec]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 p = unpack2<T>(w[j]);
+    f[2 * j] = p.x;
+    f[2 * j + 1] = p.y;
+  }
+}
+
+template <typename T, int D>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     qk_norm_rope_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ q_weight,
                         const T* __restrict__ k_weight, const T* __restrict__ cos, const T* __restrict__ sin,
                         T* __restrict__ q_out, T* __restrict__ k_out, int64_t q_stride, int64_t k_stride, int tokens,
-                        int q_heads, int k_heads, int D, float eps) {
+                        int q_heads, int k_heads, float eps) {
+  constexpr int kLanesPerRow = D / kVec, kRowsPerWarp = 32 / kLanesPerRow;
   const int lane = threadIdx.x & 31;
-  const int lanes_per_row = D / kVec, rows_per_warp = 32 / lanes_per_row;
-  const int sub = lane / lanes_per_row, col = (lane % lanes_per_row) * kVec;
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const int64_t row = warp * rows_per_warp + sub;
+  const int sub = lane / kLanesPerRow, col = (lane % kLanesPerRow) * kVec;
   const int heads = q_heads + k_heads;
-  // Every lane stays to the end: the shuffles below need the whole warp.
-  const bool valid = row < static_cast<int64_t>(tokens) * heads;
-  const int token = valid ? static_cast<int>(row / heads) : 0, head = valid ? static_cast<int>(row % heads) : 0;
-  const bool is_q = head < q_heads;
-  const int h = is_q ? head : head - q_heads;
-  const T* in = is_q ? q + token * q_stride + h * D : k + token * k_stride + h * D;
-  const T* w = is_q ? q_weight : k_weight;
+  const int warps_per_token = (heads + kRowsPerWarp - 1) / kRowsPerWarp;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (warp >= tokens * warps_per_token) return;  // the whole warp leaves
+  const int token = warp / warps_per_token;
+  const int head = (warp - token * warps_per_token) * kRowsPerWarp + sub;
+  // Every lane stays to the shuffles; lanes past the token's heads read zeros and write nothing.
+  const bool valid = head < heads, is_q = head < q_heads;
 
-  uint4 raw = make_uint4(0, 0, 0, 0), wraw = raw, craw = raw, sraw = raw;
+  uint4 raw = make_uint4(0, 0, 0, 0);
   if (valid) {
+    const T* in = is_q ? q + token * q_stride + head * D : k + token * k_stride + (head - q_heads) * D;
     raw = *reinterpret_cast<const uint4*>(in + col);
-    wraw = *reinterpret_cast<const uint4*>(w + col);
-    craw = *reinterpret_cast<const uint4*>(cos + static_cast<int64_t>(token) * D + col);
-    sraw = *reinterpret_cast<const uint4*>(sin + static_cast<int64_t>(token) * D + col);
   }
-  const T* x = reinterpret_cast<const T*>(&raw);
+  // The norm's weights and the token's tables at the lane's columns; sin negated in the first half, where
+  // rot(y) = -y[i + D/2]: T(-a * b) = T(a * -b), the rounding is symmetric.
+  const int64_t table = static_cast<int64_t>(token) * D + col;
+  float w[kVec], c[kVec], s[kVec], x[kVec];
+  unpack8<T>(*reinterpret_cast<const uint4*>((is_q ? q_weight : k_weight) + col), w);
+  unpack8<T>(*reinterpret_cast<const uint4*>(cos + table), c);
+  unpack8<T>(*reinterpret_cast<const uint4*>(sin + table), s);
+  if (col < D / 2) {
+#pragma unroll
+    for (int b = 0; b < kVec; ++b) s[b] = -s[b];
+  }
+  unpack8<T>(raw, x);
+
   float ss = 0.f;
 #pragma unroll
-  for (int b = 0; b < kVec; ++b) ss = fmaf(to_float<T>(x[b]), to_float<T>(x[b]), ss);
-  for (int m = lanes_per_row / 2; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
-  const float rstd = rsqrtf(ss * (1.0f / static_cast<float>(D)) + eps);
-
-  const T* wv = reinterpret_cast<const T*>(&wraw);
-  uint4 normed;
-  T* y = reinterpret_cast<T*>(&normed);
+  for (int b = 0; b < kVec; ++b) ss = fmaf(x[b], x[b], ss);
 #pragma unroll
-  for (int b = 0; b < kVec; ++b)
-    y[b] = rms_normed<T>(x[b], wv[b], rstd);
-  const int partner_distance = lanes_per_row / 2;
-  uint4 other;
-  other.x = __shfl_xor_sync(0xffffffffu, normed.x, partner_distance);
-  other.y = __shfl_xor_sync(0xffffffffu, normed.y, partner_distance);
-  other.z = __shfl_xor_sync(0xffffffffu, normed.z, partner_distance);
-  other.w = __shfl_xor_sync(0xffffffffu, normed.w, partner_distance);
+  for (int m = kLanesPerRow / 2; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+  const float rstd = rsqrtf(ss * (1.0f / D) + eps);
+
+  uint32_t normed[4], other[4];  // T(w * T(x * rstd)) in pairs, and the partner lane's
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 xn = round2<T>(x[2 * j] * rstd, x[2 * j + 1] * rstd);
+    normed[j] = pack2<T>(w[2 * j] * xn.x, w[2 * j + 1] * xn.y);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) other[j] = __shfl_xor_sync(0xffffffffu, normed[j], kLanesPerRow / 2);
   if (!valid) return;
 
-  const bool first_half = col < D / 2;
-  const T* yo = reinterpret_cast<const T*>(&other);
-  const T* c = reinterpret_cast<const T*>(&craw);
-  const T* s = reinterpret_cast<const T*>(&sraw);
   uint4 res;
-  T* o = reinterpret_cast<T*>(&res);
+  uint32_t* r = reinterpret_cast<uint32_t*>(&res);
 #pragma unroll
-  for (int b = 0; b < kVec; ++b) {
-    const float rot = first_half ? -to_float<T>(yo[b]) : to_float<T>(yo[b]);
-    o[b] = from_float<T>(to_float<T>(from_float<T>(to_float<T>(y[b]) * to_float<T>(c[b]))) +
-                         to_float<T>(from_float<T>(rot * to_float<T>(s[b]))));
+  for (int j = 0; j < 4; ++j) {
+    const float2 y = unpack2<T>(normed[j]), o = unpack2<T>(other[j]);
+    const float2 yc = round2<T>(y.x * c[2 * j], y.y * c[2 * j + 1]);
+    const float2 os = round2<T>(o.x * s[2 * j], o.y * s[2 * j + 1]);
+    r[j] = pack2<T>(yc.x + os.x, yc.y + os.y);
   }
-  T* out = is_q ? q_out + (static_cast<int64_t>(token) * q_heads + h) * D
-                : k_out + (static_cast<int64_t>(token) * k_heads + h) * D;
+  T* out = is_q ? q_out + (static_cast<int64_t>(token) * q_heads + head) * D
+                : k_out + (static_cast<int64_t>(token) * k_heads + head - q_heads) * D;
   *reinterpret_cast<uint4*>(out + col) = res;
 }
 
-template <typename T>
+template <typename T, int D>
 cudaError_t launch_typed(const QkNormRopeArgs& a, dim3 grid, cudaStream_t stream) {
-  qk_norm_rope_kernel<T><<<grid, kWarpsPerBlock * 32, 0, stream>>>(
+  qk_norm_rope_kernel<T, D><<<grid, kWarpsPerBlock * 32, 0, stream>>>(
       static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.q_weight),
       static_cast<const T*>(a.k_weight), static_cast<const T*>(a.cos), static_cast<const T*>(a.sin),
-      static_cast<T*>(a.q_out), static_cast<T*>(a.k_out), a.q_stride, a.k_stride, a.tokens, a.q_heads, a.k_heads, a.D,
+      static_cast<T*>(a.q_out), static_cast<T*>(a.k_out), a.q_stride, a.k_stride, a.tokens, a.q_heads, a.k_heads,
       a.eps);
   return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_dim(const QkNormRopeArgs& a, dim3 grid, cudaStream_t stream) {
+  switch (a.D) {
+    case 16: return launch_typed<T, 16>(a, grid, stream);
+    case 32: return launch_typed<T, 32>(a, grid, stream);
+    case 64: return launch_typed<T, 64>(a, grid, stream);
+    case 128: return launch_typed<T, 128>(a, grid, stream);
+    case 256: return launch_typed<T, 256>(a, grid, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace
@@ -100,11 +151,12 @@ bool qk_norm_rope_supports(int D) { return D == 16 || D == 32 || D == 64 || D ==
 
 cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& a, cudaStream_t stream) {
   if (!qk_norm_rope_supports(a.D)) return cudaErrorInvalidValue;
-  const int64_t rows = static_cast<int64_t>(a.tokens) * (a.q_heads + a.k_heads);
-  if (rows == 0) return cudaSuccess;
-  const int64_t rows_per_block = kWarpsPerBlock * (256 / a.D);
-  const dim3 grid(static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block));
-  return a.bf16 ? launch_typed<__nv_bfloat16>(a, grid, stream) : launch_typed<__half>(a, grid, stream);
+  const int heads = a.q_heads + a.k_heads, rows_per_warp = 256 / a.D;
+  const int64_t warps = static_cast<int64_t>(a.tokens) * ((heads + rows_per_warp - 1) / rows_per_warp);
+  if (warps == 0) return cudaSuccess;
+  if (warps * 32 > INT32_MAX) return cudaErrorInvalidValue;  // the kernel counts threads in int
+  const dim3 grid(static_cast<unsigned>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock));
+  return a.bf16 ? launch_dim<__nv_bfloat16>(a, grid, stream) : launch_dim<__half>(a, grid, stream);
 }
 
 }  // namespace w4a4
