@@ -12,7 +12,6 @@
 // i + D/2.. by one shuffle distance, D / 16 lanes. The kernel is bound by its instructions more than by memory
 // (ncu, docs/kernels.md), so the arithmetic runs on pairs: one conversion rounds two floats to T, bf16 widens
 // to float by bit operations, and D is a template parameter.
-#include <type_traits>
 
 #include "w4a4_common.cuh"
 #include "w4a4_launch.h"
@@ -23,28 +22,6 @@ namespace {
 constexpr int kWarpsPerBlock = 8;
 constexpr int kVec = 8;
 
-// Two T values (a 32-bit word, lo first) as floats, and two floats rounded to T (round to nearest even, as
-// torch's casts) in one instruction.
-template <typename T>
-__device__ __forceinline__ float2 unpack2(uint32_t v) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u));
-  else
-    return __half22float2(*reinterpret_cast<const __half2*>(&v));
-}
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  uint32_t out;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    *reinterpret_cast<__nv_bfloat162*>(&out) = __floats2bfloat162_rn(lo, hi);
-  else
-    *reinterpret_cast<__half2*>(&out) = __floats2half2_rn(lo, hi);
-  return out;
-}
-template <typename T>
-__device__ __forceinline__ float2 round2(float lo, float hi) {
-  return unpack2<T>(pack2<T>(lo, hi));
-}
 template <typename T>
 __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[kVec]) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};

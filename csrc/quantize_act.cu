@@ -27,13 +27,14 @@
 // division instruction: with y = RN(1/b) (1/smooth precomputed at load, 1/(512 scale) once per row),
 // q = RN(a * y), r = fma(-q, b, a) (exact) and RN(q + r * y) = RN(a / b) (Markstein), barring
 // overflow/underflow: smooth is clamped to [1e-3, 1e3] where it is made, and the scale's range is checked
-// per warp (below).
+// per warp (below). exact_division.cuh has both steps, tested against IEEE division.
 //
 // Fused producer (Prologue::kRmsNorm): x is the residual stream and the kernel quantizes
 // T(w * T(x * rsqrt(mean(x^2) + eps))), Qwen3's RMSNorm with its roundings, so the normed x never goes
 // through memory (the block sums each row's squares in a pre-pass over the same elements). A SiLU(gate) * up
 // prologue for down_proj was measured 5-22% slower than the silu_mul kernel + this kernel and was removed
 // (docs/kernels.md).
+#include "exact_division.cuh"
 #include "w4a4_common.cuh"
 #include "w4a4_launch.h"
 
@@ -45,12 +46,6 @@ namespace {
 #define W4A4_QUANT_SMALL_BLOCKS_FROM 2
 #endif
 constexpr int kClusterSize = 8;  // blocks per 16-row set on the smallest grids (the portable cluster limit)
-
-__device__ __forceinline__ float div_rn(float a, float b, float rb) {
-  const float q = a * rb;
-  const float r = fmaf(-q, b, a);
-  return fmaf(r, rb, q);
-}
 
 enum class Prologue { kNone, kRmsNorm };
 
@@ -77,19 +72,6 @@ __device__ __forceinline__ void load_group(GroupInput<kLaneRows>& in, const T* x
   }
 }
 
-// Four input elements with the prologue applied: T(w * T(x * rstd)) for the RMSNorm, x itself otherwise.
-template <typename T, Prologue P>
-__device__ __forceinline__ uint2 apply_prologue(uint2 raw, uint2 wraw, float rstd) {
-  if (P == Prologue::kNone) return raw;
-  const T* v = reinterpret_cast<const T*>(&raw);
-  const T* w = reinterpret_cast<const T*>(&wraw);
-  uint2 out;
-  T* o = reinterpret_cast<T*>(&out);
-#pragma unroll
-  for (int b = 0; b < 4; ++b) o[b] = rms_normed<T>(v[b], w[b], rstd);
-  return out;
-}
-
 // 1 / sqrt(mean(x^2) + eps) of the lane's rows (kRmsNorm's pre-pass): each warp sums the squares of the
 // elements it will quantize, the warps' sums meet in shared memory.
 template <typename T, int kWarpsPerBlock, int kLaneRows>
@@ -105,9 +87,8 @@ __device__ __forceinline__ void row_rstd(const T* x, const int64_t (&off)[kLaneR
 #pragma unroll
       for (int r = 0; r < kLaneRows; ++r) {
         const uint2 raw = ok[r] ? *reinterpret_cast<const uint2*>(x + off[r] + col) : make_uint2(0, 0);
-        const T* v = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-        for (int b = 0; b < 4; ++b) ss[r] = fmaf(to_float<T>(v[b]), to_float<T>(v[b]), ss[r]);
+        const float2 lo = unpack2<T>(raw.x), hi = unpack2<T>(raw.y);
+        ss[r] = fmaf(hi.y, hi.y, fmaf(hi.x, hi.x, fmaf(lo.y, lo.y, fmaf(lo.x, lo.x, ss[r]))));
       }
     }
   }
@@ -226,12 +207,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
       cp_async_16(pd_dst + sizeof(T) * 4 * i * kPdStride, pd_src + static_cast<int64_t>(4 * i) * K + g * kGroup);
     cp_async_commit();
   };
-  GroupInput<kLaneRows> cur, next;
-  if (kPrefetch && first_group < G) load_group<T, P>(cur, x, norm_w, off, ok, first_group, t);
-  if (kStagedLowRank && first_group < G) stage_low_rank(first_group);
-  for (int g = first_group; g < G; g += kGroupStep) {
-    if (!kPrefetch) load_group<T, P>(cur, x, norm_w, off, ok, g, t);
-    if (kPrefetch && g + kGroupStep < G) load_group<T, P>(next, x, norm_w, off, ok, g + kGroupStep, t);
+  // One K group of the warp: its quantized words into the tile, its scales into scales_s, its low-rank
+  // product into lacc.
+  auto quantize_group = [&](int g, const GroupInput<kLaneRows>& in) {
     uint2 pd_frag[kEarly ? kTiles : 1][4];
     if (kEarly) {
 #pragma unroll
@@ -241,13 +219,20 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
           pd_frag[kEarly ? nt : 0][c] = *reinterpret_cast<const uint2*>(
               pd_t + static_cast<int64_t>(nt * 8 + gr) * K + g * kGroup + 16 * c + 4 * t);
     }
-    // raw[r][c]: 4 consecutive input elements (8 bytes) of block c of this group, the prologue applied.
+    // raw[r][c]: 4 consecutive input elements (8 bytes) of block c of this group, the prologue applied; zeros
+    // for rows past M (without the prologue the loads are zeros already, but the selects are free: they put the
+    // words where the low-rank MMAs read them, which would otherwise take as many moves).
     uint2 raw[kLaneRows][4];
 #pragma unroll
     for (int c = 0; c < 4; ++c)
 #pragma unroll
-      for (int r = 0; r < kLaneRows; ++r)
-        raw[r][c] = ok[r] ? apply_prologue<T, P>(cur.x[r][c], cur.w[c], rstd[r]) : make_uint2(0, 0);
+      for (int r = 0; r < kLaneRows; ++r) {
+        const uint2 v = in.x[r][c], w = in.w[c];
+        const uint2 normed = P == Prologue::kNone ? v
+                                                  : make_uint2(rms_normed2<T>(v.x, w.x, rstd[r]),
+                                                               rms_normed2<T>(v.y, w.y, rstd[r]));
+        raw[r][c] = ok[r] ? normed : make_uint2(0, 0);
+      }
 
     // Smoothed float32 values and the per-row max |x|.
     float xs[kLaneRows][4][4];
@@ -262,11 +247,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
       const float sv[4] = {s.x, s.y, s.z, s.w}, rsv[4] = {rs.x, rs.y, rs.z, rs.w};
 #pragma unroll
       for (int r = 0; r < kLaneRows; ++r) {
-        const T* v = reinterpret_cast<const T*>(&raw[r][c]);
+        const float2 lo = unpack2<T>(raw[r][c].x), hi = unpack2<T>(raw[r][c].y);
+        const float f[4] = {lo.x, lo.y, hi.x, hi.y};
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
-          const float f = to_float<T>(v[b]);
-          xs[r][c][b] = kSmooth ? div_rn(f, sv[b], rsv[b]) : f;
+          xs[r][c][b] = kSmooth ? div_rn(f[b], sv[b], rsv[b]) : f[b];
           amax[r] = fmaxf(amax[r], fabsf(xs[r][c][b]));
         }
       }
@@ -277,6 +262,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     // |xs| <= amax = 7 scale (1 + 2^-24) keeps every quotient below 7.5, so no clamp is needed either. A warp
     // with a row outside that range (never seen in practice; zero rows aside) takes IEEE division and the
     // clamp, as the reference does; one branch for the warp leaves both rows' arithmetic free to interleave.
+    // In that range the reciprocal is rcp_rn's (exact_division.cuh: IEEE's bits without the range check).
     float scale[kLaneRows], divisor[kLaneRows], rdivisor[kLaneRows];
     bool grid_units = true;
 #pragma unroll
@@ -285,7 +271,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
       amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 2));
       scale[r] = amax[r] / 7.0f;
       divisor[r] = 512.0f * scale[r];
-      rdivisor[r] = 1.0f / divisor[r];
+      rdivisor[r] = rcp_rn(divisor[r]);
       grid_units = grid_units && (scale[r] == 0.f || (scale[r] >= 0x1p-90f && scale[r] <= 0x1p100f));
     }
     grid_units = __all_sync(0xffffffffu, grid_units);
@@ -353,6 +339,14 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
       __syncwarp();  // every lane has read the slice it overwrites
       stage_low_rank(g + kGroupStep);
     }
+  };
+  GroupInput<kLaneRows> cur, next;
+  if (kPrefetch && first_group < G) load_group<T, P>(cur, x, norm_w, off, ok, first_group, t);
+  if (kStagedLowRank && first_group < G) stage_low_rank(first_group);
+  for (int g = first_group; g < G; g += kGroupStep) {
+    if (!kPrefetch) load_group<T, P>(cur, x, norm_w, off, ok, g, t);
+    if (kPrefetch && g + kGroupStep < G) load_group<T, P>(next, x, norm_w, off, ok, g + kGroupStep, t);
+    quantize_group(g, cur);
     if (kPrefetch) cur = next;
   }
 

@@ -24,9 +24,12 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32)
   float ss = 0.f;
   for (int c = lane * kVec; c < K; c += 32 * kVec) {
     const uint4 raw = *reinterpret_cast<const uint4*>(xr + c);
-    const T* v = reinterpret_cast<const T*>(&raw);
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-    for (int b = 0; b < kVec; ++b) ss = fmaf(to_float<T>(v[b]), to_float<T>(v[b]), ss);
+    for (int j = 0; j < 4; ++j) {
+      const float2 v = unpack2<T>(words[j]);
+      ss = fmaf(v.y, v.y, fmaf(v.x, v.x, ss));
+    }
   }
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
@@ -34,13 +37,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32)
   for (int c = lane * kVec; c < K; c += 32 * kVec) {
     const uint4 raw = *reinterpret_cast<const uint4*>(xr + c);
     const uint4 wraw = *reinterpret_cast<const uint4*>(w + c);
-    const T* v = reinterpret_cast<const T*>(&raw);
-    const T* wv = reinterpret_cast<const T*>(&wraw);
-    uint4 out;
-    T* o = reinterpret_cast<T*>(&out);
-#pragma unroll
-    for (int b = 0; b < kVec; ++b)
-      o[b] = rms_normed<T>(v[b], wv[b], rstd);
+    const uint4 out = make_uint4(rms_normed2<T>(raw.x, wraw.x, rstd), rms_normed2<T>(raw.y, wraw.y, rstd),
+                                 rms_normed2<T>(raw.z, wraw.z, rstd), rms_normed2<T>(raw.w, wraw.w, rstd));
     *reinterpret_cast<uint4*>(yr + c) = out;
   }
 }

@@ -21,6 +21,7 @@
 // engine/kernels/w4a4.py builds and reads both layouts in torch (tests compare against them).
 #pragma once
 #include <cstdint>
+#include <type_traits>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -130,10 +131,35 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
-// One RMSNorm output element rounded as torch rounds it: T(w * T(x * rstd)).
+// Two T values (a 32-bit word, lo first) as floats, and two floats rounded to T (round to nearest even, as
+// torch's casts) in one instruction.
 template <typename T>
-__device__ __forceinline__ T rms_normed(T x, T w, float rstd) {
-  return from_float<T>(to_float<T>(w) * to_float<T>(from_float<T>(to_float<T>(x) * rstd)));
+__device__ __forceinline__ float2 unpack2(uint32_t v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u));
+  else
+    return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  uint32_t out;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    *reinterpret_cast<__nv_bfloat162*>(&out) = __floats2bfloat162_rn(lo, hi);
+  else
+    *reinterpret_cast<__half2*>(&out) = __floats2half2_rn(lo, hi);
+  return out;
+}
+template <typename T>
+__device__ __forceinline__ float2 round2(float lo, float hi) {
+  return unpack2<T>(pack2<T>(lo, hi));
+}
+// Two RMSNorm output elements (a 32-bit word of x and the matching word of w) rounded as torch rounds them:
+// T(w * T(x * rstd)).
+template <typename T>
+__device__ __forceinline__ uint32_t rms_normed2(uint32_t x, uint32_t w, float rstd) {
+  const float2 xf = unpack2<T>(x), wf = unpack2<T>(w);
+  const float2 xn = round2<T>(xf.x * rstd, xf.y * rstd);
+  return pack2<T>(wf.x * xn.x, wf.y * xn.y);
 }
 
 }  // namespace w4a4
