@@ -122,6 +122,22 @@ template <typename T, Prologue P, int R, int kWarpsPerBlock>
 constexpr int kStagedLowRankBytes = R <= 48 && !kEarlyLowRank<P, R, kWarpsPerBlock>
                                         ? kWarpsPerBlock * R * kPdStride * static_cast<int>(sizeof(T))
                                         : 0;
+// Kernels without a prologue outside clusters copy all of K's smoothing factors (smooth, then 1 / smooth) into
+// shared memory when they start, and each group reads its factors from there (v54): loaded from global memory at
+// the top of each group, their first use was the kernel's most stalled instruction (ncu on v52). Those kernels
+// keep their scales in dynamic shared memory too, sized by K, so that 4 blocks of 4 warps still fit an SM at
+// K = 3072 (the static array holds 127 groups). With the RMSNorm prologue staging measured 0.79x-1.13x v52's
+// speed (0.79x at K = 3072, M = 8192); a cluster block walks an eighth of the groups, on latency-bound grids.
+template <Prologue P, bool kSmooth, int kClusterBlocks>
+constexpr bool kStagedSmoothing = kSmooth && P == Prologue::kNone && kClusterBlocks == 1;
+// Dynamic shared memory: the warps' pd_t slices, then where the smoothing factors are staged the block's scales
+// (16 per group) and the factors.
+template <typename T, Prologue P, bool kSmooth, int R, int kWarpsPerBlock, int kClusterBlocks>
+constexpr int quantize_smem_bytes(int K) {
+  constexpr int kFloat = sizeof(float);
+  return kStagedLowRankBytes<T, P, R, kWarpsPerBlock> +
+         (kStagedSmoothing<P, kSmooth, kClusterBlocks> ? K / kGroup * 16 * kFloat + 2 * K * kFloat : 0);
+}
 
 // 4-warp blocks of the groups' low-rank products (R = 48, 64, 96) are told 4 blocks fit an SM, which caps them
 // at 128 registers: left alone, rank-32 groups (64, 96) take up to 147 and 3 fit, and since v25 the R = 48
@@ -151,9 +167,13 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
   static_assert(kBlockRows == 16 || (kBlockRows == 8 && !kCluster), "8-row blocks only outside clusters");
   constexpr int kLaneRows = kBlockRows / 8;
   __shared__ float cluster_sums[kCluster ? kClusterBlocks : 1][kCluster ? kTiles * 4 * 32 : 1];
+  extern __shared__ __align__(16) unsigned char dynamic_smem[];
+  constexpr int kPdBytes = kStagedLowRankBytes<T, P, R, kWarpsPerBlock>;
+  constexpr bool kStagedSmooth = kStagedSmoothing<P, kSmooth, kClusterBlocks>;
+  static_assert(!(kCluster && kStagedSmooth), "cluster blocks keep their scales in the static array");
   // Per group, the 16-row set's rows in the order they take among the 32 of activation_scale_position: row
   // r < 8 at 4 ((r >> 1) & 3) + (r & 1), row r + 8 two places after it (an 8-row block fills its half's places).
-  __shared__ float scales_s[kMaxGroups][16];
+  __shared__ float scales_s[kStagedSmooth ? 1 : kMaxGroups][16];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gr = lane >> 2, t = lane & 3;
   const int rank = blockIdx.x % kClusterBlocks;
@@ -171,6 +191,23 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     off[r] = static_cast<int64_t>(row) * ldx + 4 * t;
   }
   const int G = K / kGroup;
+  // Group g's 16 scales: behind the pd_t slices where the smoothing factors are staged (sized by K), else the
+  // static array.
+  float* const staged_scales = reinterpret_cast<float*>(dynamic_smem + kPdBytes);
+  auto scale_row = [&](int g) -> float* {
+    if constexpr (kStagedSmooth)
+      return staged_scales + 16 * g;
+    else
+      return scales_s[g];
+  };
+  float* smooth_s = staged_scales + 16 * G;  // smooth, then 1 / smooth
+  if (kStagedSmooth) {
+    for (int i = threadIdx.x; i < K / 4; i += kWarpsPerBlock * 32) {
+      cp_async_16(smem_addr(smooth_s + 4 * i), smooth + 4 * i);
+      cp_async_16(smem_addr(smooth_s + K + 4 * i), rsmooth + 4 * i);
+    }
+    cp_async_commit();
+  }
 
   if constexpr (kCluster) __cluster_barrier_arrive_relaxed();  // phase 1: this block runs (waited for at the end)
   float rstd[kLaneRows];
@@ -194,9 +231,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
   // behind the arithmetic without holding registers (docs/kernels.md: v30 in 4-warp blocks, v37 in 16-warp
   // blocks; 64 and 96 columns would take 40-61 KB per 4-warp block and are not staged), or loads them early
   // (kEarlyLowRank, above).
-  constexpr bool kStagedLowRank = kStagedLowRankBytes<T, P, R, kWarpsPerBlock> > 0;
+  constexpr bool kStagedLowRank = kPdBytes > 0;
   constexpr bool kEarly = kEarlyLowRank<P, R, kWarpsPerBlock>;
-  extern __shared__ __align__(16) unsigned char dynamic_smem[];
   T* pd_s = reinterpret_cast<T*>(dynamic_smem) + warp * R * kPdStride;  // this warp's slice
   // Lane l copies 16-byte piece l % 8 of rows l / 8 + 4i of the warp's group slice.
   const T* pd_src = pd_t + static_cast<int64_t>(lane / 8) * K + 8 * (lane % 8);
@@ -207,9 +243,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
       cp_async_16(pd_dst + sizeof(T) * 4 * i * kPdStride, pd_src + static_cast<int64_t>(4 * i) * K + g * kGroup);
     cp_async_commit();
   };
-  // One K group of the warp: its quantized words into the tile, its scales into scales_s, its low-rank
-  // product into lacc.
-  auto quantize_group = [&](int g, const GroupInput<kLaneRows>& in) {
+  // One K group of the warp: its quantized words into the tile, its scales into scale_row(g), its low-rank
+  // product into lacc; load_next() is called once the group's input is in raw.
+  auto quantize_group = [&](int g, const GroupInput<kLaneRows>& in, auto&& load_next) {
     uint2 pd_frag[kEarly ? kTiles : 1][4];
     if (kEarly) {
 #pragma unroll
@@ -233,6 +269,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
                                                                rms_normed2<T>(v.y, w.y, rstd[r]));
         raw[r][c] = ok[r] ? normed : make_uint2(0, 0);
       }
+    load_next();
 
     // Smoothed float32 values and the per-row max |x|.
     float xs[kLaneRows][4][4];
@@ -240,7 +277,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       float4 s = make_float4(1.f, 1.f, 1.f, 1.f), rs = s;
-      if (kSmooth) {
+      if (kStagedSmooth) {
+        s = *reinterpret_cast<const float4*>(smooth_s + g * kGroup + 16 * c + 4 * t);
+        rs = *reinterpret_cast<const float4*>(smooth_s + K + g * kGroup + 16 * c + 4 * t);
+      } else if (kSmooth) {
         s = *reinterpret_cast<const float4*>(smooth + g * kGroup + 16 * c + 4 * t);
         rs = *reinterpret_cast<const float4*>(rsmooth + g * kGroup + 16 * c + 4 * t);
       }
@@ -276,7 +316,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     }
     grid_units = __all_sync(0xffffffffu, grid_units);
     if (t == 0) {
-      float* at = &scales_s[g][4 * ((gr >> 1) & 3) + (gr & 1)];
+      float* at = scale_row(g) + 4 * ((gr >> 1) & 3) + (gr & 1);
 #pragma unroll
       for (int r = 0; r < kLaneRows; ++r) at[2 * (half + r)] = scale[r];
     }
@@ -343,10 +383,22 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
   GroupInput<kLaneRows> cur, next;
   if (kPrefetch && first_group < G) load_group<T, P>(cur, x, norm_w, off, ok, first_group, t);
   if (kStagedLowRank && first_group < G) stage_low_rank(first_group);
+  if (kStagedSmooth) {
+    // This thread's smoothing pieces have landed (its first pd_t slice may still be in flight), then everyone's.
+    if (kStagedLowRank && first_group < G)
+      cp_async_wait<1>();
+    else
+      cp_async_wait<0>();
+    __syncthreads();
+  }
   for (int g = first_group; g < G; g += kGroupStep) {
     if (!kPrefetch) load_group<T, P>(cur, x, norm_w, off, ok, g, t);
-    if (kPrefetch && g + kGroupStep < G) load_group<T, P>(next, x, norm_w, off, ok, g + kGroupStep, t);
-    quantize_group(g, cur);
+    // The next group's input is loaded once this group's is in raw (v54). Loaded before the group, ptxas moved
+    // registers between the two buffers (up to 16 moves a group), and with the smoothing factors staged it waited
+    // for those loads at the top of this very group.
+    quantize_group(g, cur, [&] {
+      if (kPrefetch && g + kGroupStep < G) load_group<T, P>(next, x, norm_w, off, ok, g + kGroupStep, t);
+    });
     if (kPrefetch) cur = next;
   }
 
@@ -387,7 +439,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     // Lanes l, l + 8, l + 16 and l + 24 share pos: each takes every 4th group, then two shuffles meet them.
     float2 amax = make_float2(0.f, 0.f);
     for (int g = (threadIdx.x / 8) % 4; mine && g < G; g += 4) {
-      const float2 s = *reinterpret_cast<const float2*>(&scales_s[g][pos]);
+      const float2 s = *reinterpret_cast<const float2*>(scale_row(g) + pos);
       amax = make_float2(fmaxf(amax.x, s.x), fmaxf(amax.y, s.y));
     }
 #pragma unroll
@@ -398,7 +450,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
     const float2 inv = make_float2(amax.x > 0.f ? 1.f / amax.x : 0.f, amax.y > 0.f ? 1.f / amax.y : 0.f);
     if (threadIdx.x < 8 && mine) *reinterpret_cast<float2*>(amax_rows + col) = amax;
     for (int g = threadIdx.x / 8; mine && g < G; g += kWarpsPerBlock * 4) {
-      const float2 s = *reinterpret_cast<const float2*>(&scales_s[g][pos]);
+      const float2 s = *reinterpret_cast<const float2*>(scale_row(g) + pos);
       *reinterpret_cast<__half2*>(aratios + g * M_pad + col) = __floats2half2_rn(s.x * inv.x, s.y * inv.y);
     }
   };
@@ -447,15 +499,15 @@ cudaError_t launch_warps(const QuantizeArgs& a, cudaStream_t stream) {
   cluster.val.clusterDim.y = 1;
   cluster.val.clusterDim.z = 1;
   auto kernel = quantize_act_lora_down_kernel<T, P, kSmooth, R, kWarps, kClusterBlocks, kBlockRows>;
-  constexpr int kDynamicSmem = kStagedLowRankBytes<T, P, R, kWarps>;
-  if (kDynamicSmem > 0) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kDynamicSmem);
+  const int smem = quantize_smem_bytes<T, P, kSmooth, R, kWarps, kClusterBlocks>(a.K);
+  if (smem > 0) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
   }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(a.M_pad / kBlockRows * kClusterBlocks);
   config.blockDim = dim3(kWarps * 32);
-  config.dynamicSmemBytes = kDynamicSmem;
+  config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = &cluster;
   config.numAttrs = kClusterBlocks > 1 ? 1 : 0;
