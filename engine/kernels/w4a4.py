@@ -268,21 +268,21 @@ class CudaW4A4Backend:
 
     def prepare_group(self, layers) -> CudaW4A4Packed | None:
         """One packed GEMM for layers that read one input, or None (logged) when they cannot share one."""
-        tensors = [layer_tensors(layer).validate() for layer in layers]
-        obstacle = group_obstacle(tensors)
-        if obstacle is not None:
-            log.info("W4A4 layers run one by one, not as one GEMM: %s", obstacle)
-            return None
-        return self._pack(tensors)
+        return self._pack_unless(layers, group_obstacle, "W4A4 layers run one by one, not as one GEMM")
 
     def prepare_swiglu(self, layers) -> CudaW4A4Packed | None:
         """gate and up packed for the GEMM that writes silu(gate) * up, or None (logged) when it cannot."""
+        fallback = "W4A4 gate/up run without the SwiGLU GEMM"
+        return self._pack_unless(layers, swiglu_obstacle, fallback, swiglu=True)
+
+    def _pack_unless(self, layers, obstacle_of, fallback: str, swiglu: bool = False) -> CudaW4A4Packed | None:
+        """The layers packed as one GEMM, or None (`fallback: <obstacle>` logged) if obstacle_of names one."""
         tensors = [layer_tensors(layer).validate() for layer in layers]
-        obstacle = swiglu_obstacle(tensors)
+        obstacle = obstacle_of(tensors)
         if obstacle is not None:
-            log.info("W4A4 gate/up run without the SwiGLU GEMM: %s", obstacle)
+            log.info("%s: %s", fallback, obstacle)
             return None
-        return self._pack(tensors, swiglu=True)
+        return self._pack(tensors, swiglu=swiglu)
 
     def _pack(self, tensors: list, swiglu: bool = False) -> CudaW4A4Packed:
         """The kernels' layout of one layer, or of a group stacked along N (group_obstacle is None), or of
