@@ -54,9 +54,9 @@ static_assert((kStages & (kStages - 1)) == 0, "stage count must be a power of tw
 #ifndef W4A4_GEMM_BIG_TILES_FROM
 #define W4A4_GEMM_BIG_TILES_FROM 1
 #endif
-// Tuning knob: 256-row activation tiles from this many such blocks per SM up.
+// Tuning knob: 256-row activation tiles from this many such blocks per SM up (3: docs/kernels.md, v55).
 #ifndef W4A4_GEMM_HUGE_TILES_FROM
-#define W4A4_GEMM_HUGE_TILES_FROM 6
+#define W4A4_GEMM_HUGE_TILES_FROM 3
 #endif
 // Tuning knob: warpgroups per block, each on a range of K groups, where 64-row tiles leave SMs without a block.
 #ifndef W4A4_GEMM_K_SPLIT
