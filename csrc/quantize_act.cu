@@ -142,8 +142,8 @@ constexpr int quantize_smem_bytes(int K) {
 // 4-warp blocks of the groups' low-rank products (R = 48, 64, 96) are told 4 blocks fit an SM, which caps them
 // at 128 registers: left alone, rank-32 groups (64, 96) take up to 147 and 3 fit, and since v25 the R = 48
 // RMSNorm kernel took 102-106 registers for a fifth block (at 106 measured 1.2-1.5x slower than v24's 128,
-// docs/kernels.md). 6-warp blocks (down_proj's cluster grids) are told 3 fit: left alone, the rank-32 one with
-// smoothing took 113 registers at v54, one too many for a third block (1.2x v52's time at 96). 0 leaves the other
+// docs/kernels.md). 6-warp blocks (down_proj's cluster grids) are told 3 fit: left alone, the rank-32 ones took
+// 110-116 registers at v54, most of them too many for a third block (1.2x v52's time at 96). 0 leaves the other
 // kernels to the compiler's choice: an explicit 1 made it spend up to 168 registers on R <= 32.
 template <int R, int kWarpsPerBlock>
 constexpr int kQuantizeMinBlocks = kWarpsPerBlock == 4 && R >= 48 ? 4 : kWarpsPerBlock == 6 ? 3 : 0;
