@@ -1,8 +1,8 @@
 """Which kernels a source change touches, without a GPU: compile csrc/*.cu for sm_90a at a git revision and as
-in the working tree, and report, kernel by kernel, whether the machine code differs and how the registers and
-spills changed.
+in the working tree, and report, kernel by kernel, whether the machine code differs and how the registers,
+spills and the static instruction counts of its loops (the GEMM's K-group loop, say) changed.
 
-    python bench/sass_diff.py --base HEAD [--defines "-DW4A4_GEMM_OVERLAP=128"] [csrc/w4a4_gemm.cu ...]
+    python bench/sass_diff.py --base HEAD [--defines "-DW4A4_GEMM_STAGES=8"] [csrc/w4a4_gemm.cu ...]
 
 Needs nvcc (CUDA 13) and nvdisasm (on PATH, or `--nvdisasm`; without a CUDA toolkit, the nvidia-cuda-nvdisasm
 wheel from PyPI has it). ptxas's codegen of every kernel in a file moves with small source changes, so a
@@ -73,6 +73,23 @@ def kernel_bodies(sass: str) -> dict[str, str]:
     return out
 
 
+def loop_sizes(body: str) -> list[int]:
+    """Static instruction count of each loop in a kernel body from `kernel_bodies`: from a label to the
+    branch back to it, both included, in code order (the bodies' conditional paths counted too). The
+    self-branch that pads a kernel's end is no loop."""
+    sizes, label_at, count = [], {}, 0
+    for line in body.splitlines():
+        line = line.strip()
+        if m := re.fullmatch(r"(L\d+):", line):
+            label_at[m.group(1)] = count
+        elif line.endswith(";"):
+            count += 1
+            target = re.search(r"BRA `\((L\d+)\)", line)
+            if target and target.group(1) in label_at and count - label_at[target.group(1)] > 1:
+                sizes.append(count - label_at[target.group(1)])
+    return sizes
+
+
 def compile_file(source: Path, include: Path, defines: list[str], nvdisasm: str) -> tuple[str, str]:
     """(ptxas log, nvdisasm -c text) of one .cu file."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,7 +123,8 @@ def compare(files: list[str], base_dir: Path, defines: list[str], nvdisasm: str)
         )
         for k in changed + only:
             a, b = base_res.get(k), new_res.get(k)
-            lines.append(f"  {k}: {describe(a)} -> {describe(b)}")
+            loops = [loop_sizes(code[k]) if k in code else [] for code in (base_code, new_code)]
+            lines.append(f"  {k}: {describe(a)} -> {describe(b)}; loop instructions {loops[0]} -> {loops[1]}")
     return lines
 
 

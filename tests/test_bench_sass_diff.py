@@ -1,10 +1,10 @@
 """bench/sass_diff.py's parsing, on hand-made ptxas and nvdisasm output: kernel names without the anonymous
 namespace's path hash, registers and spills per kernel, machine code compared without addresses or label
-numbers."""
+numbers, and the static size of each loop."""
 
 from __future__ import annotations
 
-from bench.sass_diff import Resources, kernel_bodies, parse_ptxas_log, short_name
+from bench.sass_diff import Resources, kernel_bodies, loop_sizes, parse_ptxas_log, short_name
 
 GEMM_A = "_ZN4w4a445_GLOBAL__N__36fd774d_12_w4a4_gemm_cu_d6ea3d4e24w4a4_gemm_lora_up_kernelILi256EEEvPKa"
 GEMM_B = "_ZN4w4a445_GLOBAL__N__0a1b2c3d_12_w4a4_gemm_cu_9f8e7d6c24w4a4_gemm_lora_up_kernelILi256EEEvPKa"
@@ -53,3 +53,24 @@ def test_kernel_bodies_compare_equal_across_builds_of_the_same_code():
     assert list(a) == [short_name(GEMM_A)]
     assert a == b
     assert a != c
+
+
+def test_loop_sizes_count_from_the_label_to_the_branch_back():
+    body = kernel_bodies(
+        f"""\t.headerflags
+\t.text.{GEMM_A}:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_5:
+        /*0010*/                   LDS R2, [R3] ;
+        /*0020*/               @P1 BRA `(.L_x_6) ;
+        /*0030*/                   LDGSTS.E.BYPASS.128 [R4], desc[UR8][R6.64] ;
+.L_x_6:
+        /*0040*/                   HFMA2 R8, R2, R9, R8 ;
+        /*0050*/               @P0 BRA `(.L_x_5) ;
+        /*0060*/                   EXIT ;
+.L_x_7:
+        /*0070*/                   BRA `(.L_x_7);
+        /*0080*/                   NOP;
+"""
+    )[short_name(GEMM_A)]
+    assert loop_sizes(body) == [5]

@@ -37,8 +37,8 @@ LINK_FLAGS = ("-Wl,--exclude-libs,ALL",)
 
 
 def tuning_defines() -> list[str]:
-    """Extra -D flags for tuning experiments (OVBATCH_KERNEL_DEFINES="-DW4A4_GEMM_MIN_BLOCKS=2 ..."),
-    see the #ifndef knobs in csrc/w4a4_gemm.cu; empty in normal use."""
+    """Extra -D flags for tuning experiments (OVBATCH_KERNEL_DEFINES="-DW4A4_GEMM_STAGES=8 ..."), the
+    `Tuning knob` #ifndef's in csrc/w4a4_gemm.cu and csrc/quantize_act.cu; empty in normal use."""
     return os.environ.get("OVBATCH_KERNEL_DEFINES", "").split()
 
 
