@@ -20,6 +20,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.environment import environment, write_result  # noqa: E402
+from bench.floors import (  # noqa: E402
+    BF16_FLOPS_PER_S,
+    HBM_BYTES_PER_S,
+    RANK,
+    WGMMA_S8_OPS_PER_S,
+    gemm_bytes,
+    overlapped_floor_us,
+    quantize_bytes,
+)
 from engine.kernels import CudaW4A4Backend  # noqa: E402
 from engine.kernels import ops as kops  # noqa: E402
 from engine.quant.format import W4A4Tensors, pack_int4  # noqa: E402
@@ -27,13 +36,6 @@ from engine.quant.reference import w4a4_linear_reference  # noqa: E402
 
 LAYERS = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
 M_VALUES = (512, 2048, 8192, 32768)
-RANK = 32
-# Ceilings: device-to-device copy (read + write) and cuBLAS bf16 at 8192^3 measured on an H200
-# (../shared/anchors/README.md); dense INT8 wgmma, FP8's rate too, from NVIDIA's H100/H200 SXM datasheet
-# (the anchors measured mma.sync s8 at 1279.5 TOPS and cuBLAS fp8 at up to 1155).
-HBM_BYTES_PER_S = 4.3e12
-WGMMA_S8_OPS_PER_S = 1979e12
-BF16_FLOPS_PER_S = 790e12
 
 
 def random_layer(n: int, k: int, g: torch.Generator, rank: int = RANK) -> W4A4Tensors:
@@ -57,13 +59,6 @@ def graph_time_us(fn) -> float:
     with torch.cuda.graph(graph):
         fn()
     return 1e3 * do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
-
-
-def w4a4_bytes(m: int, n: int, k: int) -> int:
-    """Fewest bytes the two-kernel linear must move: x in, int8 act tiles + scales + lora out and back in,
-    packed weights + scales + proj_up, y out."""
-    act = m * k + m * (k // 64) * 4 + m * RANK * 4  # int8 activation tiles (4-bit values, 8-bit containers)
-    return m * k * 2 + 2 * act + n * k // 2 + n * (k // 64) * 8 + n * RANK * 4 + m * n * 2
 
 
 def bench_shape(layer: str, m: int, g: torch.Generator) -> dict:
@@ -107,11 +102,10 @@ def bench_shape(layer: str, m: int, g: torch.Generator) -> dict:
         "rel_err_vs_reference": rel,
     }
     ops_count = 2.0 * m * n * k
-    nbytes = w4a4_bytes(m, n, k)
-    floor_us = 1e6 * max(ops_count / WGMMA_S8_OPS_PER_S, nbytes / HBM_BYTES_PER_S)
+    nbytes = quantize_bytes(m, k) + gemm_bytes(m, n, k)
     row.update(
         w4a4_tops=round(ops_count / w4a4_us / 1e6, 1),
-        w4a4_floor_us=round(floor_us, 2),
+        w4a4_floor_us=round(overlapped_floor_us(m, n, k), 2),
         bf16_tflops=round(ops_count / row["bf16_us"] / 1e6, 1),
         fp8_tflops=round(ops_count / row["fp8_us"] / 1e6, 1),
         speedup_vs_bf16=round(row["bf16_us"] / w4a4_us, 3),

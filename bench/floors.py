@@ -1,0 +1,46 @@
+"""Lower bounds on a W4A4 linear's time from the H200's ceilings: the bytes each kernel must move and the
+GEMM's tensor-core operations. bench/kernels.py records them beside its measurements; bench/tables.py sets
+the two-kernel floor against the 1.5x-over-bf16 target (docs/kernels.md, Floors).
+"""
+
+from __future__ import annotations
+
+# Device-to-device copy (read + write) and cuBLAS bf16 at 8192^3 measured on an H200 (../shared/anchors);
+# dense INT8 wgmma, FP8's rate too, from NVIDIA's H100/H200 SXM datasheet (the anchors measured mma.sync s8
+# at 1279.5 TOPS and cuBLAS fp8 at up to 1155).
+HBM_BYTES_PER_S = 4.3e12
+WGMMA_S8_OPS_PER_S = 1979e12
+BF16_FLOPS_PER_S = 790e12
+
+RANK = 32  # the low-rank width bench/kernels.py measures at
+
+
+def activation_bytes(m: int, k: int) -> int:
+    """What the quantize kernel hands the GEMM: int8 activation tiles (4-bit values in 8-bit containers),
+    scales, low-rank activations."""
+    return m * k + m * (k // 64) * 4 + m * RANK * 4
+
+
+def quantize_bytes(m: int, k: int) -> int:
+    """x in, the activations out."""
+    return m * k * 2 + activation_bytes(m, k)
+
+
+def gemm_bytes(m: int, n: int, k: int) -> int:
+    """The activations in, packed weights + scales + proj_up, y out."""
+    return activation_bytes(m, k) + n * k // 2 + n * (k // 64) * 8 + n * RANK * 4 + m * n * 2
+
+
+def gemm_floor_us(m: int, n: int, k: int) -> float:
+    return 1e6 * max(2.0 * m * n * k / WGMMA_S8_OPS_PER_S, gemm_bytes(m, n, k) / HBM_BYTES_PER_S)
+
+
+def quantize_floor_us(m: int, k: int) -> float:
+    return 1e6 * quantize_bytes(m, k) / HBM_BYTES_PER_S
+
+
+def overlapped_floor_us(m: int, n: int, k: int) -> float:
+    """Both kernels' bytes and the GEMM's operations, all overlapped: the floor of any design that keeps
+    the int8 activation tiles."""
+    nbytes = quantize_bytes(m, k) + gemm_bytes(m, n, k)
+    return 1e6 * max(2.0 * m * n * k / WGMMA_S8_OPS_PER_S, nbytes / HBM_BYTES_PER_S)
