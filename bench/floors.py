@@ -17,7 +17,9 @@ RANK = 32  # the low-rank width bench/kernels.py measures at
 
 def activation_bytes(m: int, k: int) -> int:
     """What the quantize kernel hands the GEMM: int8 activation tiles (4-bit values in 8-bit containers),
-    scales, low-rank activations."""
+    scales, low-rank activations. Scales count 4 bytes a group, as in the committed results' w4a4_floor_us;
+    the kernel writes 2 (fp16 ratios) and 4 a row (the row's largest), so these floors carry up to ~1% more
+    bytes than the exact count (docs/kernels.md's conclusions hold with either)."""
     return m * k + m * (k // 64) * 4 + m * RANK * 4
 
 
