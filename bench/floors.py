@@ -1,6 +1,7 @@
-"""Lower bounds on a W4A4 linear's time from the H200's ceilings: the bytes each kernel must move and the
-GEMM's tensor-core operations. bench/kernels.py records them beside its measurements; bench/tables.py sets
-the two-kernel floor against the 1.5x-over-bf16 target (docs/kernels.md, Floors).
+"""Lower bounds on a W4A4 linear's time from the H200's ceilings: the bytes each kernel must move, the
+GEMM's tensor-core operations, and the instructions the kernels' loops issue. bench/kernels.py records the
+first two beside its measurements; bench/tables.py sets the floors against the 1.5x-over-bf16 target
+(docs/kernels.md, Floors).
 """
 
 from __future__ import annotations
@@ -13,6 +14,14 @@ WGMMA_S8_OPS_PER_S = 1979e12
 BF16_FLOPS_PER_S = 790e12
 
 RANK = 32  # the low-rank width bench/kernels.py measures at
+
+# Instruction issue: 4 warp instructions a cycle on each of 132 SMs, at the H200's top SM clock (1980 MHz).
+WARP_INSTRUCTIONS_PER_S = 4 * 132 * 1.98e9
+# Warp instructions per 64-wide K group: the GEMM's loop on 256-row tiles, its fewest per output (static SASS,
+# bench/sass_diff.py; 4 warps per tile of 64 weight rows), and the quantize kernel's loop (a warp's 16 rows;
+# ncu at o, M = 8192, rank 32, v54: bench/results/profile-quantize-o-h200-v54.txt).
+GEMM_LOOP_INSTRUCTIONS = 255
+QUANTIZE_LOOP_INSTRUCTIONS = 463
 
 
 def activation_bytes(m: int, k: int) -> int:
@@ -46,3 +55,15 @@ def overlapped_floor_us(m: int, n: int, k: int) -> float:
     the int8 activation tiles."""
     nbytes = quantize_bytes(m, k) + gemm_bytes(m, n, k)
     return 1e6 * max(2.0 * m * n * k / WGMMA_S8_OPS_PER_S, nbytes / HBM_BYTES_PER_S)
+
+
+def gemm_issue_floor_us(m: int, n: int, k: int) -> float:
+    """The GEMM's K-group loop alone, every instruction issued back to back: no fixed work, no stall."""
+    warp_groups = (m / 256) * (n / 64) * 4 * (k / 64)
+    return 1e6 * warp_groups * GEMM_LOOP_INSTRUCTIONS / WARP_INSTRUCTIONS_PER_S
+
+
+def quantize_issue_floor_us(m: int, k: int) -> float:
+    """The quantize kernel's group loop alone, likewise: the arithmetic that moves with the quantization if
+    another kernel's epilogue takes it over."""
+    return 1e6 * (m / 16) * (k / 64) * QUANTIZE_LOOP_INSTRUCTIONS / WARP_INSTRUCTIONS_PER_S
