@@ -33,6 +33,7 @@
 // T(residual + T(y)), torch's rounding of `residual + linear(x)`, and no add kernel runs after it.
 #include "w4a4_common.cuh"
 #include "w4a4_launch.h"
+#include "wgmma.cuh"
 
 #include <climits>
 #include <cstddef>
@@ -124,11 +125,6 @@ struct Tile {
   }
 };
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 // The value, opaque to the compiler: it stays in a register instead of being recomputed wherever it is used
 // (from threadIdx: a long-latency S2R; or reloaded from the kernel's parameters in constant memory).
 __device__ __forceinline__ uint32_t opaque(uint32_t v) {
@@ -142,60 +138,6 @@ __device__ __forceinline__ const V& at_offset(const void* base, uint32_t offset)
   return *reinterpret_cast<const V*>(static_cast<const unsigned char*>(base) + offset);
 }
 
-// Pins registers that the asynchronous wgmma reads or writes (accumulators, A fragments) around its
-// fence/wait instructions, so the compiler moves no access to them across.
-template <int N>
-__device__ __forceinline__ void fence_operands(uint32_t (&regs)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(regs[i])::"memory");
-}
-
-#define W4A4_D8(i) "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3]), "+r"(d[i + 4]), "+r"(d[i + 5]), \
-                   "+r"(d[i + 6]), "+r"(d[i + 7])
-
-// d (+)= a * b: m64nNk32, e4m3 x e4m3 -> fp16 pairs (d[2j + h]: weight row 8h + lane / 4 of the warp's 16,
-// activation rows 8j + 2 (lane % 4) and the next), A from registers (this warp's 16 rows), B from shared
-// memory; scale_d = 0 starts a fresh sum.
-__device__ __forceinline__ void wgmma_e4m3_rs(uint32_t (&d)[64], const uint32_t (&a)[4], uint64_t b_desc,
-                                              int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k32.f16.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-      : W4A4_D8(0), W4A4_D8(8), W4A4_D8(16), W4A4_D8(24), W4A4_D8(32), W4A4_D8(40), W4A4_D8(48), W4A4_D8(56)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d)
-      : "memory");
-}
-
-__device__ __forceinline__ void wgmma_e4m3_rs(uint32_t (&d)[32], const uint32_t (&a)[4], uint64_t b_desc,
-                                              int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f16.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-      : W4A4_D8(0), W4A4_D8(8), W4A4_D8(16), W4A4_D8(24)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d)
-      : "memory");
-}
-
-__device__ __forceinline__ void wgmma_e4m3_rs(uint32_t (&d)[16], const uint32_t (&a)[4], uint64_t b_desc,
-                                              int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f16.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-      "{%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
-      : W4A4_D8(0), W4A4_D8(8)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d)
-      : "memory");
-}
-#undef W4A4_D8
 
 // Four 8x8 b16 matrices (register i of each lane: row lane / 4, columns 2 (lane % 4) and the next) stored
 // transposed: row c of matrix i (its column c) at the 16 bytes that lane 8i + c addresses.
@@ -222,9 +164,6 @@ __device__ __forceinline__ int4 add_pieces(int4 a, int4 b) {
   for (int i = 0; i < 8; ++i) out[i] = from_float<OutT>(to_float<OutT>(x[i]) + to_float<OutT>(y[i]));
   return sum;
 }
-
-__device__ __forceinline__ __half2 as_half2(uint32_t bits) { return *reinterpret_cast<const __half2*>(&bits); }
-__device__ __forceinline__ uint32_t bits_of(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
 
 // silu(g) * u in float32 with one rounding at the end (torch rounds g, u and silu(g) to the output dtype as
 // well): __expf and __fdividef, a few ulp of float32 each, far below the output's rounding.
