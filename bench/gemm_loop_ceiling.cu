@@ -13,7 +13,10 @@
 //              activation tile, weight record and scales (from L2-resident buffers, as the GEMM's mostly are),
 //              then its wait and proxy fence;
 //   fold/128   the same loop with the fold once per two groups, as scales of 128-wide groups would need (not
-//              the numerics contract, ../shared/DESIGN.md: what such a contract would leave to the loop).
+//              the numerics contract, ../shared/DESIGN.md: what such a contract would leave to the loop; its
+//              fp16 sums of two groups exceed 2048 units, so they would no longer be exact);
+//   qkv grid   the whole loop on the qkv GEMM's grid at M = 8192: 2048 blocks of 16 groups, each with its first
+//              stages' trip to memory and the waves' tail, but no epilogue.
 // All operand bytes are small e4m3 integers (never zeros; the result is written to `sink`, so nothing is
 // dead code). Swizzled variants read the same tile through a 64-byte-swizzle descriptor (values land in other
 // places; the timing question is only whether the layout changes the tensor cores' rate).
@@ -96,16 +99,18 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
   auto& ring = *reinterpret_cast<Ring<BM>*>(smem_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, t = lane & 3;
 
-  // Operands: activation bytes 1..7 (e4m3 2^-9 * 1..7, as the quantize kernel writes), weight codes 1..7,
-  // scale ratios near those of real data.
-  for (int i = tid; i < kSlots * BM * kGroup; i += kThreadsPerBlock) (&ring.act[0][0])[i] = 1 + (i * 5 + 3) % 7;
-  for (int i = tid; i < kSlots * 128; i += kThreadsPerBlock) {
-    const uint32_t c = 0x01010101u * (1 + i % 7) + 0x10101010u * (1 + (i / 7) % 7);
-    (&ring.w[0][0])[i] = make_int4(c, c + 0x01000000u, c + 0x00010000u, c + 0x00000100u);
+  // Operands, unless the copies bring them: activation bytes 1..7 (e4m3 2^-9 * 1..7, as the quantize kernel
+  // writes), weight codes 1..7, scale ratios near those of real data.
+  if constexpr ((kParts & kCopies) == 0) {
+    for (int i = tid; i < kSlots * BM * kGroup; i += kThreadsPerBlock) (&ring.act[0][0])[i] = 1 + (i * 5 + 3) % 7;
+    for (int i = tid; i < kSlots * 128; i += kThreadsPerBlock) {
+      const uint32_t c = 0x01010101u * (1 + i % 7) + 0x10101010u * (1 + (i / 7) % 7);
+      (&ring.w[0][0])[i] = make_int4(c, c + 0x01000000u, c + 0x00010000u, c + 0x00000100u);
+    }
+    for (int i = tid; i < kSlots * BM; i += kThreadsPerBlock)
+      (&ring.ra[0][0])[i] = __float2half(0.25f + (i % 13) / 17.0f);
+    for (int i = tid; i < kSlots * 64; i += kThreadsPerBlock) (&ring.ws[0][0])[i] = 1.0f + (i % 11) / 11.0f;
   }
-  for (int i = tid; i < kSlots * BM; i += kThreadsPerBlock)
-    (&ring.ra[0][0])[i] = __float2half(0.25f + (i % 13) / 17.0f);
-  for (int i = tid; i < kSlots * 64; i += kThreadsPerBlock) (&ring.ws[0][0])[i] = 1.0f + (i % 11) / 11.0f;
 
   const int tile = blockIdx.x % kSourceTiles;
   auto refill = [&](int slot, int g) {
@@ -218,7 +223,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
 }
 
 template <int BM, int kParts, int kBlocksPerSm>
-void run(const char* name, int sms, const Sources& src, uint32_t* sink, double seconds, bool first) {
+// One wave of blocks that each walk 1024 groups, or (tile_grid) the qkv GEMM's grid at M = 8192: 2048 tiles of
+// 16 groups, each block starting with its first stages' copies, as the GEMM's blocks do (no epilogue).
+void run(const char* name, int sms, const Sources& src, uint32_t* sink, double seconds, bool first,
+         bool tile_grid = false) {
   constexpr size_t kRingBytes = sizeof(Ring<BM>);
   // Shared memory sized so that exactly kBlocksPerSm blocks fit an SM (228 KB, 1 KB reserved a block).
   const size_t smem = std::max(kRingBytes, static_cast<size_t>(228 * 1024 / kBlocksPerSm - 1024) / 1024 * 1024);
@@ -228,7 +236,7 @@ void run(const char* name, int sms, const Sources& src, uint32_t* sink, double s
   CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, kThreadsPerBlock, smem));
   cudaFuncAttributes attr;
   CHECK_CUDA(cudaFuncGetAttributes(&attr, kernel));
-  const int groups = 1024, blocks = sms * kBlocksPerSm;
+  const int groups = tile_grid ? 16 : 1024, blocks = tile_grid ? 2048 : sms * kBlocksPerSm;
   cudaEvent_t e0, e1;
   CHECK_CUDA(cudaEventCreate(&e0));
   CHECK_CUDA(cudaEventCreate(&e1));
@@ -274,7 +282,7 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaRuntimeGetVersion(&runtime));
   const int sms = prop.multiProcessorCount;
   uint32_t* sink;
-  CHECK_CUDA(cudaMalloc(&sink, sizeof(uint32_t) * sms * 4 * kThreadsPerBlock));
+  CHECK_CUDA(cudaMalloc(&sink, sizeof(uint32_t) * std::max(sms * 4, 2048) * kThreadsPerBlock));
   // The +copies sources, filled with valid nonzero operands: activation bytes 3 (e4m3 3 * 2^-9), weight
   // nibbles 3 and 5, ratios 0x3030 (fp16 0.13), weight scales 0x3F3F3F3F (0.75).
   const size_t act_bytes = kSourceGroups * 256 * kGroup, w_bytes = kSourceTiles * kSourceGroups * 128 * 16;
@@ -306,6 +314,8 @@ int main(int argc, char** argv) {
   run<256, kLoop, 2>("+wait +fold +convert +barrier", sms, src, sink, seconds, false);
   run<256, kWait | kBarrier | kCopies, 3>("+wait +barrier +copies", sms, src, sink, seconds, false);
   run<256, kLoop | kCopies, 3>("+wait +fold +convert +barrier +copies", sms, src, sink, seconds, false);
+  run<256, kLoop | kCopies, 3>("+wait +fold +convert +barrier +copies, qkv M = 8192 grid", sms, src, sink, seconds,
+                                false, true);
   run<128, 0, 4>("raw", sms, src, sink, seconds, false);
   run<128, kWait | kFold, 4>("+wait +fold", sms, src, sink, seconds, false);
   run<128, kLoop, 4>("+wait +fold +convert +barrier", sms, src, sink, seconds, false);
