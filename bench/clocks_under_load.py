@@ -1,11 +1,12 @@
 """SM clock and board power while one kernel runs back to back (docs/kernels.md, Floors: the loop ceiling).
 
-bench/gemm_loop_ceiling.cu saw the SM clock fall from 1.71 to 1.27 GHz once the fold joined the wgmma. Here
-the W4A4 GEMM, its quantize kernel, the whole W4A4 linear, cuBLAS bf16 and torch._scaled_mm fp8 each replay a
-CUDA graph of many calls for a few seconds while nvidia-smi samples the SM clock, the power draw and the
-active clock-event reasons (the driver's reasons for a clock below the maximum). Reported per workload: the
-sustained time of one call, the median clock and power of the samples, the reasons seen. With --probe, the
-loop-ceiling probe's configurations are sampled the same way.
+bench/kernels.py times short bursts; a batch job keeps the GPU busy, where the board's power cap can lower
+the clock, by how much depending on the kernel. Here the W4A4 GEMM, its quantize kernel, the whole W4A4
+linear, cuBLAS bf16 and torch._scaled_mm fp8 each replay a CUDA graph of many calls for a few seconds while
+nvidia-smi samples the SM clock, the power draw and the active clock-event reasons (the driver's reasons for
+a clock below the maximum). Reported per workload: the sustained time of one call, the median clock and
+power of the samples, the reasons seen. With --probe, the configurations of bench/gemm_loop_ceiling.cu are
+sampled the same way, and their SM cycles per group follow from the sampled clock.
 
     python bench/clocks_under_load.py [--out bench/results/clocks-under-load-h200.json] [--shapes qkv:8192] \
         [--probe /tmp/gemm_loop_ceiling]

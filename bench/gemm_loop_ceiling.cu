@@ -1,7 +1,7 @@
 // How fast can the W4A4 GEMM's K loop run on its own instructions? (docs/kernels.md, Floors.)
 //
-// Each block is one warpgroup that runs the loop of csrc/w4a4_gemm.cu over `groups` K groups of operands
-// already in shared memory: no copies from global memory, no prologue, no epilogue. The loop's parts are
+// Each block is one warpgroup that runs the loop of csrc/w4a4_gemm.cu over `groups` K groups of operands in
+// shared memory (put there once, or brought by the +copies part), with no epilogue. The loop's parts are
 // switched on one at a time (kParts), so the time each adds is measured, not modelled:
 //   raw        two wgmma m64nBMk32 (e4m3 x e4m3 -> fp16, A from registers) a group, one group kept in flight:
 //              the tensor cores' rate for this instruction;
@@ -112,18 +112,19 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
     for (int i = tid; i < kSlots * 64; i += kThreadsPerBlock) (&ring.ws[0][0])[i] = 1.0f + (i % 11) / 11.0f;
   }
 
-  const int tile = blockIdx.x % kSourceTiles;
+  const int weight_tile = blockIdx.x % kSourceTiles;
   auto refill = [&](int slot, int g) {
     const int gs = g % kSourceGroups, piece = 16 * tid;
+    constexpr int kStride = 16 * kThreadsPerBlock;  // bytes between a thread's activation chunks
 #pragma unroll
-    for (int h = 0; h < BM * kGroup / 16 / kThreadsPerBlock; ++h)
-      cp_async_16(smem_addr(&ring.act[slot][piece + 2048 * h]), src.act + gs * 256 * kGroup + piece + 2048 * h);
-    cp_async_16(smem_addr(&ring.w[slot][tid]), src.w + (tile * kSourceGroups + gs) * 128 + tid);
+    for (int h = 0; h < BM * kGroup / kStride; ++h)
+      cp_async_16(smem_addr(&ring.act[slot][piece + kStride * h]), src.act + gs * 256 * kGroup + piece + kStride * h);
+    cp_async_16(smem_addr(&ring.w[slot][tid]), src.w + (weight_tile * kSourceGroups + gs) * 128 + tid);
     if (tid < BM / 8) {
       cp_async_16(smem_addr(&ring.ra[slot][8 * tid]), src.ra + gs * 256 + 8 * tid);
     } else if (tid < BM / 8 + 16) {
       const int piece_ws = 4 * (tid - BM / 8);
-      cp_async_16(smem_addr(&ring.ws[slot][piece_ws]), src.ws + (tile * kSourceGroups + gs) * 64 + piece_ws);
+      cp_async_16(smem_addr(&ring.ws[slot][piece_ws]), src.ws + (weight_tile * kSourceGroups + gs) * 64 + piece_ws);
     }
   };
   if constexpr ((kParts & kCopies) != 0) {
@@ -222,9 +223,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
   sink[blockIdx.x * kThreadsPerBlock + tid] = x;
 }
 
-template <int BM, int kParts, int kBlocksPerSm>
 // One wave of blocks that each walk 1024 groups, or (tile_grid) the qkv GEMM's grid at M = 8192: 2048 tiles of
 // 16 groups, each block starting with its first stages' copies, as the GEMM's blocks do (no epilogue).
+template <int BM, int kParts, int kBlocksPerSm>
 void run(const char* name, int sms, const Sources& src, uint32_t* sink, double seconds, bool first,
          bool tile_grid = false) {
   constexpr size_t kRingBytes = sizeof(Ring<BM>);
