@@ -120,16 +120,21 @@ def sustained(fn, seconds: float, sampler: Sampler) -> dict:
 def probe_rows(binary: Path, seconds: float, sampler: Sampler) -> list[dict]:
     """bench/gemm_loop_ceiling.cu's rows, each run for `seconds`, with the samples taken meanwhile and the SM
     cycles per warpgroup and K group they imply."""
-    out = subprocess.run([str(binary), str(seconds)], capture_output=True, text=True, check=True).stdout
+    run = subprocess.run([str(binary), str(seconds)], capture_output=True, text=True, check=True)
+    out = json.loads(run.stdout)
     rows = []
-    for row in json.loads(out)["rows"]:
+    for row in out["rows"]:
         row.update(sampler.summary(row["wall_start"], row["wall_end"]))
         if row["samples"]:
-            # An SM runs blocks_per_sm blocks of groups_per_block K groups each in median_us.
-            cycles = row["median_us"] * row["sm_clock_mhz_median"]
-            row["sm_cycles_per_group"] = round(cycles / (row["groups_per_block"] * row["blocks_per_sm"]), 1)
+            row["sm_cycles_per_group"] = sm_cycles_per_group(row, out["sms"])
         rows.append(row)
     return rows
+
+
+def sm_cycles_per_group(row: dict, sms: int) -> float:
+    """One SM's cycles per warpgroup and K group (2 * 64 * bm * 64 operations) at the row's rate and clock."""
+    seconds_per_group = 2 * 64 * row["bm"] * 64 / (row["tops"] * 1e12 / sms)
+    return round(seconds_per_group * row["sm_clock_mhz_median"] * 1e6, 1)
 
 
 def workloads(shape: str, g: torch.Generator) -> dict:

@@ -202,15 +202,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
     if constexpr ((kParts & kFold) != 0) {
 #pragma unroll
       for (int p = 0; p < BM / 32; ++p) {
-        const uint4 ra8 = *reinterpret_cast<const uint4*>(&ring.ra[slot][32 * p + 8 * t]);
-        const uint32_t ra_pairs[4] = {ra8.x, ra8.y, ra8.z, ra8.w};
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const __half2 ra = as_half2(ra_pairs[q]);
-          const int j = 4 * p + q;
-          acc_h[2 * j] = bits_of(__hfma2(as_half2(d[2 * j]), __hmul2(ra, rw0), as_half2(acc_h[2 * j])));
-          acc_h[2 * j + 1] = bits_of(__hfma2(as_half2(d[2 * j + 1]), __hmul2(ra, rw1), as_half2(acc_h[2 * j + 1])));
-        }
+        fold_ratio_pairs(acc_h, d, p, *reinterpret_cast<const uint4*>(&ring.ra[slot][32 * p + 8 * t]), rw0, rw1);
       }
     }
     if constexpr ((kParts & kBarrier) != 0) __syncthreads();

@@ -351,14 +351,7 @@ __global__ void __launch_bounds__(kThreads * kSplit, Tile<BM>::kMinBlocks / kSpl
 #pragma unroll
     for (int p = 0; p < BM / 32; ++p) {
       const uint4 ra8 = kEarlyRatios && p == 0 ? ra8_first : at_offset<uint4>(s.ra, ra_off + 32 * sizeof(__half) * p);
-      const uint32_t ra_pairs[4] = {ra8.x, ra8.y, ra8.z, ra8.w};
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const __half2 ra = as_half2(ra_pairs[q]);
-        const int j = 4 * p + q;
-        acc_h[2 * j] = bits_of(__hfma2(as_half2(d[2 * j]), __hmul2(ra, rw0), as_half2(acc_h[2 * j])));
-        acc_h[2 * j + 1] = bits_of(__hfma2(as_half2(d[2 * j + 1]), __hmul2(ra, rw1), as_half2(acc_h[2 * j + 1])));
-      }
+      fold_ratio_pairs(acc_h, d, p, ra8, rw0, rw1);
     }
     warpgroup_sync();
   }

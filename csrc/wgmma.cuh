@@ -1,6 +1,6 @@
-// Hopper warpgroup MMA (wgmma, sm_90a) as the W4A4 GEMM issues it: e4m3 x e4m3 into fp16 pairs, A from
-// registers, B from shared memory; with the fences around it. Shared by csrc/w4a4_gemm.cu and
-// bench/gemm_loop_ceiling.cu.
+// The W4A4 GEMM's K-loop instructions: Hopper's warpgroup MMA (wgmma, sm_90a) as the GEMM issues it, e4m3 x
+// e4m3 into fp16 pairs, A from registers, B from shared memory, with the fences around it; and the fold of a
+// group's sums. Shared by csrc/w4a4_gemm.cu and bench/gemm_loop_ceiling.cu.
 #pragma once
 #include <cstdint>
 #include <cuda_fp16.h>
@@ -70,5 +70,20 @@ __device__ __forceinline__ void wgmma_e4m3_rs(uint32_t (&d)[16], const uint32_t 
 // The fp16 pairs of a wgmma accumulator register, and back.
 __device__ __forceinline__ __half2 as_half2(uint32_t bits) { return *reinterpret_cast<const __half2*>(&bits); }
 __device__ __forceinline__ uint32_t bits_of(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
+
+// The fold of activation rows 32p .. 32p + 31 (j = 4p .. 4p + 3): acc_h[2j + h] += d[2j + h] * (ra * rw_h) in
+// fp16 pairs, ra8 holding the scale ratios of this thread's two activation rows of each j side by side.
+template <int N>
+__device__ __forceinline__ void fold_ratio_pairs(uint32_t (&acc_h)[N], const uint32_t (&d)[N], int p, uint4 ra8,
+                                                 __half2 rw0, __half2 rw1) {
+  const uint32_t ra_pairs[4] = {ra8.x, ra8.y, ra8.z, ra8.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const __half2 ra = as_half2(ra_pairs[q]);
+    const int j = 4 * p + q;
+    acc_h[2 * j] = bits_of(__hfma2(as_half2(d[2 * j]), __hmul2(ra, rw0), as_half2(acc_h[2 * j])));
+    acc_h[2 * j + 1] = bits_of(__hfma2(as_half2(d[2 * j + 1]), __hmul2(ra, rw1), as_half2(acc_h[2 * j + 1])));
+  }
+}
 
 }  // namespace w4a4
