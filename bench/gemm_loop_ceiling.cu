@@ -16,7 +16,7 @@
 //              the numerics contract, ../shared/DESIGN.md: what such a contract would leave to the loop; its
 //              fp16 sums of two groups exceed 2048 units, so they would no longer be exact);
 //   qkv grid   the whole loop on the qkv GEMM's grid at M = 8192: 2048 blocks of 16 groups, each with its first
-//              stages' trip to memory and the waves' tail, but no epilogue.
+//              stages' trip to memory and the waves' tail, but no epilogue; and on 5 whole waves of such blocks.
 // All operand bytes are small e4m3 integers (never zeros; the result is written to `sink`, so nothing is
 // dead code). Swizzled variants read the same tile through a 64-byte-swizzle descriptor (values land in other
 // places; the timing question is only whether the layout changes the tensor cores' rate).
@@ -215,11 +215,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
   sink[blockIdx.x * kThreadsPerBlock + tid] = x;
 }
 
-// One wave of blocks that each walk 1024 groups, or (tile_grid) the qkv GEMM's grid at M = 8192: 2048 tiles of
-// 16 groups, each block starting with its first stages' copies, as the GEMM's blocks do (no epilogue).
+// One wave of blocks that each walk 1024 groups, or `tiles` blocks of 16 groups (the qkv GEMM's at M = 8192:
+// 2048), each block starting with its first stages' copies, as the GEMM's blocks do (no epilogue).
 template <int BM, int kParts, int kBlocksPerSm>
-void run(const char* name, int sms, const Sources& src, uint32_t* sink, double seconds, bool first,
-         bool tile_grid = false) {
+void run(const char* name, int sms, const Sources& src, uint32_t* sink, double seconds, bool first, int tiles = 0) {
   constexpr size_t kRingBytes = sizeof(Ring<BM>);
   // Shared memory sized so that exactly kBlocksPerSm blocks fit an SM (228 KB, 1 KB reserved a block).
   const size_t smem = std::max(kRingBytes, static_cast<size_t>(228 * 1024 / kBlocksPerSm - 1024) / 1024 * 1024);
@@ -229,7 +228,7 @@ void run(const char* name, int sms, const Sources& src, uint32_t* sink, double s
   CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, kThreadsPerBlock, smem));
   cudaFuncAttributes attr;
   CHECK_CUDA(cudaFuncGetAttributes(&attr, kernel));
-  const int groups = tile_grid ? 16 : 1024, blocks = tile_grid ? 2048 : sms * kBlocksPerSm;
+  const int groups = tiles ? 16 : 1024, blocks = tiles ? tiles : sms * kBlocksPerSm;
   cudaEvent_t e0, e1;
   CHECK_CUDA(cudaEventCreate(&e0));
   CHECK_CUDA(cudaEventCreate(&e1));
@@ -294,6 +293,7 @@ int main(int argc, char** argv) {
   std::printf("{\"gpu\": \"%s\", \"sms\": %d, \"cuda_driver\": %d, \"cuda_runtime\": %d,\n \"rows\": [\n", prop.name,
               sms, driver, runtime);
   constexpr int kLoop = kWait | kFold | kConvert | kBarrier;
+  constexpr int kBlocksPerSmOf256 = 3;
   run<256, 0, 1>("raw", sms, src, sink, seconds, true);
   run<256, 0, 2>("raw", sms, src, sink, seconds, false);
   run<256, 0, 3>("raw", sms, src, sink, seconds, false);
@@ -308,7 +308,10 @@ int main(int argc, char** argv) {
   run<256, kWait | kBarrier | kCopies, 3>("+wait +barrier +copies", sms, src, sink, seconds, false);
   run<256, kLoop | kCopies, 3>("+wait +fold +convert +barrier +copies", sms, src, sink, seconds, false);
   run<256, kLoop | kCopies, 3>("+wait +fold +convert +barrier +copies, qkv M = 8192 grid", sms, src, sink, seconds,
-                                false, true);
+                                false, 2048);
+  // The same tiles less the last wave's partial 68 (5 whole waves of 396 on an H200): the tail's share.
+  run<256, kLoop | kCopies, 3>("+wait +fold +convert +barrier +copies, 5 whole waves", sms, src, sink, seconds,
+                                false, 5 * kBlocksPerSmOf256 * sms);
   run<128, 0, 4>("raw", sms, src, sink, seconds, false);
   run<128, kWait | kFold, 4>("+wait +fold", sms, src, sink, seconds, false);
   run<128, kLoop, 4>("+wait +fold +convert +barrier", sms, src, sink, seconds, false);
