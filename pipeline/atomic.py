@@ -1,6 +1,6 @@
 """Atomic writes: a temp file in the target's folder (its name carries TMP_MARK), then os.replace, so a
 reader sees the old file or the new one, never half of one. Temp files of killed writers are found by
-their mark and deleted when a job starts (JobDir.remove_temp_files)."""
+their mark and deleted when a run starts and when it ends (JobDir.remove_temp_files)."""
 
 from __future__ import annotations
 

@@ -263,6 +263,8 @@ def execute(
             bar.close()
             if pool is not None:
                 pool.shutdown()
+            # A worker lost during this run (a killed actor) may have left a temp file; no writer is left.
+            job.remove_temp_files()
     run_record.update(finished_at=_now(), wall_seconds=round(time.perf_counter() - t0, 3))
     job.append_run(run_record)
     summary = summarize(job)

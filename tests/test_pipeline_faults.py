@@ -45,11 +45,15 @@ class FakeEngine:
     fail_ids: set[str] = set()  # texts "row <id>" of these ids raise RuntimeError in any batch
     oom_above: int | None = None  # a call with more requests raises CUDA out of memory
     calls: list[list[str]] = []  # texts of every synthesize call, all instances
+    dead_writer_temp: Path | None = None  # a temp file to leave, as a writer killed mid-write would
 
     def __init__(self, cfg):
         self.cfg = cfg
 
     def synthesize(self, reqs):
+        if self.dead_writer_temp is not None:
+            self.dead_writer_temp.parent.mkdir(parents=True, exist_ok=True)
+            self.dead_writer_temp.write_bytes(b"RIFF, cut off")
         FakeEngine.calls.append([r.text for r in reqs])
         for r in reqs:
             if any(r.text == f"row {i}" for i in self.fail_ids):
@@ -70,6 +74,7 @@ class FakeEngine:
 @pytest.fixture(autouse=True)
 def reset_fake():
     FakeEngine.fail_ids, FakeEngine.oom_above, FakeEngine.calls = set(), None, []
+    FakeEngine.dead_writer_temp = None
     yield
 
 
@@ -205,6 +210,19 @@ def test_rerun_runs_only_the_failed_rows_and_never_rewrites_an_ok_row(tmp_path: 
     assert rerun(job.path, ["engine.max_batch_tokens=128"]).shards_run == []  # nothing left to do
     with pytest.raises(JobDirError, match=r"rerun cannot change what variant\(s\) \['default'\] sound like"):
         rerun(job.path, ["engine.generation.num_step=8"])
+
+
+def test_a_writer_killed_during_a_run_leaves_no_temp_file_behind(tmp_path: Path):
+    # A killed actor's half-written wav (tests/test_pipeline_e2e.py kills one) appears after the job
+    # started, so the cleanup at the start cannot catch it; the run's end must.
+    cfg = _fake_cfg(_manifest(tmp_path / "m.parquet", 6))
+    job = JobDir(tmp_path / "job")
+    FakeEngine.dead_writer_temp = job.wav_path("default", "r03").with_name(".r03.wav.ovtmp-dead")
+    outcome = submit(cfg, job.path, lambda cfg: _fake_sizer)
+    assert FakeEngine.calls, "the engine ran"
+    assert outcome.summary["rows"]["ok"] == 6
+    assert not list(job.path.rglob("*.ovtmp-*"))
+    assert {p.name for p in (job.path / "wavs" / "default").iterdir()} == {f"r{i:02d}.wav" for i in range(6)}
 
 
 def test_a_row_whose_preparation_crashes_is_rejected_and_the_others_run(tmp_path: Path):
