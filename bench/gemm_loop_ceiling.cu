@@ -17,6 +17,15 @@
 //              fp16 sums of two groups exceed 2048 units, so they would no longer be exact);
 //   qkv grid   the whole loop on the qkv GEMM's grid at M = 8192: 2048 blocks of 16 groups, each with its first
 //              stages' trip to memory and the waves' tail, but no epilogue; and on 5 whole waves of such blocks.
+// And why the fold costs what it does, each beside the loop it changes:
+//   no wgmma   the fold alone, on sums that no wgmma wrote: its own issue time;
+//   float32    the fold's HMUL2 and HFMA2 as FMUL and FFMA on the same registers (the bits taken as floats: the
+//              same instruction count on fp32 arithmetic instead of fp16 pairs);
+//   bitwise    the same count as LOP3 on the integer pipe;
+//   f32 sums   128-row tiles with wgmma's float32 sums and their real fold, an FMUL and an FFMA per output;
+//   A smem     the weights read by wgmma from shared memory instead of registers (SS instead of RS): with
+//              +convert each warp stores its converted rows (stmatrix) into one of two A tiles for the next
+//              group, published by the group's barrier; these rows ring 2 activation slots, as does a control.
 // All operand bytes are small e4m3 integers (never zeros; the result is written to `sink`, so nothing is
 // dead code). Swizzled variants read the same tile through a 64-byte-swizzle descriptor (values land in other
 // places; the timing question is only whether the layout changes the tensor cores' rate).
@@ -48,8 +57,13 @@ namespace {
     }                                                                                             \
   } while (0)
 
-enum Part : int { kWait = 1, kFold = 2, kConvert = 4, kBarrier = 8, kSwizzle64 = 16, kFoldPer128 = 32, kCopies = 64 };
-constexpr int kSlots = 4;  // ring slots the loop walks through, as the GEMM's 4-deep ring
+enum Part : int {
+  kWait = 1, kFold = 2, kConvert = 4, kBarrier = 8, kSwizzle64 = 16, kFoldPer128 = 32, kCopies = 64,
+  kFoldFloat = 128, kASmem = 256, kNoMma = 512, kTwoSlots = 1024, kFoldAlu = 2048, kSumsF32 = 4096
+};
+// Ring slots the loop walks through: 4, as the GEMM's 4-deep ring, or 2 where the A tiles take the room.
+template <int kParts>
+constexpr int kSlotsOf = (kParts & (kASmem | kTwoSlots)) != 0 ? 2 : 4;
 constexpr int kThreadsPerBlock = 128;
 // The +copies sources: kSourceGroups K groups of activations that every block reads, and the weight records and
 // scales of kSourceTiles weight tiles (the qkv GEMM's 64 at K = 1024), block b reading tile b % kSourceTiles.
@@ -62,14 +76,108 @@ struct Sources {
   const float* ws;      // [kSourceTiles][kSourceGroups][64]
 };
 
-template <int BM>
+template <int BM, int kParts>
 struct Ring {
+  static constexpr int kSlots = kSlotsOf<kParts>;
   // The activation tiles first, each 16 KB (256 rows) or 8 KB: every tile 512-byte aligned for the swizzle.
   alignas(1024) int8_t act[kSlots][BM * kGroup];
   int4 w[kSlots][128];  // a 16-byte packed weight record per thread
   __half ra[kSlots][BM];
   float ws[kSlots][64];
 };
+// A from shared memory: two e4m3 weight tiles (64 rows x one K group, the activations' layout at 64 rows), after
+// the ring.
+struct ATiles {
+  int8_t a[2][64 * kGroup];
+};
+template <int BM, int kParts>
+constexpr size_t kSmemBytes = sizeof(Ring<BM, kParts>) + ((kParts & kASmem) != 0 ? sizeof(ATiles) : 0);
+
+#define D8(i) "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3]), "+r"(d[i + 4]), "+r"(d[i + 5]), \
+              "+r"(d[i + 6]), "+r"(d[i + 7])
+// wgmma_e4m3_rs of csrc/wgmma.cuh with A from shared memory (its descriptor) instead of registers.
+__device__ __forceinline__ void wgmma_e4m3_ss(uint32_t (&d)[64], uint64_t a_desc, uint64_t b_desc, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k32.f16.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n}\n"
+      : D8(0), D8(8), D8(16), D8(24), D8(32), D8(40), D8(48), D8(56)
+      : "l"(a_desc), "l"(b_desc), "r"(scale_d)
+      : "memory");
+}
+
+// wgmma_e4m3_rs of csrc/wgmma.cuh at n = 128 into float32 sums: d[4j + 2h + c] is weight row 8h + lane / 4 of the
+// warp's 16, activation row 8j + 2 (lane % 4) + c.
+__device__ __forceinline__ void wgmma_e4m3_rs_f32(uint32_t (&d)[64], const uint32_t (&a)[4], uint64_t b_desc,
+                                                  int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : D8(0), D8(8), D8(16), D8(24), D8(32), D8(40), D8(48), D8(56)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d)
+      : "memory");
+}
+#undef D8
+
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
+// fold_ratio_pairs of csrc/wgmma.cuh as bitwise operations (LOP3, the integer pipe): the same instruction count.
+template <int N>
+__device__ __forceinline__ void fold_as_bits(uint32_t (&acc)[N], const uint32_t (&d)[N], int p, uint4 ra8,
+                                             uint32_t rw0, uint32_t rw1) {
+  const uint32_t ra[4] = {ra8.x, ra8.y, ra8.z, ra8.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int j = 4 * p + q;
+    uint32_t s0, s1;
+    asm("lop3.b32 %0, %1, %2, %3, 0x96;" : "=r"(s0) : "r"(ra[q]), "r"(rw0), "r"(j));
+    asm("lop3.b32 %0, %1, %2, %3, 0x96;" : "=r"(s1) : "r"(ra[q]), "r"(rw1), "r"(j));
+    asm("lop3.b32 %0, %1, %2, %0, 0x96;" : "+r"(acc[2 * j]) : "r"(d[2 * j]), "r"(s0));
+    asm("lop3.b32 %0, %1, %2, %0, 0x96;" : "+r"(acc[2 * j + 1]) : "r"(d[2 * j + 1]), "r"(s1));
+  }
+}
+
+// The fold of float32 sums (128-row tiles), acc[i] += d[i] * ra[m] * rw[n]: an FMUL and an FFMA per output (twice
+// the fp16 pairs' instructions), the ratios of activation rows 8j + 2t, + 1 read as floats from `ra`.
+__device__ __forceinline__ void fold_f32(uint32_t (&acc)[64], const uint32_t (&d)[64], int p, const float* ra,
+                                         float rw0, float rw1) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int j = 4 * p + q;
+    const float2 r = *reinterpret_cast<const float2*>(ra + 2 * q);
+    const float s[4] = {r.x * rw0, r.y * rw0, r.x * rw1, r.y * rw1};
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      acc[4 * j + e] = __float_as_uint(fmaf(__uint_as_float(d[4 * j + e]), s[e], __uint_as_float(acc[4 * j + e])));
+  }
+}
+
+// fold_ratio_pairs of csrc/wgmma.cuh on float32 arithmetic: the same registers, the same instruction count.
+template <int N>
+__device__ __forceinline__ void fold_as_floats(uint32_t (&acc)[N], const uint32_t (&d)[N], int p, uint4 ra8,
+                                               float rw0, float rw1) {
+  const uint32_t ra[4] = {ra8.x, ra8.y, ra8.z, ra8.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int j = 4 * p + q;
+    const float r = __uint_as_float(ra[q]);
+    acc[2 * j] = __float_as_uint(fmaf(__uint_as_float(d[2 * j]), r * rw0, __uint_as_float(acc[2 * j])));
+    acc[2 * j + 1] = __float_as_uint(fmaf(__uint_as_float(d[2 * j + 1]), r * rw1, __uint_as_float(acc[2 * j + 1])));
+  }
+}
 
 __device__ __forceinline__ void wgmma_wait_one() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 
@@ -95,12 +203,20 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
   static_assert((kParts & kConvert) == 0 || (kParts & kWait) != 0, "A registers are rewritten only after a wait");
   static_assert((kParts & kCopies) == 0 || (kParts & (kWait | kBarrier)) == (kWait | kBarrier),
                 "a slot is refilled once every warp's wgmma has read it");
+  constexpr bool kSmemA = (kParts & kASmem) != 0, kMma = (kParts & kNoMma) == 0, kF32 = (kParts & kSumsF32) != 0;
+  static_assert(!kF32 || BM == 128, "float32 sums on 128-row tiles (their registers)");
+  static_assert(!kSmemA || (BM == 256 && (kParts & (kCopies | kFoldPer128)) == 0), "A from shared memory: 256 rows");
+  static_assert(!kSmemA || (kParts & kConvert) == 0 || (kParts & kBarrier) != 0,
+                "the next group's A tile is published by the group's barrier");
+  using RingT = Ring<BM, kParts>;
+  constexpr int kSlots = RingT::kSlots;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  auto& ring = *reinterpret_cast<Ring<BM>*>(smem_raw);
+  auto& ring = *reinterpret_cast<RingT*>(smem_raw);
+  auto& a_smem = *reinterpret_cast<ATiles*>(smem_raw + sizeof(RingT));
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, t = lane & 3;
 
   // Operands, unless the copies bring them: activation bytes 1..7 (e4m3 2^-9 * 1..7, as the quantize kernel
-  // writes), weight codes 1..7, scale ratios near those of real data.
+  // writes), weight codes 1..7, scale ratios near those of real data; A tiles of e4m3 bytes 1..7 likewise.
   if constexpr ((kParts & kCopies) == 0) {
     for (int i = tid; i < kSlots * BM * kGroup; i += kThreadsPerBlock) (&ring.act[0][0])[i] = 1 + (i * 5 + 3) % 7;
     for (int i = tid; i < kSlots * 128; i += kThreadsPerBlock) {
@@ -110,6 +226,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
     for (int i = tid; i < kSlots * BM; i += kThreadsPerBlock)
       (&ring.ra[0][0])[i] = __float2half(0.25f + (i % 13) / 17.0f);
     for (int i = tid; i < kSlots * 64; i += kThreadsPerBlock) (&ring.ws[0][0])[i] = 1.0f + (i % 11) / 11.0f;
+    if constexpr (kSmemA)
+      for (int i = tid; i < static_cast<int>(sizeof(ATiles)); i += kThreadsPerBlock)
+        (&a_smem.a[0][0])[i] = 1 + (i * 3 + 1) % 7;
   }
 
   const int weight_tile = blockIdx.x % kSourceTiles;
@@ -134,14 +253,40 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
     }
     cp_async_wait<kSlots - 2>();
   }
+
+  // Group g's packed weight record, unpacked: e4m3 A fragments of k-step 0 (low nibbles) and 1 (high).
+  auto convert = [&](int slot, uint32_t (&a0)[4], uint32_t (&a1)[4]) {
+    const int4 wrec = ring.w[slot][tid];
+    const uint32_t wv[4] = {static_cast<uint32_t>(wrec.x), static_cast<uint32_t>(wrec.y),
+                            static_cast<uint32_t>(wrec.z), static_cast<uint32_t>(wrec.w)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      a0[i] = e4m3_from_code(wv[i]);
+      a1[i] = e4m3_from_code(wv[i] >> 4);
+    }
+  };
+  // The fragments into A tile `buf` (the activations' layout at 64 rows): register i of k-step s is matrix i of
+  // stmatrix (rows 8 (i % 2) .. of the warp's 16, k chunk 2s + i / 2), lane l addressing row l % 8 of matrix l / 8.
+  const uint32_t a_lane =
+      smem_addr(&a_smem.a[0][0]) + (lane / 16) * 1024 + (2 * warp + lane / 8 % 2) * 128 + lane % 8 * 16;
+  auto store_a = [&](int buf, const uint32_t (&a0)[4], const uint32_t (&a1)[4]) {
+    stmatrix_x4(a_lane + buf * 64 * kGroup, a0);
+    stmatrix_x4(a_lane + buf * 64 * kGroup + 2048, a1);
+  };
+  if constexpr (kSmemA && (kParts & kConvert) != 0) {
+    uint32_t a0[4], a1[4];
+    convert(0, a0, a1);
+    store_a(0, a0, a1);
+  }
   fence_proxy_async();
   __syncthreads();
 
-  const uint32_t act0 = smem_addr(&ring.act[0][0]);
+  const uint32_t act0 = smem_addr(&ring.act[0][0]), a_tiles = smem_addr(&a_smem.a[0][0]);
   const int wrow0 = warp * 16 + (lane >> 2);
-  uint32_t acc_h[BM / 4], d[BM / 4];
+  constexpr int kSumRegs = kF32 ? BM / 2 : BM / 4;  // fp16 pairs or floats
+  uint32_t acc_h[kSumRegs], d[kSumRegs];
 #pragma unroll
-  for (int i = 0; i < BM / 4; ++i) acc_h[i] = d[i] = 0;
+  for (int i = 0; i < kSumRegs; ++i) acc_h[i] = d[i] = 0;
   // One pass folds kGroupsPerFold groups' sums: 2 where the scales would cover 128-wide groups.
   constexpr int kGroupsPerFold = (kParts & kFoldPer128) != 0 ? 2 : 1;
   uint32_t a[2 * kGroupsPerFold][4];
@@ -152,36 +297,51 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
 
   for (int g = 0; g < groups; g += kGroupsPerFold) {
     const int slot = g & (kSlots - 1);
+    if constexpr (!kSmemA && (kParts & kConvert) != 0) {
 #pragma unroll
-    for (int s = 0; s < kGroupsPerFold; ++s) {
-      if constexpr ((kParts & kConvert) != 0) {
-        const int4 wrec = ring.w[slot + s][tid];
-        const uint32_t wv[4] = {static_cast<uint32_t>(wrec.x), static_cast<uint32_t>(wrec.y),
-                                static_cast<uint32_t>(wrec.z), static_cast<uint32_t>(wrec.w)};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          a[2 * s][i] = e4m3_from_code(wv[i]);
-          a[2 * s + 1][i] = e4m3_from_code(wv[i] >> 4);
-        }
-      }
+      for (int s = 0; s < kGroupsPerFold; ++s) convert(slot + s, a[2 * s], a[2 * s + 1]);
     }
 #pragma unroll
     for (int s = 0; s < 2 * kGroupsPerFold; ++s) fence_operands(a[s]);
     fence_operands(d);
-    wgmma_fence();
+    if constexpr (kMma) {
+      wgmma_fence();
 #pragma unroll
-    for (int s = 0; s < kGroupsPerFold; ++s) {
-      const uint32_t tile = act0 + (slot + s) * BM * kGroup;
-      // Without the fold nothing reads a group's sums: accumulate across groups, or the compiler drops the
-      // wgmma whose results the next group's fresh start would discard.
-      wgmma_e4m3_rs(d, a[2 * s], act_desc<BM, kParts>(tile, 0), (kParts & kFold) != 0 && s == 0 ? 0 : 1);
-      wgmma_e4m3_rs(d, a[2 * s + 1], act_desc<BM, kParts>(tile, 1), 1);
+      for (int s = 0; s < kGroupsPerFold; ++s) {
+        const uint32_t tile = act0 + (slot + s) * BM * kGroup;
+        // Without the fold nothing reads a group's sums: accumulate across groups, or the compiler drops the
+        // wgmma whose results the next group's fresh start would discard.
+        const int fresh = (kParts & kFold) != 0 && s == 0 ? 0 : 1;
+        if constexpr (kSmemA) {
+          const uint32_t a_tile = a_tiles + (g & 1) * 64 * kGroup;
+          if constexpr (BM == 256) {  // always (asserted); the other heights' d would not compile here
+            wgmma_e4m3_ss(d, act_desc<64, 0>(a_tile, 0), act_desc<BM, kParts>(tile, 0), fresh);
+            wgmma_e4m3_ss(d, act_desc<64, 0>(a_tile, 1), act_desc<BM, kParts>(tile, 1), 1);
+          }
+        } else if constexpr (kF32) {
+          wgmma_e4m3_rs_f32(d, a[2 * s], act_desc<BM, kParts>(tile, 0), fresh);
+          wgmma_e4m3_rs_f32(d, a[2 * s + 1], act_desc<BM, kParts>(tile, 1), 1);
+        } else {
+          wgmma_e4m3_rs(d, a[2 * s], act_desc<BM, kParts>(tile, 0), fresh);
+          wgmma_e4m3_rs(d, a[2 * s + 1], act_desc<BM, kParts>(tile, 1), 1);
+        }
+      }
+      wgmma_commit();
     }
-    wgmma_commit();
     __half2 rw0 = {}, rw1 = {};
+    float rw0f = 0.f, rw1f = 0.f;
     if constexpr ((kParts & kFold) != 0) {
-      rw0 = __float2half2_rn(ring.ws[slot][wrow0]);
-      rw1 = __float2half2_rn(ring.ws[slot][wrow0 + 8]);
+      rw0f = ring.ws[slot][wrow0];
+      rw1f = ring.ws[slot][wrow0 + 8];
+      rw0 = __float2half2_rn(rw0f);
+      rw1 = __float2half2_rn(rw1f);
+    }
+    if constexpr (kSmemA && (kParts & kConvert) != 0) {
+      // The next group's A tile, while this group's wgmma reads the other one.
+      uint32_t a0[4], a1[4];
+      convert((g + 1) & (kSlots - 1), a0, a1);
+      store_a((g + 1) & 1, a0, a1);
+      fence_proxy_async();
     }
     if constexpr ((kParts & kCopies) != 0) {
       // Group g + 3 into the slot group g - 1 used (free since the barrier that ended iteration g - 1), then
@@ -191,10 +351,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
       cp_async_wait<kSlots - 2>();
       fence_proxy_async();
     }
-    if constexpr ((kParts & kWait) != 0) {
-      wgmma_wait_all();
-    } else {
-      wgmma_wait_one();
+    if constexpr (kMma) {
+      if constexpr ((kParts & kWait) != 0) {
+        wgmma_wait_all();
+      } else {
+        wgmma_wait_one();
+      }
     }
     fence_operands(d);
 #pragma unroll
@@ -202,16 +364,28 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
     if constexpr ((kParts & kFold) != 0) {
 #pragma unroll
       for (int p = 0; p < BM / 32; ++p) {
-        fold_ratio_pairs(acc_h, d, p, *reinterpret_cast<const uint4*>(&ring.ra[slot][32 * p + 8 * t]), rw0, rw1);
+        if constexpr (kF32) {
+          // The float ratios from the activation slot: their values do not matter to the timing.
+          fold_f32(acc_h, d, p, reinterpret_cast<const float*>(&ring.act[slot][0]) + 256 * p + 8 * t, rw0f, rw1f);
+        } else {
+          const uint4 ra8 = *reinterpret_cast<const uint4*>(&ring.ra[slot][32 * p + 8 * t]);
+          if constexpr ((kParts & kFoldAlu) != 0) {
+            fold_as_bits(acc_h, d, p, ra8, __float_as_uint(rw0f), __float_as_uint(rw1f));
+          } else if constexpr ((kParts & kFoldFloat) != 0) {
+            fold_as_floats(acc_h, d, p, ra8, rw0f, rw1f);
+          } else {
+            fold_ratio_pairs(acc_h, d, p, ra8, rw0, rw1);
+          }
+        }
       }
     }
     if constexpr ((kParts & kBarrier) != 0) __syncthreads();
   }
-  wgmma_wait_all();
+  if constexpr (kMma) wgmma_wait_all();
   fence_operands(d);
   uint32_t x = 0;
 #pragma unroll
-  for (int i = 0; i < BM / 4; ++i) x ^= acc_h[i] ^ d[i];
+  for (int i = 0; i < kSumRegs; ++i) x ^= acc_h[i] ^ d[i];
   sink[blockIdx.x * kThreadsPerBlock + tid] = x;
 }
 
@@ -219,7 +393,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
 // 2048), each block starting with its first stages' copies, as the GEMM's blocks do (no epilogue).
 template <int BM, int kParts, int kBlocksPerSm>
 void run(const char* name, int sms, const Sources& src, uint32_t* sink, double seconds, bool first, int tiles = 0) {
-  constexpr size_t kRingBytes = sizeof(Ring<BM>);
+  constexpr size_t kRingBytes = kSmemBytes<BM, kParts>;
   // Shared memory sized so that exactly kBlocksPerSm blocks fit an SM (228 KB, 1 KB reserved a block).
   const size_t smem = std::max(kRingBytes, static_cast<size_t>(228 * 1024 / kBlocksPerSm - 1024) / 1024 * 1024);
   auto kernel = loop_kernel<BM, kParts, kBlocksPerSm>;
@@ -312,6 +486,26 @@ int main(int argc, char** argv) {
   // The same tiles less the last wave's partial 68 (5 whole waves of 396 on an H200): the tail's share.
   run<256, kLoop | kCopies, 3>("+wait +fold +convert +barrier +copies, 5 whole waves", sms, src, sink, seconds,
                                 false, 5 * kBlocksPerSmOf256 * sms);
+  // Why the fold costs what it does (256-row tiles).
+  run<256, kWait | kFold | kNoMma, 3>("fold alone, no wgmma", sms, src, sink, seconds, false);
+  run<256, kWait | kFold | kFoldFloat | kNoMma, 3>("fold alone in float32, no wgmma", sms, src, sink, seconds, false);
+  run<256, kWait | kFold | kFoldAlu | kNoMma, 3>("fold alone as bitwise ops, no wgmma", sms, src, sink, seconds, false);
+  run<256, kWait | kFold | kFoldAlu, 3>("+wait +fold as bitwise ops", sms, src, sink, seconds, false);
+  run<256, kWait | kFold, 1>("+wait +fold", sms, src, sink, seconds, false);
+  run<256, kWait | kFold, 2>("+wait +fold", sms, src, sink, seconds, false);
+  run<256, kWait | kFold | kFoldFloat, 3>("+wait +fold, fold in float32", sms, src, sink, seconds, false);
+  run<256, kTwoSlots, 3>("raw, 2 slots", sms, src, sink, seconds, false);
+  run<256, kASmem, 3>("raw, A smem", sms, src, sink, seconds, false);
+  run<256, kWait | kFold | kTwoSlots, 3>("+wait +fold, 2 slots", sms, src, sink, seconds, false);
+  run<256, kWait | kFold | kASmem, 3>("+wait +fold, A smem", sms, src, sink, seconds, false);
+  run<256, kLoop | kTwoSlots, 3>("+wait +fold +convert +barrier, 2 slots", sms, src, sink, seconds, false);
+  run<256, kLoop | kASmem, 3>("+wait +fold +convert +barrier, A smem", sms, src, sink, seconds, false);
+  run<128, 0, 3>("raw", sms, src, sink, seconds, false);
+  run<128, kSumsF32, 3>("raw, float32 sums", sms, src, sink, seconds, false);
+  run<128, kWait | kFold, 3>("+wait +fold", sms, src, sink, seconds, false);
+  run<128, kWait | kFold | kSumsF32, 3>("+wait +fold, float32 sums", sms, src, sink, seconds, false);
+  run<128, kWait | kFold | kNoMma, 3>("fold alone, no wgmma", sms, src, sink, seconds, false);
+  run<128, kWait | kFold | kSumsF32 | kNoMma, 3>("fold alone, float32 sums, no wgmma", sms, src, sink, seconds, false);
   run<128, 0, 4>("raw", sms, src, sink, seconds, false);
   run<128, kWait | kFold, 4>("+wait +fold", sms, src, sink, seconds, false);
   run<128, kLoop, 4>("+wait +fold +convert +barrier", sms, src, sink, seconds, false);
