@@ -23,6 +23,8 @@
 //              same instruction count on fp32 arithmetic instead of fp16 pairs);
 //   bitwise    the same count as LOP3 on the integer pipe;
 //   f32 sums   128-row tiles with wgmma's float32 sums and their real fold, an FMUL and an FFMA per output;
+//   side by side  a block of two warpgroups, one issuing only the wgmma, the other only folding (no fold
+//              waits on a wgmma): whether the SM runs the two at once, alone and together;
 //   A smem     the weights read by wgmma from shared memory instead of registers (SS instead of RS): with
 //              +convert each warp stores its converted rows (stmatrix) into one of two A tiles for the next
 //              group, published by the group's barrier; these rows ring 2 activation slots, as does a control.
@@ -196,6 +198,21 @@ __device__ __forceinline__ uint64_t act_desc(uint32_t tile, int k_step) {
   }
 }
 
+// Operands, where the copies do not bring them: activation bytes 1..7 (e4m3 2^-9 * 1..7, as the quantize kernel
+// writes), weight codes 1..7, scale ratios near those of real data; thread `tid` of 128 fills its share.
+template <typename RingT>
+__device__ __forceinline__ void fill_operands(RingT& ring, int tid) {
+  constexpr int kSlots = RingT::kSlots, BM = sizeof(ring.act[0]) / kGroup;
+  for (int i = tid; i < kSlots * BM * kGroup; i += kThreadsPerBlock) (&ring.act[0][0])[i] = 1 + (i * 5 + 3) % 7;
+  for (int i = tid; i < kSlots * 128; i += kThreadsPerBlock) {
+    const uint32_t c = 0x01010101u * (1 + i % 7) + 0x10101010u * (1 + (i / 7) % 7);
+    (&ring.w[0][0])[i] = make_int4(c, c + 0x01000000u, c + 0x00010000u, c + 0x00000100u);
+  }
+  for (int i = tid; i < kSlots * BM; i += kThreadsPerBlock)
+    (&ring.ra[0][0])[i] = __float2half(0.25f + (i % 13) / 17.0f);
+  for (int i = tid; i < kSlots * 64; i += kThreadsPerBlock) (&ring.ws[0][0])[i] = 1.0f + (i % 11) / 11.0f;
+}
+
 template <int BM, int kParts, int kBlocksPerSm>
 __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
     loop_kernel(int groups, Sources src, uint32_t* sink) {
@@ -215,17 +232,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
   auto& a_smem = *reinterpret_cast<ATiles*>(smem_raw + sizeof(RingT));
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, t = lane & 3;
 
-  // Operands, unless the copies bring them: activation bytes 1..7 (e4m3 2^-9 * 1..7, as the quantize kernel
-  // writes), weight codes 1..7, scale ratios near those of real data; A tiles of e4m3 bytes 1..7 likewise.
+  // A tiles of e4m3 bytes 1..7, as the activations.
   if constexpr ((kParts & kCopies) == 0) {
-    for (int i = tid; i < kSlots * BM * kGroup; i += kThreadsPerBlock) (&ring.act[0][0])[i] = 1 + (i * 5 + 3) % 7;
-    for (int i = tid; i < kSlots * 128; i += kThreadsPerBlock) {
-      const uint32_t c = 0x01010101u * (1 + i % 7) + 0x10101010u * (1 + (i / 7) % 7);
-      (&ring.w[0][0])[i] = make_int4(c, c + 0x01000000u, c + 0x00010000u, c + 0x00000100u);
-    }
-    for (int i = tid; i < kSlots * BM; i += kThreadsPerBlock)
-      (&ring.ra[0][0])[i] = __float2half(0.25f + (i % 13) / 17.0f);
-    for (int i = tid; i < kSlots * 64; i += kThreadsPerBlock) (&ring.ws[0][0])[i] = 1.0f + (i % 11) / 11.0f;
+    fill_operands(ring, tid);
     if constexpr (kSmemA)
       for (int i = tid; i < static_cast<int>(sizeof(ATiles)); i += kThreadsPerBlock)
         (&a_smem.a[0][0])[i] = 1 + (i * 3 + 1) % 7;
@@ -389,17 +398,85 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
   sink[blockIdx.x * kThreadsPerBlock + tid] = x;
 }
 
+// The raw loop's wgmma and the fold in separate warpgroups of one block (256-row tiles, 2 blocks per SM): the
+// first warpgroup issues two wgmma a group (one group in flight), the second folds sums that no wgmma wrote, each
+// on its own; kRoles 1 runs the first only, 2 the second only, 3 both; with 4 the fold is on float32 instructions
+// (as kFoldFloat). If the SM could run a wgmma and other warps' fold side by side, both would take about as long as
+// the slower alone.
+template <int kRoles>
+__global__ void __launch_bounds__(2 * kThreadsPerBlock, 2) side_by_side_kernel(int groups, Sources, uint32_t* sink) {
+  constexpr int BM = 256;
+  using RingT = Ring<BM, 0>;
+  constexpr int kSlots = RingT::kSlots;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& ring = *reinterpret_cast<RingT*>(smem_raw);
+  const int wg = threadIdx.x / kThreadsPerBlock, tid = threadIdx.x % kThreadsPerBlock;
+  const int lane = tid & 31, warp = tid >> 5, t = lane & 3;
+  if (wg == 0) fill_operands(ring, tid);
+  fence_proxy_async();
+  __syncthreads();
+  uint32_t x = 0;
+  if ((kRoles & 1) != 0 && wg == 0) {
+    const uint32_t act0 = smem_addr(&ring.act[0][0]);
+    uint32_t d[BM / 4], a[2][4];
+#pragma unroll
+    for (int i = 0; i < BM / 4; ++i) d[i] = 0;
+#pragma unroll
+    for (int s = 0; s < 2; ++s)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[s][i] = 0x03020104u + i;
+    for (int g = 0; g < groups; ++g) {
+      const uint32_t tile = act0 + (g & (kSlots - 1)) * BM * kGroup;
+      fence_operands(a[0]);
+      fence_operands(a[1]);
+      fence_operands(d);
+      wgmma_fence();
+      wgmma_e4m3_rs(d, a[0], act_desc<BM, 0>(tile, 0), 1);
+      wgmma_e4m3_rs(d, a[1], act_desc<BM, 0>(tile, 1), 1);
+      wgmma_commit();
+      wgmma_wait_one();
+    }
+    wgmma_wait_all();
+    fence_operands(d);
+#pragma unroll
+    for (int i = 0; i < BM / 4; ++i) x ^= d[i];
+  }
+  if ((kRoles & 2) != 0 && wg == 1) {
+    const int wrow0 = warp * 16 + (lane >> 2);
+    uint32_t d[BM / 4], acc_h[BM / 4];
+#pragma unroll
+    for (int i = 0; i < BM / 4; ++i) acc_h[i] = d[i] = 0;
+    for (int g = 0; g < groups; ++g) {
+      const int slot = g & (kSlots - 1);
+      fence_operands(d);
+      const float rw0 = ring.ws[slot][wrow0], rw1 = ring.ws[slot][wrow0 + 8];
+#pragma unroll
+      for (int p = 0; p < BM / 32; ++p) {
+        const uint4 ra8 = *reinterpret_cast<const uint4*>(&ring.ra[slot][32 * p + 8 * t]);
+        if constexpr ((kRoles & 4) != 0) {
+          fold_as_floats(acc_h, d, p, ra8, rw0, rw1);
+        } else {
+          fold_ratio_pairs(acc_h, d, p, ra8, __float2half2_rn(rw0), __float2half2_rn(rw1));
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < BM / 4; ++i) x ^= acc_h[i];
+  }
+  sink[blockIdx.x * blockDim.x + threadIdx.x] = x;
+}
+
 // One wave of blocks that each walk 1024 groups, or `tiles` blocks of 16 groups (the qkv GEMM's at M = 8192:
-// 2048), each block starting with its first stages' copies, as the GEMM's blocks do (no epilogue).
-template <int BM, int kParts, int kBlocksPerSm>
-void run(const char* name, int sms, const Sources& src, uint32_t* sink, double seconds, bool first, int tiles = 0) {
-  constexpr size_t kRingBytes = kSmemBytes<BM, kParts>;
+// 2048), each block starting with its first stages' copies, as the GEMM's blocks do (no epilogue). The TOPS count
+// one 64 x BM x 64 group a block and group.
+template <int BM, int kBlocksPerSm>
+void measure(const char* name, void (*kernel)(int, Sources, uint32_t*), int threads, size_t ring_bytes, int sms,
+             const Sources& src, uint32_t* sink, double seconds, bool first, int tiles) {
   // Shared memory sized so that exactly kBlocksPerSm blocks fit an SM (228 KB, 1 KB reserved a block).
-  const size_t smem = std::max(kRingBytes, static_cast<size_t>(228 * 1024 / kBlocksPerSm - 1024) / 1024 * 1024);
-  auto kernel = loop_kernel<BM, kParts, kBlocksPerSm>;
+  const size_t smem = std::max(ring_bytes, static_cast<size_t>(228 * 1024 / kBlocksPerSm - 1024) / 1024 * 1024);
   CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   int fit = 0;
-  CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, kThreadsPerBlock, smem));
+  CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, threads, smem));
   cudaFuncAttributes attr;
   CHECK_CUDA(cudaFuncGetAttributes(&attr, kernel));
   const int groups = tiles ? 16 : 1024, blocks = tiles ? tiles : sms * kBlocksPerSm;
@@ -414,7 +491,7 @@ void run(const char* name, int sms, const Sources& src, uint32_t* sink, double s
   for (int rep = 0; rep < 25 || now() - wall_start < seconds; ++rep) {
     if (rep == 5) wall_start = now();
     CHECK_CUDA(cudaEventRecord(e0));
-    kernel<<<blocks, kThreadsPerBlock, smem>>>(groups, src, sink);
+    kernel<<<blocks, threads, smem>>>(groups, src, sink);
     CHECK_CUDA(cudaGetLastError());
     CHECK_CUDA(cudaEventRecord(e1));
     CHECK_CUDA(cudaEventSynchronize(e1));
@@ -435,6 +512,18 @@ void run(const char* name, int sms, const Sources& src, uint32_t* sink, double s
               qkv8192_us, ms.size(), wall_start, wall_end);
   CHECK_CUDA(cudaEventDestroy(e0));
   CHECK_CUDA(cudaEventDestroy(e1));
+}
+
+template <int BM, int kParts, int kBlocksPerSm>
+void run(const char* name, int sms, const Sources& src, uint32_t* sink, double seconds, bool first, int tiles = 0) {
+  measure<BM, kBlocksPerSm>(name, loop_kernel<BM, kParts, kBlocksPerSm>, kThreadsPerBlock, kSmemBytes<BM, kParts>,
+                            sms, src, sink, seconds, first, tiles);
+}
+
+template <int kRoles>
+void run_side_by_side(const char* name, int sms, const Sources& src, uint32_t* sink, double seconds) {
+  measure<256, 2>(name, side_by_side_kernel<kRoles>, 2 * kThreadsPerBlock, sizeof(Ring<256, 0>), sms, src, sink,
+                  seconds, false, 0);
 }
 
 }  // namespace
@@ -500,6 +589,11 @@ int main(int argc, char** argv) {
   run<256, kWait | kFold | kASmem, 3>("+wait +fold, A smem", sms, src, sink, seconds, false);
   run<256, kLoop | kTwoSlots, 3>("+wait +fold +convert +barrier, 2 slots", sms, src, sink, seconds, false);
   run<256, kLoop | kASmem, 3>("+wait +fold +convert +barrier, A smem", sms, src, sink, seconds, false);
+  run_side_by_side<1>("side by side: the wgmma warpgroups alone", sms, src, sink, seconds);
+  run_side_by_side<2>("side by side: the fold warpgroups alone", sms, src, sink, seconds);
+  run_side_by_side<3>("side by side: both", sms, src, sink, seconds);
+  run_side_by_side<2 | 4>("side by side: the fold warpgroups alone, float32", sms, src, sink, seconds);
+  run_side_by_side<3 | 4>("side by side: both, fold in float32", sms, src, sink, seconds);
   run<128, 0, 3>("raw", sms, src, sink, seconds, false);
   run<128, kSumsF32, 3>("raw, float32 sums", sms, src, sink, seconds, false);
   run<128, kWait | kFold, 3>("+wait +fold", sms, src, sink, seconds, false);
