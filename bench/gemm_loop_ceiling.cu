@@ -95,19 +95,12 @@ struct ATiles {
 template <int BM, int kParts>
 constexpr size_t kSmemBytes = sizeof(Ring<BM, kParts>) + ((kParts & kASmem) != 0 ? sizeof(ATiles) : 0);
 
-#define D8(i) "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3]), "+r"(d[i + 4]), "+r"(d[i + 5]), \
-              "+r"(d[i + 6]), "+r"(d[i + 7])
 // wgmma_e4m3_rs of csrc/wgmma.cuh with A from shared memory (its descriptor) instead of registers.
 __device__ __forceinline__ void wgmma_e4m3_ss(uint32_t (&d)[64], uint64_t a_desc, uint64_t b_desc, int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k32.f16.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1;\n}\n"
-      : D8(0), D8(8), D8(16), D8(24), D8(32), D8(40), D8(48), D8(56)
+      "wgmma.mma_async.sync.aligned.m64n256k32.f16.e4m3.e4m3 " W4A4_WGMMA_D64 ", %64, %65, p, 1, 1;\n}\n"
+      : W4A4_D64
       : "l"(a_desc), "l"(b_desc), "r"(scale_d)
       : "memory");
 }
@@ -118,17 +111,12 @@ __device__ __forceinline__ void wgmma_e4m3_rs_f32(uint32_t (&d)[64], const uint3
                                                   int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-      : D8(0), D8(8), D8(16), D8(24), D8(32), D8(40), D8(48), D8(56)
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " W4A4_WGMMA_D64
+      ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : W4A4_D64
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d)
       : "memory");
 }
-#undef D8
 
 __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),

@@ -22,6 +22,14 @@ __device__ __forceinline__ void fence_operands(uint32_t (&regs)[N]) {
 
 #define W4A4_D8(i) "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3]), "+r"(d[i + 4]), "+r"(d[i + 5]), \
                    "+r"(d[i + 6]), "+r"(d[i + 7])
+// A wgmma's 64 sum registers d[0..63]: their place in the instruction (operands %0..%63) and their constraints
+// (also used by bench/gemm_loop_ceiling.cu's variants).
+#define W4A4_WGMMA_D64                                                               \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define W4A4_D64 W4A4_D8(0), W4A4_D8(8), W4A4_D8(16), W4A4_D8(24), W4A4_D8(32), W4A4_D8(40), W4A4_D8(48), W4A4_D8(56)
 
 // d (+)= a * b: m64nNk32, e4m3 x e4m3 -> fp16 pairs (d[2j + h]: weight row 8h + lane / 4 of the warp's 16,
 // activation rows 8j + 2 (lane % 4) and the next), A from registers (this warp's 16 rows), B from shared
@@ -30,13 +38,9 @@ __device__ __forceinline__ void wgmma_e4m3_rs(uint32_t (&d)[64], const uint32_t 
                                               int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k32.f16.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-      : W4A4_D8(0), W4A4_D8(8), W4A4_D8(16), W4A4_D8(24), W4A4_D8(32), W4A4_D8(40), W4A4_D8(48), W4A4_D8(56)
+      "wgmma.mma_async.sync.aligned.m64n256k32.f16.e4m3.e4m3 " W4A4_WGMMA_D64
+      ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : W4A4_D64
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d)
       : "memory");
 }
@@ -65,7 +69,6 @@ __device__ __forceinline__ void wgmma_e4m3_rs(uint32_t (&d)[16], const uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d)
       : "memory");
 }
-#undef W4A4_D8
 
 // The fp16 pairs of a wgmma accumulator register, and back.
 __device__ __forceinline__ __half2 as_half2(uint32_t bits) { return *reinterpret_cast<const __half2*>(&bits); }
