@@ -23,6 +23,10 @@
 //              same instruction count on fp32 arithmetic instead of fp16 pairs);
 //   bitwise    the same count as LOP3 on the integer pipe;
 //   f32 sums   128-row tiles with wgmma's float32 sums and their real fold, an FMUL and an FFMA per output;
+//   ratios in registers  the fold's activation scale ratios read once before the loop instead of from each
+//              group's slot (8 LDS.128 a thread and group at 256 rows: as many shared-memory bytes as wgmma's
+//              B tile); the same 4 ratio pairs then serve all the thread's rows, so the compiler computes 8 of
+//              the 64 scale products (HMUL2) a group: the loads and most products gone together;
 //   side by side  a block of two warpgroups, one issuing only the wgmma, the other only folding (no fold
 //              waits on a wgmma): whether the SM runs the two at once, alone and together;
 //   A smem     the weights read by wgmma from shared memory instead of registers (SS instead of RS): with
@@ -61,7 +65,8 @@ namespace {
 
 enum Part : int {
   kWait = 1, kFold = 2, kConvert = 4, kBarrier = 8, kSwizzle64 = 16, kFoldPer128 = 32, kCopies = 64,
-  kFoldFloat = 128, kASmem = 256, kNoMma = 512, kTwoSlots = 1024, kFoldAlu = 2048, kSumsF32 = 4096
+  kFoldFloat = 128, kASmem = 256, kNoMma = 512, kTwoSlots = 1024, kFoldAlu = 2048, kSumsF32 = 4096,
+  kRatiosInRegisters = 8192
 };
 // Ring slots the loop walks through: 4, as the GEMM's 4-deep ring, or 2 where the A tiles take the room.
 template <int kParts>
@@ -287,6 +292,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
   // One pass folds kGroupsPerFold groups' sums: 2 where the scales would cover 128-wide groups.
   constexpr int kGroupsPerFold = (kParts & kFoldPer128) != 0 ? 2 : 1;
   uint32_t a[2 * kGroupsPerFold][4];
+  const uint4 ra8_fixed = *reinterpret_cast<const uint4*>(&ring.ra[0][8 * t]);  // kRatiosInRegisters
 #pragma unroll
   for (int s = 0; s < 2 * kGroupsPerFold; ++s)
 #pragma unroll
@@ -365,7 +371,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
           // The float ratios from the activation slot: their values do not matter to the timing.
           fold_f32(acc_h, d, p, reinterpret_cast<const float*>(&ring.act[slot][0]) + 256 * p + 8 * t, rw0f, rw1f);
         } else {
-          const uint4 ra8 = *reinterpret_cast<const uint4*>(&ring.ra[slot][32 * p + 8 * t]);
+          const uint4 ra8 = (kParts & kRatiosInRegisters) != 0
+                                ? ra8_fixed
+                                : *reinterpret_cast<const uint4*>(&ring.ra[slot][32 * p + 8 * t]);
           if constexpr ((kParts & kFoldAlu) != 0) {
             fold_as_bits(acc_h, d, p, ra8, __float_as_uint(rw0f), __float_as_uint(rw1f));
           } else if constexpr ((kParts & kFoldFloat) != 0) {
@@ -566,6 +574,9 @@ int main(int argc, char** argv) {
   // Why the fold costs what it does (256-row tiles).
   run<256, kWait | kFold | kNoMma, 3>("fold alone, no wgmma", sms, src, sink, seconds, false);
   run<256, kWait | kFold | kFoldFloat | kNoMma, 3>("fold alone in float32, no wgmma", sms, src, sink, seconds, false);
+  run<256, kWait | kFold | kRatiosInRegisters | kNoMma, 3>("fold alone, ratios in registers, no wgmma", sms, src, sink,
+                                                          seconds, false);
+  run<256, kWait | kFold | kRatiosInRegisters, 3>("+wait +fold, ratios in registers", sms, src, sink, seconds, false);
   run<256, kWait | kFold | kFoldAlu | kNoMma, 3>("fold alone as bitwise ops, no wgmma", sms, src, sink, seconds, false);
   run<256, kWait | kFold | kFoldAlu, 3>("+wait +fold as bitwise ops", sms, src, sink, seconds, false);
   run<256, kWait | kFold, 1>("+wait +fold", sms, src, sink, seconds, false);
