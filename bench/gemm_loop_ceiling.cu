@@ -129,20 +129,29 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4
                : "memory");
 }
 
-// fold_ratio_pairs of csrc/wgmma.cuh as bitwise operations (LOP3, the integer pipe): the same instruction count.
-template <int N>
-__device__ __forceinline__ void fold_as_bits(uint32_t (&acc)[N], const uint32_t (&d)[N], int p, uint4 ra8,
-                                             uint32_t rw0, uint32_t rw1) {
+// fold_ratio_pairs of csrc/wgmma.cuh with its two fp16-pair instructions an output pair replaced by step(acc, d,
+// ratio, rw, j), which returns the new acc: the same loop and instruction count on other arithmetic.
+template <int N, typename Step>
+__device__ __forceinline__ void fold_with(uint32_t (&acc)[N], const uint32_t (&d)[N], int p, uint4 ra8, uint32_t rw0,
+                                          uint32_t rw1, Step step) {
   const uint32_t ra[4] = {ra8.x, ra8.y, ra8.z, ra8.w};
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const int j = 4 * p + q;
-    uint32_t s0, s1;
-    asm("lop3.b32 %0, %1, %2, %3, 0x96;" : "=r"(s0) : "r"(ra[q]), "r"(rw0), "r"(j));
-    asm("lop3.b32 %0, %1, %2, %3, 0x96;" : "=r"(s1) : "r"(ra[q]), "r"(rw1), "r"(j));
-    asm("lop3.b32 %0, %1, %2, %0, 0x96;" : "+r"(acc[2 * j]) : "r"(d[2 * j]), "r"(s0));
-    asm("lop3.b32 %0, %1, %2, %0, 0x96;" : "+r"(acc[2 * j + 1]) : "r"(d[2 * j + 1]), "r"(s1));
+    acc[2 * j] = step(acc[2 * j], d[2 * j], ra[q], rw0, j);
+    acc[2 * j + 1] = step(acc[2 * j + 1], d[2 * j + 1], ra[q], rw1, j);
   }
+}
+// As bitwise operations (LOP3, the integer pipe).
+__device__ __forceinline__ uint32_t bits_step(uint32_t acc, uint32_t d, uint32_t ra, uint32_t rw, int j) {
+  uint32_t s;
+  asm("lop3.b32 %0, %1, %2, %3, 0x96;" : "=r"(s) : "r"(ra), "r"(rw), "r"(j));
+  asm("lop3.b32 %0, %1, %2, %0, 0x96;" : "+r"(acc) : "r"(d), "r"(s));
+  return acc;
+}
+// On float32 arithmetic (the bits taken as floats): an FMUL and an FFMA.
+__device__ __forceinline__ uint32_t float_step(uint32_t acc, uint32_t d, uint32_t ra, uint32_t rw, int) {
+  return __float_as_uint(fmaf(__uint_as_float(d), __uint_as_float(ra) * __uint_as_float(rw), __uint_as_float(acc)));
 }
 
 // The fold of float32 sums (128-row tiles), acc[i] += d[i] * ra[m] * rw[n]: an FMUL and an FFMA per output (twice
@@ -157,20 +166,6 @@ __device__ __forceinline__ void fold_f32(uint32_t (&acc)[64], const uint32_t (&d
 #pragma unroll
     for (int e = 0; e < 4; ++e)
       acc[4 * j + e] = __float_as_uint(fmaf(__uint_as_float(d[4 * j + e]), s[e], __uint_as_float(acc[4 * j + e])));
-  }
-}
-
-// fold_ratio_pairs of csrc/wgmma.cuh on float32 arithmetic: the same registers, the same instruction count.
-template <int N>
-__device__ __forceinline__ void fold_as_floats(uint32_t (&acc)[N], const uint32_t (&d)[N], int p, uint4 ra8,
-                                               float rw0, float rw1) {
-  const uint32_t ra[4] = {ra8.x, ra8.y, ra8.z, ra8.w};
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int j = 4 * p + q;
-    const float r = __uint_as_float(ra[q]);
-    acc[2 * j] = __float_as_uint(fmaf(__uint_as_float(d[2 * j]), r * rw0, __uint_as_float(acc[2 * j])));
-    acc[2 * j + 1] = __float_as_uint(fmaf(__uint_as_float(d[2 * j + 1]), r * rw1, __uint_as_float(acc[2 * j + 1])));
   }
 }
 
@@ -375,9 +370,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
                                 ? ra8_fixed
                                 : *reinterpret_cast<const uint4*>(&ring.ra[slot][32 * p + 8 * t]);
           if constexpr ((kParts & kFoldAlu) != 0) {
-            fold_as_bits(acc_h, d, p, ra8, __float_as_uint(rw0f), __float_as_uint(rw1f));
+            fold_with(acc_h, d, p, ra8, __float_as_uint(rw0f), __float_as_uint(rw1f), bits_step);
           } else if constexpr ((kParts & kFoldFloat) != 0) {
-            fold_as_floats(acc_h, d, p, ra8, rw0f, rw1f);
+            fold_with(acc_h, d, p, ra8, __float_as_uint(rw0f), __float_as_uint(rw1f), float_step);
           } else {
             fold_ratio_pairs(acc_h, d, p, ra8, rw0, rw1);
           }
@@ -450,7 +445,7 @@ __global__ void __launch_bounds__(2 * kThreadsPerBlock, 2) side_by_side_kernel(i
       for (int p = 0; p < BM / 32; ++p) {
         const uint4 ra8 = *reinterpret_cast<const uint4*>(&ring.ra[slot][32 * p + 8 * t]);
         if constexpr ((kRoles & 4) != 0) {
-          fold_as_floats(acc_h, d, p, ra8, rw0, rw1);
+          fold_with(acc_h, d, p, ra8, __float_as_uint(rw0), __float_as_uint(rw1), float_step);
         } else {
           fold_ratio_pairs(acc_h, d, p, ra8, __float2half2_rn(rw0), __float2half2_rn(rw1));
         }
