@@ -132,8 +132,9 @@ def probe_rows(binary: Path, seconds: float, sampler: Sampler) -> list[dict]:
 
 
 def sm_cycles_per_group(row: dict, sms: int) -> float:
-    """One SM's cycles per warpgroup and K group (2 * 64 * bm * 64 operations) at the row's rate and clock."""
-    seconds_per_group = 2 * 64 * row["bm"] * 64 / (row["tops"] * 1e12 / sms)
+    """One SM's cycles per warpgroup and K group (2 * weight_rows * bm * 64 operations) at the row's rate and
+    clock."""
+    seconds_per_group = 2 * row["weight_rows"] * row["bm"] * 64 / (row["tops"] * 1e12 / sms)
     return round(seconds_per_group * row["sm_clock_mhz_median"] * 1e6, 1)
 
 

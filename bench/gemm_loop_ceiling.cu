@@ -27,6 +27,13 @@
 //              group's slot (8 LDS.128 a thread and group at 256 rows: as many shared-memory bytes as wgmma's
 //              B tile); the same 4 ratio pairs then serve all the thread's rows, so the compiler computes 8 of
 //              the 64 scale products (HMUL2) a group: the loads and most products gone together;
+//   all products  the same, with the weight scales' last bits XOR-ed with a constant per block of 32 rows, so
+//              that no product repeats and all 64 HMUL2 stay: the loads gone alone (a control does the same
+//              with the ratios read from the slot);
+//   two weight tiles  one warpgroup over 128 weight rows: two wgmma m64n128k32 pairs a group on one 128-row
+//              activation tile, so that each ratio load serves both tiles' rows (the 256-row loop's outputs a block
+//              and group, half its ratio and activation bytes); with +convert, two weight records unpacked a
+//              group, each for 128 activation rows instead of 256;
 //   side by side  a block of two warpgroups, one issuing only the wgmma, the other only folding (no fold
 //              waits on a wgmma): whether the SM runs the two at once, alone and together;
 //   A smem     the weights read by wgmma from shared memory instead of registers (SS instead of RS): with
@@ -66,7 +73,7 @@ namespace {
 enum Part : int {
   kWait = 1, kFold = 2, kConvert = 4, kBarrier = 8, kSwizzle64 = 16, kFoldPer128 = 32, kCopies = 64,
   kFoldFloat = 128, kASmem = 256, kNoMma = 512, kTwoSlots = 1024, kFoldAlu = 2048, kSumsF32 = 4096,
-  kRatiosInRegisters = 8192
+  kRatiosInRegisters = 8192, kProductsKept = 16384
 };
 // Ring slots the loop walks through: 4, as the GEMM's 4-deep ring, or 2 where the A tiles take the room.
 template <int kParts>
@@ -201,6 +208,18 @@ __device__ __forceinline__ void fill_operands(RingT& ring, int tid) {
   for (int i = tid; i < kSlots * 64; i += kThreadsPerBlock) (&ring.ws[0][0])[i] = 1.0f + (i % 11) / 11.0f;
 }
 
+// A thread's packed weight record unpacked into the A fragments of a group's two k-steps (low nibbles, then high),
+// as the GEMM does.
+__device__ __forceinline__ void unpack_record(const int4 wrec, uint32_t (&a0)[4], uint32_t (&a1)[4]) {
+  const uint32_t wv[4] = {static_cast<uint32_t>(wrec.x), static_cast<uint32_t>(wrec.y),
+                          static_cast<uint32_t>(wrec.z), static_cast<uint32_t>(wrec.w)};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    a0[i] = e4m3_from_code(wv[i]);
+    a1[i] = e4m3_from_code(wv[i] >> 4);
+  }
+}
+
 template <int BM, int kParts, int kBlocksPerSm>
 __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
     loop_kernel(int groups, Sources src, uint32_t* sink) {
@@ -252,16 +271,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
   }
 
   // Group g's packed weight record, unpacked: e4m3 A fragments of k-step 0 (low nibbles) and 1 (high).
-  auto convert = [&](int slot, uint32_t (&a0)[4], uint32_t (&a1)[4]) {
-    const int4 wrec = ring.w[slot][tid];
-    const uint32_t wv[4] = {static_cast<uint32_t>(wrec.x), static_cast<uint32_t>(wrec.y),
-                            static_cast<uint32_t>(wrec.z), static_cast<uint32_t>(wrec.w)};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      a0[i] = e4m3_from_code(wv[i]);
-      a1[i] = e4m3_from_code(wv[i] >> 4);
-    }
-  };
+  auto convert = [&](int slot, uint32_t (&a0)[4], uint32_t (&a1)[4]) { unpack_record(ring.w[slot][tid], a0, a1); };
   // The fragments into A tile `buf` (the activations' layout at 64 rows): register i of k-step s is matrix i of
   // stmatrix (rows 8 (i % 2) .. of the warp's 16, k chunk 2s + i / 2), lane l addressing row l % 8 of matrix l / 8.
   const uint32_t a_lane =
@@ -373,6 +383,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kBlocksPerSm)
             fold_with(acc_h, d, p, ra8, __float_as_uint(rw0f), __float_as_uint(rw1f), bits_step);
           } else if constexpr ((kParts & kFoldFloat) != 0) {
             fold_with(acc_h, d, p, ra8, __float_as_uint(rw0f), __float_as_uint(rw1f), float_step);
+          } else if constexpr ((kParts & kProductsKept) != 0) {
+            // Weight scales changed in their last bits for each p (an integer op each), so that with the ratios
+            // in registers no scale product repeats: all 64 HMUL2 a group, as from memory.
+            const uint32_t k = 0x00010001u * p;
+            fold_ratio_pairs(acc_h, d, p, ra8, as_half2(bits_of(rw0) ^ k), as_half2(bits_of(rw1) ^ k));
           } else {
             fold_ratio_pairs(acc_h, d, p, ra8, rw0, rw1);
           }
@@ -457,12 +472,85 @@ __global__ void __launch_bounds__(2 * kThreadsPerBlock, 2) side_by_side_kernel(i
   sink[blockIdx.x * blockDim.x + threadIdx.x] = x;
 }
 
+// The two-weight-tile loop (see the top): raw (kParts 0), or with each group waited for and folded (kWait |
+// kFold), its weights converted and a barrier ending it (| kConvert | kBarrier) as in loop_kernel.
+template <int kParts>
+__global__ void __launch_bounds__(kThreadsPerBlock, 3) two_tile_kernel(int groups, Sources, uint32_t* sink) {
+  constexpr bool kFoldOn = (kParts & kFold) != 0;
+  static_assert(kParts == 0 || (kParts & ~(kConvert | kBarrier)) == (kWait | kFold), "raw, or folded");
+  constexpr int BM = 128;
+  using RingT = Ring<BM, 0>;
+  constexpr int kSlots = RingT::kSlots;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& ring = *reinterpret_cast<RingT*>(smem_raw);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, t = lane & 3;
+  fill_operands(ring, tid);
+  fence_proxy_async();
+  __syncthreads();
+  const uint32_t act0 = smem_addr(&ring.act[0][0]);
+  const int wrow0 = warp * 16 + (lane >> 2);
+  uint32_t d[2][BM / 4], acc_h[2][BM / 4], a[4][4];
+#pragma unroll
+  for (int i = 0; i < BM / 4; ++i) d[0][i] = d[1][i] = acc_h[0][i] = acc_h[1][i] = 0;
+#pragma unroll
+  for (int s = 0; s < 4; ++s)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[s][i] = 0x03020104u + i + s;
+  for (int g = 0; g < groups; ++g) {
+    const int slot = g & (kSlots - 1);
+    const uint32_t tile = act0 + slot * BM * kGroup;
+    if constexpr ((kParts & kConvert) != 0) {
+      // Each tile's packed weight record (the second tile's another warp's: its values do not matter to the timing).
+#pragma unroll
+      for (int w = 0; w < 2; ++w) unpack_record(ring.w[slot][tid ^ (64 * w)], a[2 * w], a[2 * w + 1]);
+    }
+#pragma unroll
+    for (int s = 0; s < 4; ++s) fence_operands(a[s]);
+    fence_operands(d[0]);
+    fence_operands(d[1]);
+    wgmma_fence();
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      wgmma_e4m3_rs(d[w], a[2 * w], act_desc<BM, 0>(tile, 0), kFoldOn ? 0 : 1);
+      wgmma_e4m3_rs(d[w], a[2 * w + 1], act_desc<BM, 0>(tile, 1), 1);
+    }
+    wgmma_commit();
+    if constexpr (kFoldOn) {
+      // Each tile's two weight rows' scales (the second tile's read from other places of the 64-row slot).
+      const __half2 rw[4] = {__float2half2_rn(ring.ws[slot][wrow0]), __float2half2_rn(ring.ws[slot][wrow0 + 8]),
+                             __float2half2_rn(ring.ws[slot][wrow0 ^ 32]),
+                             __float2half2_rn(ring.ws[slot][(wrow0 + 8) ^ 32])};
+      wgmma_wait_all();
+      fence_operands(d[0]);
+      fence_operands(d[1]);
+#pragma unroll
+      for (int s = 0; s < 4; ++s) fence_operands(a[s]);
+#pragma unroll
+      for (int p = 0; p < BM / 32; ++p) {
+        const uint4 ra8 = *reinterpret_cast<const uint4*>(&ring.ra[slot][32 * p + 8 * t]);
+        fold_ratio_pairs(acc_h[0], d[0], p, ra8, rw[0], rw[1]);
+        fold_ratio_pairs(acc_h[1], d[1], p, ra8, rw[2], rw[3]);
+      }
+    } else {
+      wgmma_wait_one();
+    }
+    if constexpr ((kParts & kBarrier) != 0) __syncthreads();
+  }
+  wgmma_wait_all();
+  fence_operands(d[0]);
+  fence_operands(d[1]);
+  uint32_t x = 0;
+#pragma unroll
+  for (int i = 0; i < BM / 4; ++i) x ^= acc_h[0][i] ^ acc_h[1][i] ^ d[0][i] ^ d[1][i];
+  sink[blockIdx.x * kThreadsPerBlock + tid] = x;
+}
+
 // One wave of blocks that each walk 1024 groups, or `tiles` blocks of 16 groups (the qkv GEMM's at M = 8192:
 // 2048), each block starting with its first stages' copies, as the GEMM's blocks do (no epilogue). The TOPS count
-// one 64 x BM x 64 group a block and group.
+// one weight_rows x BM x 64 group a block and group.
 template <int BM, int kBlocksPerSm>
 void measure(const char* name, void (*kernel)(int, Sources, uint32_t*), int threads, size_t ring_bytes, int sms,
-             const Sources& src, uint32_t* sink, double seconds, bool first, int tiles) {
+             const Sources& src, uint32_t* sink, double seconds, bool first, int tiles, int weight_rows = 64) {
   // Shared memory sized so that exactly kBlocksPerSm blocks fit an SM (228 KB, 1 KB reserved a block).
   const size_t smem = std::max(ring_bytes, static_cast<size_t>(228 * 1024 / kBlocksPerSm - 1024) / 1024 * 1024);
   CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
@@ -493,14 +581,14 @@ void measure(const char* name, void (*kernel)(int, Sources, uint32_t*), int thre
   const double wall_end = now();
   std::sort(ms.begin(), ms.end());
   const double median_us = 1000.0 * ms[ms.size() / 2];
-  const double ops = 2.0 * 64 * BM * kGroup * static_cast<double>(groups) * blocks;
+  const double ops = 2.0 * weight_rows * BM * kGroup * static_cast<double>(groups) * blocks;
   // The qkv GEMM at M = 8192 is 32768 warpgroup-groups of 256-row tiles: its loop at this rate.
   const double qkv8192_us = 2.0 * 8192 * 4096 * 1024 / (ops / median_us);
-  std::printf("%s    {\"parts\": \"%s\", \"bm\": %d, \"blocks_per_sm\": %d, \"blocks_fit\": %d, \"registers\": %d, "
-              "\"groups_per_block\": %d, \"median_us\": %.2f, \"tops\": %.1f, \"qkv_m8192_loop_us\": %.2f, "
-              "\"launches\": %zu, \"wall_start\": %.3f, \"wall_end\": %.3f}",
-              first ? "" : ",\n", name, BM, kBlocksPerSm, fit, attr.numRegs, groups, median_us, ops / median_us / 1e6,
-              qkv8192_us, ms.size(), wall_start, wall_end);
+  std::printf("%s    {\"parts\": \"%s\", \"bm\": %d, \"weight_rows\": %d, \"blocks_per_sm\": %d, \"blocks_fit\": %d, "
+              "\"registers\": %d, \"groups_per_block\": %d, \"median_us\": %.2f, \"tops\": %.1f, "
+              "\"qkv_m8192_loop_us\": %.2f, \"launches\": %zu, \"wall_start\": %.3f, \"wall_end\": %.3f}",
+              first ? "" : ",\n", name, BM, weight_rows, kBlocksPerSm, fit, attr.numRegs, groups, median_us,
+              ops / median_us / 1e6, qkv8192_us, ms.size(), wall_start, wall_end);
   CHECK_CUDA(cudaEventDestroy(e0));
   CHECK_CUDA(cudaEventDestroy(e1));
 }
@@ -509,6 +597,12 @@ template <int BM, int kParts, int kBlocksPerSm>
 void run(const char* name, int sms, const Sources& src, uint32_t* sink, double seconds, bool first, int tiles = 0) {
   measure<BM, kBlocksPerSm>(name, loop_kernel<BM, kParts, kBlocksPerSm>, kThreadsPerBlock, kSmemBytes<BM, kParts>,
                             sms, src, sink, seconds, first, tiles);
+}
+
+template <int kParts>
+void run_two_tiles(const char* name, int sms, const Sources& src, uint32_t* sink, double seconds) {
+  measure<128, 3>(name, two_tile_kernel<kParts>, kThreadsPerBlock, sizeof(Ring<128, 0>), sms, src, sink, seconds,
+                  false, 0, 128);
 }
 
 template <int kRoles>
@@ -572,6 +666,12 @@ int main(int argc, char** argv) {
   run<256, kWait | kFold | kRatiosInRegisters | kNoMma, 3>("fold alone, ratios in registers, no wgmma", sms, src, sink,
                                                           seconds, false);
   run<256, kWait | kFold | kRatiosInRegisters, 3>("+wait +fold, ratios in registers", sms, src, sink, seconds, false);
+  run<256, kWait | kFold | kRatiosInRegisters | kProductsKept | kNoMma, 3>(
+      "fold alone, ratios in registers, all products, no wgmma", sms, src, sink, seconds, false);
+  run<256, kWait | kFold | kRatiosInRegisters | kProductsKept, 3>("+wait +fold, ratios in registers, all products",
+                                                                   sms, src, sink, seconds, false);
+  run<256, kWait | kFold | kProductsKept, 3>("+wait +fold, scales changed per row block (control)", sms, src, sink,
+                                             seconds, false);
   run<256, kWait | kFold | kFoldAlu | kNoMma, 3>("fold alone as bitwise ops, no wgmma", sms, src, sink, seconds, false);
   run<256, kWait | kFold | kFoldAlu, 3>("+wait +fold as bitwise ops", sms, src, sink, seconds, false);
   run<256, kWait | kFold, 1>("+wait +fold", sms, src, sink, seconds, false);
@@ -583,6 +683,10 @@ int main(int argc, char** argv) {
   run<256, kWait | kFold | kASmem, 3>("+wait +fold, A smem", sms, src, sink, seconds, false);
   run<256, kLoop | kTwoSlots, 3>("+wait +fold +convert +barrier, 2 slots", sms, src, sink, seconds, false);
   run<256, kLoop | kASmem, 3>("+wait +fold +convert +barrier, A smem", sms, src, sink, seconds, false);
+  run_two_tiles<0>("two weight tiles a warpgroup (128 rows each): raw", sms, src, sink, seconds);
+  run_two_tiles<kWait | kFold>("two weight tiles a warpgroup (128 rows each): +wait +fold", sms, src, sink, seconds);
+  run_two_tiles<kLoop>("two weight tiles a warpgroup (128 rows each): +wait +fold +convert +barrier", sms, src, sink,
+                       seconds);
   run_side_by_side<1>("side by side: the wgmma warpgroups alone", sms, src, sink, seconds);
   run_side_by_side<2>("side by side: the fold warpgroups alone", sms, src, sink, seconds);
   run_side_by_side<3>("side by side: both", sms, src, sink, seconds);
