@@ -42,6 +42,11 @@ def gemm_bytes(m: int, n: int, k: int) -> int:
     return activation_bytes(m, k) + n * k // 2 + n * (k // 64) * 8 + n * RANK * 4 + m * n * 2
 
 
+def linear_bytes(m: int, n: int, k: int) -> int:
+    """Both kernels' bytes: the whole W4A4 linear's fewest."""
+    return quantize_bytes(m, k) + gemm_bytes(m, n, k)
+
+
 def gemm_floor_us(m: int, n: int, k: int) -> float:
     return 1e6 * max(2.0 * m * n * k / WGMMA_S8_OPS_PER_S, gemm_bytes(m, n, k) / HBM_BYTES_PER_S)
 
@@ -53,8 +58,7 @@ def quantize_floor_us(m: int, k: int) -> float:
 def overlapped_floor_us(m: int, n: int, k: int) -> float:
     """Both kernels' bytes and the GEMM's operations, all overlapped: the floor of any design that keeps
     the int8 activation tiles."""
-    nbytes = quantize_bytes(m, k) + gemm_bytes(m, n, k)
-    return 1e6 * max(2.0 * m * n * k / WGMMA_S8_OPS_PER_S, nbytes / HBM_BYTES_PER_S)
+    return 1e6 * max(2.0 * m * n * k / WGMMA_S8_OPS_PER_S, linear_bytes(m, n, k) / HBM_BYTES_PER_S)
 
 
 def gemm_issue_floor_us(m: int, n: int, k: int) -> float:

@@ -25,9 +25,8 @@ from bench.floors import (  # noqa: E402
     HBM_BYTES_PER_S,
     RANK,
     WGMMA_S8_OPS_PER_S,
-    gemm_bytes,
+    linear_bytes,
     overlapped_floor_us,
-    quantize_bytes,
 )
 from engine.kernels import CudaW4A4Backend  # noqa: E402
 from engine.kernels import ops as kops  # noqa: E402
@@ -102,7 +101,7 @@ def bench_shape(layer: str, m: int, g: torch.Generator) -> dict:
         "rel_err_vs_reference": rel,
     }
     ops_count = 2.0 * m * n * k
-    nbytes = quantize_bytes(m, k) + gemm_bytes(m, n, k)
+    nbytes = linear_bytes(m, n, k)
     row.update(
         w4a4_tops=round(ops_count / w4a4_us / 1e6, 1),
         w4a4_floor_us=round(overlapped_floor_us(m, n, k), 2),
