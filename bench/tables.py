@@ -134,6 +134,22 @@ def issue_floor_rows(result: dict) -> list[str]:
     return out
 
 
+def target_rows(result: dict) -> list[str]:
+    """docs/kernels.md: speed relative to cuBLAS bf16 of FP8 `_scaled_mm`, the W4A4 GEMM alone and the whole
+    W4A4 linear, beside the issue's targets."""
+    return [
+        row(
+            r["M"],
+            r["layer"],
+            f"{r['bf16_us'] / r['fp8_us']:.2f}x",
+            f"{r['bf16_us'] / r['gemm_us']:.2f}x",
+            f"{r['speedup_vs_bf16']:.2f}x",
+            "1x" if r["M"] < 2048 else "1.5x",
+        )
+        for r in result["rows"]
+    ]
+
+
 def loop_ceiling_rows(runs: list[dict], clocks: dict) -> list[str]:
     """docs/kernels.md: bench/gemm_loop_ceiling.cu's two runs, with the SM cycles per group implied by the
     clock that bench/clocks_under_load.py --probe sampled during a third."""
@@ -261,6 +277,7 @@ def tables() -> dict[str, tuple[str, list[str]]]:
         "current kernel numbers": ("docs/kernels.md", kernel_rows(kernels)),
         "two-kernel floors": ("docs/kernels.md", floor_rows(kernels)),
         "issue floors": ("docs/kernels.md", issue_floor_rows(kernels)),
+        "targets": ("docs/kernels.md", target_rows(kernels)),
         "loop ceiling": ("docs/kernels.md", loop_ceiling_rows(loops, clocks)),
         "sustained": ("docs/kernels.md", sustained_rows(clocks)),
         "fused kernels": ("docs/kernels.md", fused_rows(fused)),
