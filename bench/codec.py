@@ -30,7 +30,7 @@ from bench.codec_parity import random_reference  # noqa: E402
 from bench.environment import environment, write_result  # noqa: E402
 from engine.codec import Codec  # noqa: E402
 from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG  # noqa: E402
-from engine.tiny_codec import TINY_CODEC_CONFIG  # noqa: E402
+from engine.tiny.codec import TINY_CODEC_CONFIG  # noqa: E402
 
 SAMPLE_RATE = 24000
 HOP = 960

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.environment import environment, write_result  # noqa: E402
 from engine.codec import Codec  # noqa: E402
 from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG  # noqa: E402
-from engine.tiny_codec import TINY_CODEC_CONFIG  # noqa: E402
+from engine.tiny.codec import TINY_CODEC_CONFIG  # noqa: E402
 
 SAMPLE_RATE = 24000
 CLIP_SECONDS = (1.0, 3.04, 7.5, 10.0)

@@ -4,12 +4,14 @@ Full-size model (real dimensions, random weights), 32 steps, guidance 2.0, refer
 target 6 s (150 frames) or varied, as in ../shared/anchors (official_baseline.py): B=1, B=8 with equal
 lengths, B=16 and B=32 with varied lengths. The official model runs its `_generate_iterative` in fp16
 with SDPA (eager, padded batch), as the anchor did; ours runs bf16 on the fastest attention backend,
-eagerly and with CUDA graphs, and in W4A4 (backbone Linears on the W4A4 kernels) with CUDA graphs; the
-`_unfused` variants run with the fused kernels off (OVBATCH_FUSED_KERNELS=0: torch's RMSNorm, SiLU*up and
+eagerly and with CUDA graphs, in W4A4 (backbone Linears on the W4A4 kernels) and in FP8 (backbone
+Linears as e4m3 with per-channel weight and per-token activation scales, cuBLASLt's row-wise scaled GEMM,
+activations quantized by the kernels that produce them) with CUDA graphs; the
+`_unfused` variants run with the fused kernels off (FastPaths.fused_kernels: torch's RMSNorm, SiLU*up and
 q/k norm + RoPE around the Linears), which is what they save; the `_ungrouped` variants run q/k/v and gate/up
-as separate layers (OVBATCH_GROUPED_PROJECTIONS=0) instead of one GEMM each; `_silu_mul` runs W4A4 gate/up
-as the grouped GEMM + the silu_mul kernel instead of the GEMM that writes silu(gate) * up
-(OVBATCH_SWIGLU_GEMM=0).
+as separate layers (FastPaths.grouped_projections; each computes its input's RMSNorm) instead of one GEMM
+each; `_silu_mul` runs W4A4 gate/up as the grouped GEMM + the silu_mul kernel instead of the GEMM that
+writes silu(gate) * up (FastPaths.swiglu_gemm). Each variant is its own model, loaded with its switches.
 Medians of the repetitions; RTF = wall time / audio time.
 
     python bench/generate.py [--out bench/results/generate-h200.json] [--reps 5]
@@ -18,9 +20,8 @@ Medians of the repetitions; RTF = wall time / audio time.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import copy
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -39,10 +40,10 @@ from bench.parity import (  # noqa: E402
     official_inputs,
     save_official_checkpoint,
 )
-from engine.checkpoint import load_model  # noqa: E402
-from engine.config import EngineConfig, GenerationConfig  # noqa: E402
-from engine.quant.rtn import w4a4_copy  # noqa: E402
-from engine.runner import Runner  # noqa: E402
+from engine.config import EngineConfig, FastPaths, GenerationConfig  # noqa: E402
+from engine.generate.loop import Runner  # noqa: E402
+from engine.loading import backbone_to_fp8, load_model, prepare_for_inference  # noqa: E402
+from engine.quantizer.rtn import w4a4_copy  # noqa: E402
 
 FRAME_RATE = 25
 REF_FRAMES, TARGET_FRAMES = 125, 150
@@ -61,28 +62,13 @@ def requests(batch: int, vary: bool) -> list[Request]:
     return [Request(TEXTS[0], REF_FRAMES, n) for n in lens]
 
 
-# the switches a variant's label turns off (engine/kernels/fused.py, engine/quant/linear.py)
-SWITCHES = {
-    "_unfused": "OVBATCH_FUSED_KERNELS",
-    "_ungrouped": "OVBATCH_GROUPED_PROJECTIONS",
-    "_silu_mul": "OVBATCH_SWIGLU_GEMM",
-}
+# the fast path a variant's label turns off (engine/config.py FastPaths)
+SWITCHES = {"_unfused": "fused_kernels", "_ungrouped": "grouped_projections", "_silu_mul": "swiglu_gemm"}
 
 
-@contextlib.contextmanager
-def switches_for(label: str):
-    """Run (and capture) with the switches the label names off, every other one on."""
-    before = {name: os.environ.get(name) for name in SWITCHES.values()}
-    for suffix, name in SWITCHES.items():
-        os.environ[name] = "0" if label.endswith(suffix) else "1"
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
+def fast_paths_for(label: str) -> FastPaths:
+    """The label's switches off, every other one on."""
+    return FastPaths(**{field: not label.endswith(suffix) for suffix, field in SWITCHES.items()})
 
 
 def median_seconds(reps: int, fn, *args) -> float:
@@ -117,31 +103,33 @@ def main() -> None:
     from omnivoice.models.omnivoice import OmniVoiceGenerationConfig
 
     official = build_official("full", seed=0, device="cuda")
+    labels = [
+        "ours_bf16_eager",
+        "ours_bf16_graphs",
+        "ours_w4a4_graphs",
+        "ours_w4a4_graphs_silu_mul",
+        "ours_bf16_graphs_unfused",
+        "ours_w4a4_graphs_unfused",
+        "ours_bf16_graphs_ungrouped",
+        "ours_w4a4_graphs_ungrouped",
+        "ours_fp8_graphs",
+        "ours_fp8_graphs_unfused",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = save_official_checkpoint(official, Path(tmp) / "ckpt")
-        _, ours = load_model(ckpt, device="cuda", dtype=torch.bfloat16, attention="auto")
+        apart = FastPaths(grouped_projections=False)  # the Linears as loaded; each variant merges its own
+        _, base = load_model(ckpt, device="cuda", dtype=torch.bfloat16, attention="auto", fast_paths=apart)
+    bases = {"_bf16": base, "_w4a4": w4a4_copy(base), "_fp8": backbone_to_fp8(copy.deepcopy(base))}
+    runners = {}
+    for label in labels:
+        paths = fast_paths_for(label)
+        kind = next(k for k in bases if k in label)
+        model = prepare_for_inference(copy.deepcopy(bases[kind]), paths)
+        run_cfg = EngineConfig(cuda_graphs="_graphs" in label, buckets=BUCKETS, fast_paths=paths)
+        runners[label] = Runner(model, run_cfg, "cuda", torch.bfloat16)
+    del base, bases
     official = official.half()
-    backend = ours.attention_backend(torch.device("cuda"), torch.bfloat16).name
-    runners = {
-        "ours_bf16_eager": Runner(
-            ours, EngineConfig(cuda_graphs=False, buckets=BUCKETS), "cuda", torch.bfloat16
-        ),
-        "ours_bf16_graphs": Runner(
-            ours, EngineConfig(cuda_graphs=True, buckets=BUCKETS), "cuda", torch.bfloat16
-        ),
-    }
-    w4a4 = w4a4_copy(ours)
-    for label, model in (
-        ("ours_w4a4_graphs", w4a4),
-        ("ours_w4a4_graphs_silu_mul", w4a4),
-        ("ours_bf16_graphs_unfused", ours),
-        ("ours_w4a4_graphs_unfused", w4a4),
-        ("ours_bf16_graphs_ungrouped", ours),
-        ("ours_w4a4_graphs_ungrouped", w4a4),
-    ):
-        runners[label] = Runner(
-            model, EngineConfig(cuda_graphs=True, buckets=BUCKETS), "cuda", torch.bfloat16
-        )
+    backend = runners["ours_bf16_graphs"].model.attention_backend(torch.device("cuda"), torch.bfloat16).name
     gen = GenerationConfig()
     official_gen = OmniVoiceGenerationConfig()
     results = {}
@@ -155,8 +143,7 @@ def main() -> None:
             official_s = median_seconds(reps, official._generate_iterative, task, official_gen)
             row["official_fp16_eager"] = timing(official_s, audio_s)
             for label, runner in runners.items():
-                with switches_for(label):
-                    row[label] = timing(median_seconds(reps, runner.generate, items, gen), audio_s)
+                row[label] = timing(median_seconds(reps, runner.generate, items, gen), audio_s)
             for label in runners:
                 row[f"speedup_{label}"] = round(row["official_fp16_eager"]["ms"] / row[label]["ms"], 2)
             print(name, json.dumps(row), flush=True)

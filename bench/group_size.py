@@ -1,8 +1,8 @@
 """What a wider quantization group would cost in accuracy: W4A4 output error at group sizes 64 (the
 numerics contract) and 128 (half the GEMM's per-group folds, docs/kernels.md "Floors"), on the CPU.
 
-Layers with LLM-like statistics (engine/quant/synthetic.py: low-rank plus heavy-tailed weights, inputs with
-outlier channels) at OmniVoice's shapes, each quantized the same way at both sizes: smoothing (strength
+Layers with LLM-like statistics (engine/quantizer/synthetic.py: low-rank plus heavy-tailed weights, inputs
+with outlier channels) at OmniVoice's shapes, each quantized the same way at both sizes: smoothing (strength
 screened on calibration rows, or none), a rank-r SVD branch, round-to-nearest residual (GPTQ is left out:
 it would refine both alike). The error is ||Y_w4a4 - Y|| / ||Y|| on held-out rows, with the activations
 quantized per token and group of the given size, as the contract's reference does for 64.
@@ -22,15 +22,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.environment import environment, write_result  # noqa: E402
-from engine.quant.format import quantize_to_grid, weight_group_scales  # noqa: E402
-from engine.quant.lowrank import lowrank_factors  # noqa: E402
-from engine.quant.reference import grouped_int_matmul, quantize_activations  # noqa: E402
-from engine.quant.smooth import smoothing_factors  # noqa: E402
-from engine.quant.synthetic import (  # noqa: E402
+from engine.quantizer.lowrank import lowrank_factors  # noqa: E402
+from engine.quantizer.smooth import smoothing_factors  # noqa: E402
+from engine.quantizer.synthetic import (  # noqa: E402
     outlier_channel_scales,
     structured_activations,
     structured_weight,
 )
+from engine.w4a4.format import quantize_to_grid, weight_group_scales  # noqa: E402
+from engine.w4a4.reference import grouped_int_matmul, quantize_activations  # noqa: E402
 
 LAYERS = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
 GROUPS = (64, 128)

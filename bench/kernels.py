@@ -30,8 +30,8 @@ from bench.floors import (  # noqa: E402
 )
 from engine.kernels import CudaW4A4Backend  # noqa: E402
 from engine.kernels import ops as kops  # noqa: E402
-from engine.quant.format import W4A4Tensors, pack_int4  # noqa: E402
-from engine.quant.reference import w4a4_linear_reference  # noqa: E402
+from engine.w4a4.format import W4A4Tensors, pack_int4  # noqa: E402
+from engine.w4a4.reference import w4a4_linear_reference  # noqa: E402
 
 LAYERS = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
 M_VALUES = (512, 2048, 8192, 32768)

@@ -28,9 +28,9 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.environment import environment, write_result  # noqa: E402
-from engine.checkpoint import load_model  # noqa: E402
 from engine.config import EngineConfig, GenerationConfig, ModelConfig  # noqa: E402
-from engine.runner import GenItem, Runner  # noqa: E402
+from engine.generate.loop import GenItem, Runner  # noqa: E402
+from engine.loading import load_model  # noqa: E402
 from engine.tiny import tiny_state_dict  # noqa: E402
 
 FULL_DIMS = dict(

@@ -33,7 +33,7 @@ from engine.codec import Codec  # noqa: E402
 from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG, read_codec_config  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.tiny import ensure_tiny_checkpoint, tiny_state_dict  # noqa: E402
-from engine.tiny_codec import preprocessor_config, random_codec_weights  # noqa: E402
+from engine.tiny.codec import preprocessor_config, random_codec_weights  # noqa: E402
 from pipeline.config import load_job_config  # noqa: E402
 from pipeline.demo import CLIPS_DIR, demo_clips  # noqa: E402
 from pipeline.job import submit  # noqa: E402

@@ -32,12 +32,12 @@ from bench.environment import environment, write_result  # noqa: E402
 from bench.generate import BUCKETS, CASES, FRAME_RATE, median_seconds, requests, w4a4_copy  # noqa: E402
 from bench.parity import REF_TEXT  # noqa: E402
 from bench.pipeline import full_size_checkpoint  # noqa: E402
-from engine.checkpoint import load_model  # noqa: E402
 from engine.config import EngineConfig, GenerationConfig  # noqa: E402
 from engine.errors import InputError  # noqa: E402
 from engine.frontend.text import TextFrontend  # noqa: E402
-from engine.packing import packed_tokens  # noqa: E402
-from engine.runner import GenItem, Runner  # noqa: E402
+from engine.generate.loop import GenItem, Runner  # noqa: E402
+from engine.generate.packing import packed_tokens  # noqa: E402
+from engine.loading import load_model  # noqa: E402
 
 # First match wins (case-insensitive substrings): attention and W4A4 before dense GEMM, as flash kernels
 # carry cutlass types in their names and the W4A4 GEMM is called a gemm.

@@ -2,7 +2,7 @@
 W4A4-vs-FP16 check (step-0 logits cosine, 32-step token agreement).
 
 The model has OmniVoice's real dimensions (28 layers, hidden 1024, MLP 3072, vocab 151676) with seeded
-random weights given the structure of trained LLMs (engine/quant/synthetic.py): backbone Linears with a
+random weights given the structure of trained LLMs (engine/quantizer/synthetic.py): backbone Linears with a
 decaying low-rank part and heavy-tailed entries, and RMSNorm weights with a few large channels shared by
 all layers, which gives the Linears' inputs the outlier channels real activations have. `ovbatch quantize`
 runs in a child process on 128 generated calibration requests, so its peak RSS is its own.
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.environment import environment, write_result  # noqa: E402
 from engine.config import LLMConfig, ModelConfig  # noqa: E402
 from engine.model import OmniVoiceModel  # noqa: E402
-from engine.quant.synthetic import structured_weight  # noqa: E402
+from engine.quantizer.synthetic import structured_weight  # noqa: E402
 from engine.tiny import ensure_tiny_checkpoint  # noqa: E402
 
 HOST_RSS_TARGET = 8 * 2**30
@@ -105,7 +105,7 @@ def main() -> None:
                 f"built/loaded in {time.perf_counter() - start:.1f} s" if ok else f"unavailable: {reason}"
             )
             print(f"W4A4 kernels: {kernels}", flush=True)
-        cmd = [sys.executable, "-m", "engine.quant.quantize", str(src), "--out", str(dst),
+        cmd = [sys.executable, "-m", "pipeline.cli", "quantize", str(src), "--out", str(dst),
                "--samples", str(args.samples), "--eval-requests", str(args.eval_requests),
                "--rank", str(args.rank), "--device", args.device, "--dtype", args.dtype]  # fmt: skip
         start = time.perf_counter()

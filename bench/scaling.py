@@ -3,10 +3,11 @@ one GPU actor per GPU), with NVLink multicast off (NCCL_NVLS_ENABLE=0).
 
 The job: full-size OmniVoice dimensions with random weights (bench/pipeline.py's checkpoint), its backbone
 Linears in W4A4 by round-to-nearest + rank-16 low-rank (bench/generate.py's speed copy, written as a
-W4A4 checkpoint: no calibration, speed only), run on the CUDA kernels (OVBATCH_W4A4_BACKEND=cuda-sm90,
-so a missing kernel fails the rows instead of falling back). The manifest has --rows rows (2,000) whose
-texts are drawn, seeded, for a log-normal spread of speech lengths (median 4 s, 1 to 20 s; the JSON
-records the drawn spread and the audio the engine made), cycling over the repo's speech clips.
+W4A4 checkpoint: no calibration, speed only), run on the CUDA kernels
+(engine.fast_paths.w4a4_backend=cuda-sm90, so a missing kernel fails the rows instead of falling back).
+The manifest has --rows rows (2,000) whose texts are drawn, seeded, for a log-normal spread of speech
+lengths (median 4 s, 1 to 20 s; the JSON records the drawn spread and the audio the engine made),
+cycling over the repo's speech clips.
 
 Per N, in a fresh job directory: wall seconds (planning included and excluded), audio seconds,
 x-realtime, scaling efficiency x_N / (N x_1), engine busy fraction (summed batch time / execution time,
@@ -44,12 +45,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.environment import environment  # noqa: E402
 from bench.generate import w4a4_copy  # noqa: E402
 from bench.pipeline import full_size_checkpoint, run_mode, write_clip_manifest  # noqa: E402
-from engine.checkpoint import checkpoint_fingerprint, load_model, read_config  # noqa: E402
+from engine.checkpoint import checkpoint_fingerprint, read_config  # noqa: E402
+from engine.config import FastPaths  # noqa: E402
 from engine.errors import InputError  # noqa: E402
-from engine.quant.format import QuantMeta  # noqa: E402
-from engine.quant.linear import W4A4Linear  # noqa: E402
-from engine.quant.quantize import write_w4a4_checkpoint  # noqa: E402
+from engine.loading import load_model  # noqa: E402
+from engine.quantizer.quantize import write_w4a4_checkpoint  # noqa: E402
 from engine.tiny import ensure_tiny_checkpoint  # noqa: E402
+from engine.w4a4.format import QuantMeta  # noqa: E402
+from engine.w4a4.linear import W4A4Linear  # noqa: E402
 from pipeline.store import JobDir  # noqa: E402
 
 RANK = 16
@@ -68,7 +71,7 @@ PASSAGE = (
 )
 # Shards of half the default packed tokens: the 2,000 rows make 25 shards (two full 16,384-token
 # batches each), so that up to 8 GPUs get several shards each and the job's tail stays short.
-FULL_OVERRIDES = ("engine.device=cuda", "shard_tokens=32768")
+FULL_OVERRIDES = ("engine.device=cuda", "engine.fast_paths.w4a4_backend=cuda-sm90", "shard_tokens=32768")
 # Bucket sizes for the tiny checkpoint on the CPU (rows up to 20 s fit one bucket).
 TINY_OVERRIDES = (
     "engine.device=cpu",
@@ -142,7 +145,9 @@ def rtn_w4a4_checkpoint(source: Path, out: Path) -> Path:
     """`source` with its backbone Linears in W4A4 (bench/generate.py's round-to-nearest + low-rank speed
     copy), written in the W4A4 checkpoint layout the engine loads (the quantizer's own writer)."""
     _, raw = read_config(source)
-    _, model = load_model(source, device="cpu", dtype=torch.float32)
+    # the Linears under their own names, as the checkpoint stores them (not merged for inference)
+    apart = FastPaths(grouped_projections=False)
+    _, model = load_model(source, device="cpu", dtype=torch.float32, fast_paths=apart)
     layers = {
         name: module.tensors().to("cpu")
         for name, module in w4a4_copy(model, RANK).named_modules()
@@ -308,10 +313,9 @@ def prepare_device(size: str, counts: list[int]) -> dict:
     ok, reason = load_extension()
     if not ok:
         sys.exit(f"the W4A4 CUDA kernels are unavailable: {reason}")
-    os.environ.setdefault("OVBATCH_W4A4_BACKEND", "cuda-sm90")
     return {
         "device": "cuda",
-        "w4a4_backend": os.environ["OVBATCH_W4A4_BACKEND"],
+        "w4a4_backend": "cuda-sm90",
         "kernel_build_seconds": round(time.perf_counter() - start, 1),
     }
 

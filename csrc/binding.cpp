@@ -217,6 +217,61 @@ Tensor silu_mul(const Tensor& gate, const Tensor& up) {
   return out;
 }
 
+// Row-wise e4m3 codes [rows, K] and scales [rows, 1] (float32) of x, RMSNorm(x) or silu(gate) * up: the
+// operands _scaled_mm takes with scale_a.
+std::tuple<Tensor, Tensor> fp8_quantize_rows(const Tensor& x, const Tensor* second, int64_t second_ld, double eps,
+                                             w4a4::Fp8Source source) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor q = torch::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
+  Tensor scale = torch::empty({x.size(0), 1}, x.options().dtype(at::kFloat));
+  w4a4::Fp8QuantizeArgs a{};
+  a.x = x.data_ptr();
+  a.x_ld = x.size(0) > 1 ? x.stride(0) : x.size(1);
+  a.second = second ? second->data_ptr() : nullptr;
+  a.second_ld = second_ld;
+  a.q = q.data_ptr();
+  a.scale = scale.data_ptr<float>();
+  a.rows = static_cast<int>(x.size(0));
+  a.K = static_cast<int>(x.size(1));
+  a.eps = static_cast<float>(eps);
+  a.bf16 = x.scalar_type() == at::kBFloat16;
+  check_launch(w4a4::launch_fp8_quantize(a, source, c10::cuda::getCurrentCUDAStream()), "fp8_quantize");
+  return {q, scale};
+}
+
+void check_fp8_rows(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.dim() == 2 && t.size(1) % 8 == 0, "ovbatch_w4a4: ", name,
+              " must be a CUDA [rows, K] with K a multiple of 8, got ", t.sizes(), " on ", t.device());
+  TORCH_CHECK(t.stride(1) == 1 && (t.size(0) <= 1 || t.stride(0) % 8 == 0) &&
+                  reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+              "ovbatch_w4a4: ", name, " needs unit column stride, a row stride that is a multiple of 8 and ",
+              "16-byte alignment, got strides ", t.strides());
+  check_half(t, name);
+}
+
+std::tuple<Tensor, Tensor> fp8_quantize(const Tensor& x) {
+  check_fp8_rows(x, "x");
+  return fp8_quantize_rows(x, nullptr, 0, 0.0, w4a4::Fp8Source::kCopy);
+}
+
+std::tuple<Tensor, Tensor> rms_norm_fp8(const Tensor& x, const Tensor& weight, double eps) {
+  check_fp8_rows(x, "x");
+  check_cuda(weight, "weight");
+  check_dtype(weight, x.scalar_type(), "weight");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), "ovbatch_w4a4: weight must be [", x.size(1),
+              "], got ", weight.sizes());
+  return fp8_quantize_rows(x, &weight, 0, eps, w4a4::Fp8Source::kRmsNorm);
+}
+
+std::tuple<Tensor, Tensor> silu_mul_fp8(const Tensor& gate, const Tensor& up) {
+  check_fp8_rows(gate, "gate");
+  check_fp8_rows(up, "up");
+  check_dtype(up, gate.scalar_type(), "up");
+  TORCH_CHECK(gate.sizes() == up.sizes(), "ovbatch_w4a4: gate ", gate.sizes(), " and up ", up.sizes(),
+              " must have one shape");
+  return fp8_quantize_rows(gate, &up, up.size(0) > 1 ? up.stride(0) : up.size(1), 0.0, w4a4::Fp8Source::kSiluMul);
+}
+
 // Packed activations of M real rows times packed weights of N real columns -> y [M, N] in out_dtype.
 // segment_starts: for a group of layers stacked along N, the first output column of each layer after the
 // first (multiples of 64); layer s reads low-rank columns s * R .. s * R + R - 1 of lora.
@@ -339,6 +394,9 @@ TORCH_LIBRARY(ovbatch_w4a4, m) {
       "(Tensor, Tensor, Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("fp8_quantize(Tensor x) -> (Tensor, Tensor)");
+  m.def("rms_norm_fp8(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_mul_fp8(Tensor gate, Tensor up) -> (Tensor, Tensor)");
   m.def(
       "qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor cos, Tensor sin, float eps) -> "
       "(Tensor, Tensor)");
@@ -358,6 +416,9 @@ TORCH_LIBRARY_IMPL(ovbatch_w4a4, CUDA, m) {
   m.impl("qk_norm_rope", &qk_norm_rope);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
+  m.impl("fp8_quantize", &fp8_quantize);
+  m.impl("rms_norm_fp8", &rms_norm_fp8);
+  m.impl("silu_mul_fp8", &silu_mul_fp8);
   m.impl("gemm_lora_up", &gemm_lora_up);
   m.impl("w4a4_linear", &w4a4_linear);
 }

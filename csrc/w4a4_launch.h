@@ -95,6 +95,21 @@ struct SiluMulArgs {
   bool bf16;  // else fp16; every tensor has this dtype
 };
 
+// Row-wise e4m3 quantization of an FP8 linear's input in the kernel that produces it (csrc/fp8_quantize.cu).
+enum class Fp8Source { kCopy, kRmsNorm, kSiluMul };
+constexpr float kFp8MinAmax = 1e-12f;  // a row of zeros gets this tiny scale, not 0 (its codes are 0 either way)
+struct Fp8QuantizeArgs {
+  const void* x;        // [rows, K], rows x_ld elements apart (silu_mul: gate)
+  int64_t x_ld;
+  const void* second;   // rms_norm: the norm weight [K]; silu_mul: up [rows, K], rows second_ld apart
+  int64_t second_ld;
+  void* q;              // [rows, K] e4m3 codes, contiguous
+  float* scale;         // [rows]
+  int rows, K;          // K a multiple of 8; pointers and row strides 16-byte aligned
+  float eps;            // rms_norm only
+  bool bf16;            // else fp16; x and second have this dtype
+};
+
 // Multiprocessors of the current device (the launchers size their grids by it), queried once per device.
 inline cudaError_t sm_count(int* sms) {
   constexpr int kMaxDevices = 64;
@@ -118,5 +133,6 @@ cudaError_t w4a4_gemm_k_splits(int M, int N, int K, int* k_splits);
 cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& args, cudaStream_t stream);
 cudaError_t launch_rms_norm(const RmsNormArgs& args, cudaStream_t stream);
 cudaError_t launch_silu_mul(const SiluMulArgs& args, cudaStream_t stream);
+cudaError_t launch_fp8_quantize(const Fp8QuantizeArgs& args, Fp8Source source, cudaStream_t stream);
 
 }  // namespace w4a4

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.checkpoint import checkpoint_fingerprint, load_model, read_config, resolve_checkpoint
+from engine.checkpoint import checkpoint_fingerprint, read_config, resolve_checkpoint
 from engine.codec import Codec
 from engine.config import DTYPES, EngineConfig, resolve_device
 from engine.errors import AudioError, CheckpointError, InputError
@@ -31,8 +31,10 @@ from engine.frontend.text import (
     resolve_instruct,
     resolve_language,
 )
-from engine.packing import GenItem, token_chunks
-from engine.runner import Runner
+from engine.generate.batching import greedy_batches
+from engine.generate.loop import Runner
+from engine.generate.packing import GenItem, packed_tokens
+from engine.loading import load_model
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +90,12 @@ def resolve_precision(precision: str, device: torch.device, quantized: bool) -> 
             f"precision={precision!r} with {kind} checkpoint: use precision='auto', or pass "
             + ("an unquantized checkpoint." if quantized else "a W4A4 checkpoint made by the quantizer.")
         )
-    if precision == "w4a4":
+    if precision == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise CheckpointError(
+            f"precision='fp8' needs FP8 tensor cores (sm_89 or newer); {name} has none: use bf16."
+        )
+    if precision in ("w4a4", "fp8"):
         return precision, torch.bfloat16 if device.type == "cuda" else torch.float32
     return precision, DTYPES[precision]
 
@@ -116,7 +123,14 @@ class Engine:
         self.precision, self.dtype = resolve_precision(
             cfg.precision, self.device, "quantization" in raw_config
         )
-        self.model_config, self.model = load_model(ckpt_dir, self.device, self.dtype, attention=cfg.attention)
+        self.model_config, self.model = load_model(
+            ckpt_dir,
+            self.device,
+            self.dtype,
+            attention=cfg.attention,
+            fast_paths=cfg.fast_paths,
+            fp8=self.precision == "fp8",
+        )
         self.model_id = f"{name}@{checkpoint_fingerprint(ckpt_dir)[:12]}"
         self.text = TextFrontend(ckpt_dir / "tokenizer.json")
         self.codec = Codec.from_dir(ckpt_dir / "audio_tokenizer", device=self.device)
@@ -347,7 +361,7 @@ class Engine:
             members = [i for i, p in enumerate(prepared) if index < len(p.chunks)]
             items = [self._gen_item(prepared[i], index, tokens[i][0] if tokens[i] else None) for i in members]
             out: list[torch.Tensor] = []
-            for chunk in token_chunks(items, self.cfg.max_batch_tokens):
+            for chunk in greedy_batches(items, packed_tokens, self.cfg.max_batch_tokens):
                 out += self.runner.generate(chunk, self.gen)
             for i, item, t in zip(members, items, out):
                 tokens[i].append(t)

@@ -1,4 +1,4 @@
-"""Read an official OmniVoice checkpoint (k2-fsa/OmniVoice layout) into an OmniVoiceModel.
+"""Read the files of an official OmniVoice checkpoint (k2-fsa/OmniVoice layout): config, weights, identity.
 
 A checkpoint is a directory holding config.json, model.safetensors (or model.safetensors.index.json
 and its shards), tokenizer.json and audio_tokenizer/. A Hugging Face repo id ("owner/name") is
@@ -22,7 +22,6 @@ from safetensors import SafetensorError, safe_open
 
 from engine.config import ModelConfig
 from engine.errors import CheckpointError
-from engine.model import LinearFactory, OmniVoiceModel
 
 log = logging.getLogger(__name__)
 
@@ -184,29 +183,3 @@ def check_shapes(
         raise CheckpointError(
             f"{where} does not match its config.json: {shown}. Use the weights that came with this config."
         )
-
-
-def load_model(
-    path_or_repo: str | os.PathLike,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    linear_factory: LinearFactory | None = None,
-    attention: str = "auto",
-) -> tuple[ModelConfig, OmniVoiceModel]:
-    """Read a checkpoint (official or W4A4) into an OmniVoiceModel on `device` in `dtype`, in eval mode."""
-    ckpt_dir = resolve_checkpoint(path_or_repo)
-    cfg, raw = read_config(ckpt_dir)
-    if "quantization" in raw:
-        from engine.quant.load import build_w4a4_model
-
-        model = build_w4a4_model(ckpt_dir, cfg, device=device, dtype=dtype, attention=attention)
-        return cfg, model.eval()
-    files = weight_files(ckpt_dir)
-    with torch.device("meta"):
-        model = OmniVoiceModel(cfg, linear_factory=linear_factory, attention=attention)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    check_shapes(expected, tensor_shapes(files), files[0] if len(files) == 1 else ckpt_dir)
-    model.load_state_dict(read_tensors(files, device, dtype), strict=True, assign=True)
-    model.requires_grad_(False)
-    log.info("loaded %s (%s on %s)", ckpt_dir, dtype, device)
-    return cfg, model.eval()

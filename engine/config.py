@@ -129,7 +129,7 @@ class GenerationConfig:
             raise InputError("temperatures must be >= 0 (0 means greedy).")
 
 
-PRECISIONS = ("fp32", "bf16", "fp16", "w4a4")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "w4a4")
 # Activation dtype of each unquantized precision name.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -150,12 +150,28 @@ def resolve_device(name: str) -> torch.device:
 
 
 @dataclass
+class FastPaths:
+    """Switches for the engine's fast paths, fixed when a model is loaded (engine/loading.py). All on by
+    default; benchmarks turn one off to measure what it saves. Each falls back to plain torch where its
+    kernels cannot run (CPU, fp32, other GPUs)."""
+
+    fused_kernels: bool = True  # RMSNorm, SiLU * up, q/k norm + RoPE, RMSNorm inside W4A4 quantization
+    grouped_projections: bool = True  # q/k/v and gate/up merged into one Linear (one GEMM) each
+    swiglu_gemm: bool = True  # the W4A4 gate/up GEMM writes silu(gate) * up itself
+    w4a4_backend: str = "auto"  # auto | cuda-sm90 | reference
+
+    def __post_init__(self) -> None:
+        if self.w4a4_backend not in ("auto", "cuda-sm90", "reference"):
+            raise InputError(f"w4a4_backend={self.w4a4_backend!r}: choose auto, cuda-sm90 or reference.")
+
+
+@dataclass
 class EngineConfig:
     """How to run: which checkpoint, where, in what precision, with which fast paths."""
 
     checkpoint: str | None = None  # None: the embedded tiny checkpoint
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16 | w4a4
+    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16 | fp8 | w4a4
     attention: str = "auto"  # auto | flash | varlen | sdpa
     cuda_graphs: bool = True
     # Packed-token buckets a CUDA graph is captured for (cond + uncond tokens of a whole batch).
@@ -164,6 +180,7 @@ class EngineConfig:
     prompt_cache_dir: str | None = None
     max_text_chars: int = 5000  # longer request texts are rejected (long ones are chunked, not truncated)
     max_ref_seconds: float = 60.0  # longer reference clips are rejected before decoding
+    fast_paths: FastPaths = field(default_factory=FastPaths)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
     def __post_init__(self) -> None:

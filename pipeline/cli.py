@@ -153,9 +153,9 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(argv: list[str]) -> int:
-    from engine.quant import quantize
+    from pipeline import quantize_command
 
-    return int(quantize.main(argv) or 0)
+    return int(quantize_command.main(argv) or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:

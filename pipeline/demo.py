@@ -65,7 +65,7 @@ def write_demo_manifest(path: Path, rows: int = DEMO_ROWS) -> Path:
 
 def tiny_w4a4_checkpoint(checkpoint: Path) -> Path:
     """The tiny checkpoint quantized to W4A4, made on first use beside it (about 20 s on 2 cores)."""
-    from engine.quant.quantize import QuantizeOptions, quantize_checkpoint
+    from engine.quantizer.quantize import QuantizeOptions, quantize_checkpoint
 
     target = checkpoint.parent / f"{checkpoint.name}-w4a4"
     if not (target / "config.json").is_file():

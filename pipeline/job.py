@@ -26,13 +26,14 @@ from pipeline.atomic import write_bytes_atomic, write_json_atomic
 from pipeline.config import JobConfig, load_job_config, to_yaml
 from pipeline.messages import first_line
 from pipeline.plan import Plan, RowSize, Sizer, make_plan, plan_differences
+from pipeline.rows import RequestRow, ResultRow
 from pipeline.runner import ShardRunner, ShardTask, run_local
 from pipeline.store import JobDir, JobDirError
 from pipeline.summary import summarize
 
 log = logging.getLogger(__name__)
 
-Executor = Callable[[list[ShardTask]], Iterator[tuple[ShardTask, list[dict[str, Any]]]]]
+Executor = Callable[[list[ShardTask]], Iterator[tuple[ShardTask, list[ResultRow]]]]
 
 
 @dataclass
@@ -177,27 +178,18 @@ def rerun(
     for shard in plan.shards:
         if shard.index not in finished:
             todo.append(shard.index)
-        elif any(r["status"] == "failed" for r in job.read_shard_results(shard.index)):
+        elif any(r.status == "failed" for r in job.read_shard_results(shard.index)):
             todo.append(shard.index)
     return execute(job, cfg, plan, todo, "rerun")
 
 
 def _task(
-    plan: Plan, index: int, rows: dict[str, manifest_mod.ManifestRow], kept: dict[int, list[dict[str, Any]]]
+    plan: Plan, index: int, rows: dict[str, manifest_mod.ManifestRow], kept: dict[int, list[ResultRow]]
 ) -> ShardTask:
     shard = plan.shards[index]
-    done = {r["id"] for r in kept.get(index, [])}
-    payload = [
-        {
-            **rows[p.id].to_dict(),
-            "row_key": p.row_key,
-            "packed_tokens": p.packed_tokens,
-            "target_frames": p.target_frames,
-        }
-        for p in shard.rows
-        if p.id not in done
-    ]
-    attempt = 1 + max((r["attempt"] or 0 for r in kept.get(index, [])), default=0)
+    done = {r.id for r in kept.get(index, [])}
+    payload = [RequestRow.of(rows[p.id], p) for p in shard.rows if p.id not in done]
+    attempt = 1 + max((r.attempt or 0 for r in kept.get(index, [])), default=0)
     return ShardTask(shard.index, shard.variant, shard.bucket, attempt, payload)
 
 
@@ -226,7 +218,7 @@ def execute(
     finished = job.finished_shards()
     # Rows a shard already settled (ok or rejected) are kept and never run again.
     kept = {
-        i: [r for r in job.read_shard_results(i) if r["status"] != "failed"]
+        i: [r for r in job.read_shard_results(i) if r.status != "failed"]
         for i in shard_indices
         if i in finished
     }
@@ -255,8 +247,8 @@ def execute(
         try:
             for task, results in executor(tasks):
                 for r in results:  # a row that did not end ok keeps no wav from an earlier attempt
-                    if r["status"] != "ok":
-                        job.wav_path(task.variant, r["id"]).unlink(missing_ok=True)
+                    if r.status != "ok":
+                        job.wav_path(task.variant, r.id).unlink(missing_ok=True)
                 job.write_shard_results(task.index, kept.get(task.index, []) + results)
                 bar.update(len(task.rows))
         finally:

@@ -58,9 +58,6 @@ class ManifestRow:
     clip_sha256: str | None = None
     ref_seconds: float = 0.0
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass
 class Rejection:

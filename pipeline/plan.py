@@ -13,14 +13,12 @@ import hashlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
+from engine.generate.batching import greedy_batches
 from pipeline.manifest import ManifestRow, Rejection
 
 PLAN_VERSION = 1
-T = TypeVar("T")
-
-
 @dataclass(frozen=True)
 class RowSize:
     text_tokens: int
@@ -172,7 +170,7 @@ def make_plan(
     for bucket in sorted(by_bucket, reverse=True):  # longest work first: the tail of the job is short shards
         members = sorted(by_bucket[bucket], key=lambda r: (-sizes[r.id].packed_tokens, r.id))
         for variant in variants:
-            for chunk in cut_by_tokens(
+            for chunk in greedy_batches(
                 members, lambda r: sizes[r.id].packed_tokens, shard_tokens, max_rows_per_shard
             ):
                 planned = [
@@ -188,21 +186,3 @@ def make_plan(
     return plan
 
 
-def cut_by_tokens(
-    items: Sequence[T], tokens: Callable[[T], int], budget: int, max_items: int | None = None
-) -> list[list[T]]:
-    """Greedy runs of consecutive items while their tokens fit `budget` (and their count `max_items`);
-    an item over the budget on its own makes a run of one."""
-    runs: list[list[T]] = []
-    current: list[T] = []
-    total = 0
-    for item in items:
-        n = tokens(item)
-        if current and (total + n > budget or (max_items is not None and len(current) >= max_items)):
-            runs.append(current)
-            current, total = [], 0
-        current.append(item)
-        total += n
-    if current:
-        runs.append(current)
-    return runs

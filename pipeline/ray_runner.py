@@ -22,6 +22,7 @@ from typing import Any
 from engine.errors import OVBatchError
 from pipeline.config import JobConfig
 from pipeline.messages import first_line
+from pipeline.rows import ResultRow
 from pipeline.runner import ShardRunner, ShardTask
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class ShardActor:
             torch.set_num_threads(torch_threads)
         self.runner = ShardRunner(job_path, cfg)
 
-    def run_shard(self, task: ShardTask) -> list[dict[str, Any]]:
+    def run_shard(self, task: ShardTask) -> list[ResultRow]:
         return self.runner.run_shard(task)
 
 
@@ -146,7 +147,7 @@ class ActorPool:
         actor = self.actor_cls.options(name=name, **group.resources).remote(self.job_path, self.cfg, threads)
         return _Slot(actor, name, group)
 
-    def run(self, tasks: list[ShardTask]) -> Iterator[tuple[ShardTask, list[dict[str, Any]]]]:
+    def run(self, tasks: list[ShardTask]) -> Iterator[tuple[ShardTask, list[ResultRow]]]:
         import ray
 
         # one queue per actor group (GPU, CPU): a shard waits for an actor of its variant's device kind
@@ -167,7 +168,7 @@ class ActorPool:
                     slot.inflight.append(ref)
                     owner[ref] = (slot, task)
             ready, _ = ray.wait(list(owner), num_returns=1)
-            done: list[tuple[ShardTask, list[dict[str, Any]]]] = []
+            done: list[tuple[ShardTask, list[ResultRow]]] = []
             for ref in ready:
                 if ref not in owner:  # dropped with its dead actor in this same round
                     continue
@@ -193,13 +194,13 @@ class ActorPool:
 
     def _replace_dead(
         self, slot: _Slot, owner: dict, queue: deque, max_attempts: int, e: BaseException
-    ) -> list[tuple[ShardTask, list[dict[str, Any]]]]:
+    ) -> list[tuple[ShardTask, list[ResultRow]]]:
         import ray
 
         log.warning("actor %s died: %s", slot.name, first_line(e))
         refs = list(slot.inflight)
         lost = [owner.pop(r)[1] for r in refs]
-        given_up: list[tuple[ShardTask, list[dict[str, Any]]]] = []
+        given_up: list[tuple[ShardTask, list[ResultRow]]] = []
         running, waiting = lost[0], lost[1:]
         for task in reversed(waiting):
             queue.appendleft(task)
@@ -233,23 +234,8 @@ class ActorPool:
             ray.shutdown()
 
 
-def failed_rows(task: ShardTask, reason: str) -> list[dict[str, Any]]:
-    return [
-        {
-            "id": r["id"],
-            "row_key": r["row_key"],
-            "variant": task.variant,
-            "status": "failed",
-            "error": reason,
-            "row_index": r["row_index"],
-            "ref_seconds": r["ref_seconds"],
-            "bucket": task.bucket,
-            "shard": task.index,
-            "attempt": task.attempt,
-            "packed_tokens": r["packed_tokens"],
-        }
-        for r in task.rows
-    ]
+def failed_rows(task: ShardTask, reason: str) -> list[ResultRow]:
+    return [ResultRow.of(r, task.variant, "failed", reason, shard=task) for r in task.rows]
 
 
 def _last_line(e: BaseException) -> str:

@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import InputError, OVBatchError
+from engine.generate.batching import greedy_batches
 from pipeline.atomic import write_wav_atomic
 from pipeline.config import JobConfig
-from pipeline.plan import cut_by_tokens
+from pipeline.manifest import ManifestRow
+from pipeline.rows import RequestRow, ResultRow
 from pipeline.store import JobDir
 
 MAX_ERROR_CHARS = 2000
@@ -33,7 +35,7 @@ class ShardTask:
     variant: str
     bucket: int
     attempt: int
-    rows: list[dict[str, Any]]  # ManifestRow fields + row_key, packed_tokens, target_frames
+    rows: list[RequestRow]
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -69,26 +71,26 @@ def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS]
 
 
-def synth_request(row: dict[str, Any]) -> Any:
-    """The engine request of a manifest row (ManifestRow fields as a dict)."""
+def synth_request(row: ManifestRow) -> Any:
+    """The engine request of a manifest row (planned or not)."""
     from engine.api import SynthRequest
 
     return SynthRequest(
-        text=row["text"],
-        ref_audio=row["ref_audio"],
-        ref_text=row["ref_text"],
-        language=row["language"],
-        instruct=row["instruct"],
-        duration=row["duration"],
-        speed=row["speed"],
-        seed=row["seed"],
+        text=row.text,
+        ref_audio=row.ref_audio,
+        ref_text=row.ref_text,
+        language=row.language,
+        instruct=row.instruct,
+        duration=row.duration,
+        speed=row.speed,
+        seed=row.seed,
     )
 
 
-def pack_batches(rows: list[dict[str, Any]], max_batch_tokens: int) -> list[list[dict[str, Any]]]:
+def pack_batches(rows: list[RequestRow], max_batch_tokens: int) -> list[list[RequestRow]]:
     """Greedy, longest first: consecutive rows while their packed tokens fit one batch."""
-    longest_first = sorted(rows, key=lambda r: -r["packed_tokens"])
-    return cut_by_tokens(longest_first, lambda r: r["packed_tokens"], max_batch_tokens)
+    longest_first = sorted(rows, key=lambda r: -r.packed_tokens)
+    return greedy_batches(longest_first, lambda r: r.packed_tokens, max_batch_tokens)
 
 
 class ShardRunner:
@@ -107,34 +109,32 @@ class ShardRunner:
             self.engines[variant] = self.factory(self.cfg.engine_config(variant))
         return self.engines[variant]
 
-    def run_shard(self, task: ShardTask) -> list[dict[str, Any]]:
+    def run_shard(self, task: ShardTask) -> list[ResultRow]:
         engine = self.engine(task.variant)
         max_tokens = self.cfg.engine_config(task.variant).max_batch_tokens
-        results: list[dict[str, Any]] = []
+        results: list[ResultRow] = []
         for batch in pack_batches(task.rows, max_tokens):
             results.extend(self._run_batch(engine, task, batch))
         return results
 
-    def _base(self, engine: Any, task: ShardTask, row: dict[str, Any], batch_size: int) -> dict[str, Any]:
-        return {
-            "id": row["id"],
-            "row_key": row["row_key"],
-            "variant": task.variant,
-            "row_index": row["row_index"],
-            "ref_seconds": row["ref_seconds"],
-            "bucket": task.bucket,
-            "shard": task.index,
-            "attempt": task.attempt,
-            "precision": str(engine.precision),
-            "model": str(engine.model_id),
-            "host": self.host,
-            "gpu": _gpu_name(engine),
-            "packed_tokens": row["packed_tokens"],
-            "batch_size": batch_size,
-            "worker": self.worker,
-        }
+    def _result(
+        self, engine: Any, task: ShardTask, row: RequestRow, status: str, error: str | None = None, **measured
+    ) -> ResultRow:
+        return ResultRow.of(
+            row,
+            task.variant,
+            status,
+            error,
+            shard=task,
+            precision=str(engine.precision),
+            model=str(engine.model_id),
+            host=self.host,
+            gpu=_gpu_name(engine),
+            worker=self.worker,
+            **measured,
+        )
 
-    def _run_batch(self, engine: Any, task: ShardTask, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _run_batch(self, engine: Any, task: ShardTask, rows: list[RequestRow]) -> list[ResultRow]:
         started = _now()
         t0 = time.perf_counter()
         try:
@@ -148,14 +148,11 @@ class ShardRunner:
             row = rows[0]
             # An input the engine refuses will be refused again: that row is rejected, not failed.
             status = "rejected" if isinstance(e, InputError) else "failed"
+            error = _error_text(e)
             return [
-                {
-                    **self._base(engine, task, row, 1),
-                    "status": status,
-                    "error": _error_text(e),
-                    "started_at": started,
-                    "finished_at": _now(),
-                }
+                self._result(
+                    engine, task, row, status, error, batch_size=1, started_at=started, finished_at=_now()
+                )
             ]
         wall = time.perf_counter() - t0
         finished = _now()
@@ -163,24 +160,26 @@ class ShardRunner:
         total = sum(work)
         results = []
         for row, out, w in zip(rows, outputs, work, strict=True):
-            path = self.job.wav_path(task.variant, row["id"])
+            path = self.job.wav_path(task.variant, row.id)
             write_wav_atomic(path, out.audio, out.sample_rate)
             audio_seconds = len(out.audio) / float(out.sample_rate)
             share = wall * (w / total if total else 1.0 / len(rows))
             results.append(
-                {
-                    **self._base(engine, task, row, len(rows)),
-                    "status": "ok",
-                    "error": None,
-                    "wav_path": self.job.relative(path),
-                    "audio_seconds": audio_seconds,
-                    "synth_seconds": share,
-                    "rtf": share / audio_seconds if audio_seconds > 0 else None,
-                    "target_frames": int(out.target_frames),
-                    "token_work": w,
-                    "started_at": started,
-                    "finished_at": finished,
-                }
+                self._result(
+                    engine,
+                    task,
+                    row,
+                    "ok",
+                    batch_size=len(rows),
+                    wav_path=self.job.relative(path),
+                    audio_seconds=audio_seconds,
+                    synth_seconds=share,
+                    rtf=share / audio_seconds if audio_seconds > 0 else None,
+                    target_frames=int(out.target_frames),
+                    token_work=w,
+                    started_at=started,
+                    finished_at=finished,
+                )
             )
         return results
 
@@ -194,9 +193,7 @@ def _gpu_name(engine: Any) -> str:
     return torch.cuda.get_device_name(device)
 
 
-def run_local(
-    runner: ShardRunner, tasks: list[ShardTask]
-) -> Iterator[tuple[ShardTask, list[dict[str, Any]]]]:
+def run_local(runner: ShardRunner, tasks: list[ShardTask]) -> Iterator[tuple[ShardTask, list[ResultRow]]]:
     """Local mode: the same shard runner, in this process, one shard after another."""
     for task in tasks:
         yield task, runner.run_shard(task)

@@ -40,7 +40,7 @@ class EngineSizer:
         self.prompts: dict[tuple[str, str], Any] = {}
 
     def __call__(self, row: manifest_mod.ManifestRow) -> RowSize:
-        req = synth_request(row.to_dict())
+        req = synth_request(row)
         voice = (row.ref_audio, row.ref_text)
         if row.ref_audio is not None and voice in self.prompts:
             req = replace(req, ref_audio=None, ref_text=None, prompt=self.prompts[voice])

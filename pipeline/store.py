@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -23,41 +22,13 @@ import pyarrow.parquet as pq
 
 from engine.errors import OVBatchError
 from pipeline.atomic import TMP_MARK, write_json_atomic, write_parquet_atomic
-from pipeline.manifest import ManifestRow, Rejection
+from pipeline.manifest import ManifestRow
 from pipeline.plan import Plan
-
-RESULT_SCHEMA = pa.schema([
-    ("id", pa.string()), ("row_key", pa.string()), ("variant", pa.string()), ("status", pa.string()),
-    ("error", pa.string()), ("wav_path", pa.string()), ("audio_seconds", pa.float64()),
-    ("synth_seconds", pa.float64()), ("rtf", pa.float64()), ("target_frames", pa.int64()),
-    ("ref_seconds", pa.float64()), ("bucket", pa.int64()), ("shard", pa.int64()), ("attempt", pa.int64()),
-    ("precision", pa.string()), ("model", pa.string()), ("host", pa.string()), ("gpu", pa.string()),
-    ("started_at", pa.string()), ("finished_at", pa.string()), ("row_index", pa.int64()),
-    ("packed_tokens", pa.int64()), ("token_work", pa.int64()), ("batch_size", pa.int64()),
-    ("worker", pa.string()),
-])  # fmt: skip
-STATUSES = ("ok", "failed", "rejected")
+from pipeline.rows import RESULT_SCHEMA, ResultRow, results_table
 
 
 class JobDirError(OVBatchError):
     """A job directory is missing, incomplete, or holds a different job."""
-
-
-def results_table(rows: Iterable[dict[str, Any]]) -> pa.Table:
-    rows = list(rows)
-    cols = {f.name: [r.get(f.name) for r in rows] for f in RESULT_SCHEMA}
-    return pa.table(cols, schema=RESULT_SCHEMA)
-
-
-def rejected_result(rej: Rejection, variant: str) -> dict[str, Any]:
-    return {
-        "id": rej.id,
-        "variant": variant,
-        "status": "rejected",
-        "error": rej.reason,
-        "row_index": rej.row_index,
-        "attempt": 0,
-    }
 
 
 class JobDir:
@@ -137,11 +108,11 @@ class JobDir:
 
     # ------------------------------------------------------------ results
 
-    def write_shard_results(self, index: int, rows: list[dict[str, Any]]) -> None:
+    def write_shard_results(self, index: int, rows: list[ResultRow]) -> None:
         write_parquet_atomic(self.shard_result_path(index), results_table(rows))
 
     def write_rejected(self, plan: Plan) -> None:
-        rows = [rejected_result(r, v) for r in plan.rejected for v in plan.variants]
+        rows = [ResultRow.of(r, v, "rejected", r.reason) for r in plan.rejected for v in plan.variants]
         write_parquet_atomic(self.results_dir / "rejected.parquet", results_table(rows))
 
     def finished_shards(self) -> set[int]:
@@ -149,12 +120,12 @@ class JobDir:
             return set()
         return {int(p.stem.split("-")[1]) for p in self.results_dir.glob("shard-*.parquet")}
 
-    def read_shard_results(self, index: int) -> list[dict[str, Any]]:
-        return pq.read_table(self.shard_result_path(index)).to_pylist()
+    def read_shard_results(self, index: int) -> list[ResultRow]:
+        return [ResultRow.from_dict(d) for d in pq.read_table(self.shard_result_path(index)).to_pylist()]
 
     def read_results(self) -> pa.Table:
         files = sorted(self.results_dir.glob("*.parquet")) if self.results_dir.is_dir() else []
-        tables = [pq.read_table(f).cast(RESULT_SCHEMA) for f in files]
+        tables = [pq.read_table(f).select(RESULT_SCHEMA.names).cast(RESULT_SCHEMA) for f in files]
         return pa.concat_tables(tables) if tables else results_table([])
 
     # ------------------------------------------------------------ housekeeping

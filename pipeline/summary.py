@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from pipeline.store import STATUSES, JobDir
+from pipeline.rows import STATUSES
+from pipeline.store import JobDir
 
 
 def _rate(num: float, den: float) -> float | None:

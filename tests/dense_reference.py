@@ -81,7 +81,7 @@ def dense_logits(sd: dict, cfg, input_ids: torch.Tensor, audio_mask: torch.Tenso
 def upstream_style_step(tokens, cond, uncond, k, gen, mask_id, noise=None, step=0):
     """One decoding step for one request in upstream's layout (tokens [C, T], logits [C, T, V]).
 
-    noise: an engine.decoding.RequestNoise of this request when a temperature is nonzero.
+    noise: an engine.generate.decoding.RequestNoise of this request when a temperature is nonzero.
     """
     c, u = torch.log_softmax(cond, -1), torch.log_softmax(uncond, -1)
     lp = torch.log_softmax(c + gen.guidance_scale * (c - u), -1)

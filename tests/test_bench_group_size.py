@@ -3,10 +3,10 @@
 import torch
 
 from bench.group_size import layer_row, quantize, quantized_forward
-from engine.quant.format import W4A4Tensors, pack_int4
-from engine.quant.reference import w4a4_linear_reference
-from engine.quant.smooth import smoothing_factors
-from engine.quant.synthetic import outlier_channel_scales, structured_activations, structured_weight
+from engine.quantizer.smooth import smoothing_factors
+from engine.quantizer.synthetic import outlier_channel_scales, structured_activations, structured_weight
+from engine.w4a4.format import W4A4Tensors, pack_int4
+from engine.w4a4.reference import w4a4_linear_reference
 
 
 def test_group_64_is_the_contracts_reference():

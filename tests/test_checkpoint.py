@@ -10,9 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import engine.tiny as tiny_module
-from engine.checkpoint import load_model, resolve_checkpoint
+import engine.tiny.checkpoint as tiny_module
+from engine.checkpoint import resolve_checkpoint
+from engine.config import FastPaths
 from engine.errors import CheckpointError
+from engine.loading import load_model
 from engine.tiny import ensure_tiny_checkpoint, tiny_state_dict
 
 
@@ -67,7 +69,7 @@ def test_tiny_checkpoint_published_by_a_concurrent_builder_is_kept(tiny, monkeyp
 
 
 def test_tiny_checkpoint_loads_with_the_weights_it_was_made_from(tiny):
-    cfg, model = load_model(tiny, dtype=torch.bfloat16)
+    cfg, model = load_model(tiny, dtype=torch.bfloat16, fast_paths=FastPaths(grouped_projections=False))
     expected = tiny_state_dict(cfg)
     got = model.state_dict()
     assert set(got) == set(expected)

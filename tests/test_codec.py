@@ -15,7 +15,7 @@ from engine.codec import Codec
 from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG, training_only_shapes
 from engine.errors import CheckpointError, InputError
 from engine.resample import resample
-from engine.tiny_codec import write_tiny_codec
+from engine.tiny.codec import write_tiny_codec
 
 HOP = 960
 

@@ -7,7 +7,7 @@ import torch
 from dense_reference import upstream_style_step
 
 from engine.config import GenerationConfig
-from engine.decoding import BatchDecoder, RequestNoise, unmask_schedule
+from engine.generate.decoding import BatchDecoder, RequestNoise, unmask_schedule
 
 C, V, MASK = 8, 1025, 1024
 

@@ -1,7 +1,7 @@
 """The fused kernels against the unfused torch path they replace (GPU only; `pytest -m gpu`).
 
 RMSNorm -> quantize, RMSNorm, SiLU(gate) * up and the q/k head norm + RoPE on fresh random inputs, odd M,
-poisoned outputs; then whole models with the fused paths on and off (OVBATCH_FUSED_KERNELS=0).
+poisoned outputs; then whole models with the fused paths on and off (FastPaths.fused_kernels).
 SiLU(gate) * up is exact. The norms sum squares in
 another order than torch's reduction, so rstd may differ in its last bit and, rarely, a bf16 rounding of
 a normed value flips.
@@ -25,13 +25,14 @@ from test_kernels import (
 )
 from test_runner import C, make_items
 
-from engine.checkpoint import load_model
+from engine.config import FastPaths
+from engine.generate.loop import choose_layout
+from engine.generate.packing import pack_items
 from engine.kernels import CudaW4A4Backend
 from engine.kernels import ops as kops
+from engine.loading import load_model, prepare_for_inference
 from engine.model.layers import RMSNorm, apply_rope, rms_norm, rope_cos_sin
-from engine.packing import pack_items
-from engine.quant.rtn import w4a4_copy
-from engine.runner import choose_layout
+from engine.quantizer.rtn import w4a4_copy
 from engine.tiny import ensure_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -176,25 +177,28 @@ def test_bad_input_raises_in_a_fresh_process():
     assert "K a multiple of 8, got [4, 100]" in done.stdout
 
 
-def tiny_logits_on_and_off(switch, quantized, monkeypatch, tmp_path):
-    """The tiny checkpoint (bf16, or its W4A4 copy) and its logits with the environment `switch` on, then
-    off."""
-    _, model = load_model(ensure_tiny_checkpoint(tmp_path), device="cuda", dtype=torch.bfloat16)
-    if quantized:
-        model = w4a4_copy(model)
+def tiny_logits_on_and_off(switch, quantized, tmp_path, **fixed):
+    """The tiny checkpoint's logits (bf16, or its W4A4 copy) with the FastPaths field `switch` on, then off
+    (the other fields as `fixed`, else on), and the model with it on."""
     items = make_items([(9, 14, 12), (5, 0, 7), (12, 6, 16)], seed=3)
     batch = pack_items(items, C, 1024, choose_layout(items, (256,))).to("cuda")
-    with torch.inference_mode():
-        on = model(batch)
-        monkeypatch.setenv(switch, "0")
-        off = model(batch)
-    return model, on, off
+    models, logits = [], []
+    for on in (True, False):
+        apart = FastPaths(grouped_projections=False)  # merged by prepare_for_inference, W4A4 too
+        _, model = load_model(
+            ensure_tiny_checkpoint(tmp_path), device="cuda", dtype=torch.bfloat16, fast_paths=apart
+        )
+        model = w4a4_copy(model) if quantized else model
+        model = prepare_for_inference(model, FastPaths(**{**fixed, switch: on}))
+        with torch.inference_mode():
+            logits.append(model(batch))
+        models.append(model)
+    return models[0], logits[0], logits[1]
 
 
 @pytest.mark.parametrize("quantized", (False, True))
-def test_model_with_fused_kernels_matches_unfused(quantized, monkeypatch, tmp_path):
+def test_model_with_fused_kernels_matches_unfused(quantized, tmp_path):
     # the kernels that round as torch does (the SwiGLU GEMM rounds once: tests/test_grouped_projections.py)
-    monkeypatch.setenv("OVBATCH_SWIGLU_GEMM", "0")
-    _, fused, unfused = tiny_logits_on_and_off("OVBATCH_FUSED_KERNELS", quantized, monkeypatch, tmp_path)
+    _, fused, unfused = tiny_logits_on_and_off("fused_kernels", quantized, tmp_path, swiglu_gemm=False)
     assert torch.isfinite(fused).all()
     assert rel_err(fused, unfused) < 2e-2

@@ -1,8 +1,8 @@
-"""Grouped projections: layers that read one input (q/k/v, gate/up) as one GEMM. W4A4: one activation
-quantization and one GEMM with the weights stacked along N (engine/kernels/w4a4.py prepare_group,
-engine/quant/linear.py grouped_forward); bf16: Linears whose weights view one stacked tensor
-(engine/model/layers.py stacked_weight). On the GPU a group must give each layer's own output; on the CPU,
-where the reference backend has no groups, the layers run one by one. The SwiGLU GEMM (gate and up rows
+"""Grouped projections: layers that read one input (q/k/v, gate/up) merged at load into one Linear. W4A4:
+one activation quantization and one GEMM with the weights stacked along N (engine/kernels/w4a4.py
+prepare_group, engine/w4a4/linear.py W4A4Group); bf16: one DenseLinear over the concatenated weights
+(tests/test_fused_dispatch.py). On the GPU a group must give each layer's own output; on the CPU, where the
+reference backend has no groups, the layers run one by one. The SwiGLU GEMM (gate and up rows
 interleaved, silu(gate) * up in its epilogue) must give what the grouped gate/up GEMM and silu_mul give.
 """
 
@@ -25,18 +25,20 @@ from test_kernels import (
 )
 from test_runner import C, make_items
 
+from engine.config import FastPaths
+from engine.generate.loop import choose_layout
+from engine.generate.packing import pack_items
 from engine.kernels import CudaW4A4Backend
 from engine.kernels import ops as kops
 from engine.kernels.w4a4 import group_obstacle, swiglu_obstacle, swiglu_row_order
+from engine.loading import prepare_for_inference
 from engine.model import OmniVoiceModel
-from engine.model.layers import RMSNorm, normed_projections, silu_mul, stacked_weight
-from engine.packing import pack_items
-from engine.quant.format import W4A4Tensors, pack_int4
-from engine.quant.linear import W4A4Linear, grouped_forward
-from engine.quant.reference import w4a4_linear_reference
-from engine.quant.rtn import w4a4_copy
-from engine.runner import choose_layout
+from engine.model.layers import RMSNorm, silu_mul
+from engine.quantizer.rtn import w4a4_copy
 from engine.tiny import tiny_model_config, tiny_state_dict
+from engine.w4a4.format import W4A4Tensors, pack_int4
+from engine.w4a4.linear import W4A4Group, W4A4Linear
+from engine.w4a4.reference import w4a4_linear_reference
 
 gpu = pytest.mark.gpu
 
@@ -77,74 +79,17 @@ def test_swiglu_row_order_interleaves_gate_and_up_8_by_8():
     assert sorted(order) == list(range(48))
 
 
-def group_of(layer: W4A4Linear, swiglu: bool = False):
-    """The packed group that grouped_forward made with this layer first, or None."""
-    return layer._groups.get(swiglu, (None, None))[1]
-
-
-def test_cpu_layers_run_one_by_one():
-    """The reference backend has no groups: grouped_forward declines and normed_projections gives each
-    layer's own output."""
+def test_cpu_group_runs_its_layers_one_by_one():
+    """The reference backend has no groups: a W4A4Group gives each layer's own output side by side."""
     layers = [W4A4Linear.from_tensors(cpu_layer(n, 128, 16)) for n in (128, 64)]
+    group = W4A4Linear.merge(layers)
+    assert isinstance(group, W4A4Group) and group.splits == (128, 64)
     x = torch.randn(5, 128)
     norm = RMSNorm(128, 1e-6)
-    assert grouped_forward(layers, x, norm) is None
-    got = normed_projections(x, norm, tuple(layers))
+    got = group.forward_normed(x, norm).split(group.splits, dim=-1)
     for y, layer in zip(got, layers):
         assert torch.equal(y, w4a4_linear_reference(norm(x), layer.tensors()))
-
-
-def test_stacked_weight_moves_the_weights_into_one_tensor():
-    linears = [torch.nn.Linear(64, n, bias=False) for n in (64, 32, 32)]
-    before = [lin.weight.detach().clone() for lin in linears]
-    stacked = stacked_weight(linears)
-    assert stacked.shape == (128, 64) and torch.equal(stacked, torch.cat(before))
-    assert all(torch.equal(lin.weight, w) for lin, w in zip(linears, before))
-    assert linears[2].weight.data_ptr() == stacked.data_ptr() + 96 * 64 * stacked.element_size()
-    assert stacked_weight(linears).data_ptr() == stacked.data_ptr()  # already in place: nothing moves
-    linears[1].weight = torch.nn.Parameter(torch.randn(32, 64))  # a replaced weight: moved in again
-    again = stacked_weight(linears)
-    assert again.data_ptr() != stacked.data_ptr() and torch.equal(again[64:96], linears[1].weight)
-    x = torch.randn(3, 64)
-    parts = torch.nn.functional.linear(x, again).split([64, 32, 32], dim=-1)
-    assert all(torch.allclose(p, lin(x)) for p, lin in zip(parts, linears))
-
-
-def test_hooked_linears_run_one_by_one(monkeypatch):
-    """A forward hook (calibration's way to record a Linear's inputs) sees its Linear called even where the
-    projections would share one GEMM."""
-    import engine.model.layers as layers
-
-    monkeypatch.setattr(layers, "fused_ops", lambda t: object())  # as where the fused paths run
-    monkeypatch.setattr(layers, "stacked_weight", lambda linears: pytest.fail("grouped a hooked Linear"))
-    linears = (torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32, bias=False))
-    seen = []
-    linears[1].register_forward_pre_hook(lambda module, args: seen.append(args[0].shape))
-    x = torch.randn(3, 64)
-    out = normed_projections(x, torch.nn.Identity(), linears)
-    assert seen == [(3, 64)] and all(torch.equal(y, lin(x)) for y, lin in zip(out, linears))
-
-
-def test_projections_share_one_gemm_in_inference_where_the_fused_paths_run(monkeypatch):
-    import engine.model.layers as layers
-
-    monkeypatch.setattr(layers, "fused_ops", lambda t: object())  # as where the fused paths run
-    x = torch.randn(3, 64)
-    trained = (torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32, bias=False))
-    normed_projections(x, torch.nn.Identity(), trained)  # gradients on: one by one, nothing moves
-    assert trained[1].weight.data_ptr() != trained[0].weight.data_ptr() + trained[0].weight.nbytes
-    with torch.inference_mode():
-        out = normed_projections(x, torch.nn.Identity(), trained)
-    assert trained[1].weight.data_ptr() == trained[0].weight.data_ptr() + trained[0].weight.nbytes
-    assert all(torch.allclose(y, lin(x)) for y, lin in zip(out, trained))
-
-
-def test_stacked_weight_declines_what_cannot_share_a_gemm():
-    assert stacked_weight([torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32)]) is None  # bias
-    assert stacked_weight([torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 32, bias=False)]) is None
-    mixed = [torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32, bias=False).half()]
-    assert stacked_weight(mixed) is None
-    assert stacked_weight([W4A4Linear.from_tensors(cpu_layer(64, 128, 16))] * 2) is None
+    assert W4A4Linear.merge([layers[0], W4A4Linear.from_tensors(cpu_layer(64, 64, 16))]) is None
 
 
 def random_group(widths, k, rank, smooth, g, bias_on=()):
@@ -211,21 +156,18 @@ def test_grouped_gemm_gives_each_layer_its_output(widths, k, rank, smooth, bias_
 
 
 @gpu
-def test_grouped_forward_with_norm_and_rebuild():
-    """Modules: the grouped path with the RMSNorm prologue equals the layers one by one; changing a member's
-    tensors rebuilds the group."""
+def test_group_module_with_norm_matches_its_layers():
+    """Modules: the group's grouped path with the RMSNorm prologue equals the layers one by one."""
     g = fresh_generator()
     tensors = random_group((128, 64, 64), 256, 16, True, g)
     layers = [W4A4Linear.from_tensors(t).to(DEV) for t in tensors]
+    group = W4A4Linear.merge(layers)
     norm = RMSNorm(256, 1e-6).to(DEV, torch.bfloat16)
     x = random_activations(300, 256, torch.bfloat16, g)
-    got = grouped_forward(layers, x, norm)
-    assert got is not None and [y.shape[-1] for y in got] == [128, 64, 64]
-    for y, layer in zip(got, layers):
+    got = group.forward_normed(x, norm)
+    assert group._packed["group"][1] is not None, "the layers did not run as one GEMM"
+    for y, layer in zip(got.split(group.splits, dim=-1), layers):
         assert rel_err(y, layer(norm(x))) < 1e-2
-    changed = random_layer(64, 256, 16, smooth=False, bias=False, g=g)
-    layers[1].load_tensors(dataclasses.replace(changed, smooth=tensors[0].smooth))
-    assert rel_err(grouped_forward(layers, x, norm)[1], layers[1](norm(x))) < 1e-2
 
 
 @gpu
@@ -290,35 +232,35 @@ def test_silu_mul_reads_the_halves_of_one_output(m):
     g = fresh_generator()
     gate_up = random_activations(m, 2 * 3072, torch.bfloat16, g) * 0.3
     gate, up = gate_up.split(3072, dim=-1)
-    got = silu_mul(gate, up)
+    got = silu_mul(gate, up, fused=True)
     assert got.is_contiguous() and torch.equal(got, torch.nn.functional.silu(gate) * up)
 
 
 @gpu
-def test_model_with_grouped_w4a4_matches_layer_by_layer(monkeypatch):
+def test_model_with_grouped_w4a4_matches_layer_by_layer():
     """A small model whose projections are multiples of 64 wide (the tiny checkpoint's k/v are 32, so it
     never groups): grouped q/k/v and gate/up give the logits of the layers run one by one."""
     cfg = tiny_model_config(1100)
     llm = dataclasses.replace(cfg.llm, hidden_size=128, head_dim=32, intermediate_size=256)
     cfg = dataclasses.replace(cfg, llm=llm)
-    model = OmniVoiceModel(cfg)
-    model.load_state_dict(tiny_state_dict(cfg))
-    model = w4a4_copy(model.to(DEV, torch.bfloat16))
+    base = OmniVoiceModel(cfg)
+    base.load_state_dict(tiny_state_dict(cfg))
+    base = base.to(DEV, torch.bfloat16)
     items = make_items([(9, 14, 12), (5, 0, 7), (12, 6, 16)], seed=3)
     batch = pack_items(items, C, 1024, choose_layout(items, (256,))).to("cuda")
-    layer = model.llm.layers[0]
     down_inputs = []  # layer 0's silu(gate) * up, one per run
-    layer.mlp.down_proj.register_forward_pre_hook(lambda module, args: down_inputs.append(args[0]))
-    with torch.inference_mode():
-        grouped = model(batch)
-        assert group_of(layer.self_attn.q_proj) is not None, "q/k/v did not run as a group"
-        assert group_of(layer.mlp.gate_proj, swiglu=True) is not None, (
-            "gate/up did not run as the SwiGLU GEMM"
-        )
-        monkeypatch.setenv("OVBATCH_SWIGLU_GEMM", "0")
-        grouped_silu_mul = model(batch)
-        monkeypatch.setenv("OVBATCH_GROUPED_PROJECTIONS", "0")
-        one_by_one = model(batch)
+    logits = []
+    for paths in (FastPaths(), FastPaths(swiglu_gemm=False), FastPaths(grouped_projections=False)):
+        model = prepare_for_inference(w4a4_copy(base), paths)
+        layer = model.llm.layers[0]
+        layer.mlp.down_proj.register_forward_pre_hook(lambda module, args: down_inputs.append(args[0]))
+        with torch.inference_mode():
+            logits.append(model(batch))
+        if paths.grouped_projections:
+            assert layer.self_attn.qkv_proj._packed["group"][1] is not None, "q/k/v did not run as a group"
+        if paths.grouped_projections and paths.swiglu_gemm:
+            assert layer.mlp.gate_up_proj._packed["swiglu"][1] is not None, "gate/up missed the SwiGLU GEMM"
+    grouped, grouped_silu_mul, one_by_one = logits
     assert torch.isfinite(grouped).all()
     assert rel_err(grouped_silu_mul, one_by_one) < 1e-5
     # Layer 0's MLP reads one input in every run: there the SwiGLU GEMM's silu(gate) * up (one rounding)
@@ -330,14 +272,11 @@ def test_model_with_grouped_w4a4_matches_layer_by_layer(monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("quantized", (False, True))
-def test_tiny_model_grouped_matches_layer_by_layer(quantized, monkeypatch, tmp_path):
-    """The demo's tiny checkpoint: bf16 stacks its projections; W4A4 groups gate/up (k/v are 32 wide, too
+def test_tiny_model_grouped_matches_layer_by_layer(quantized, tmp_path):
+    """The demo's tiny checkpoint: bf16 merges its projections; W4A4 groups gate/up (k/v are 32 wide, too
     narrow for a group). Without the SwiGLU GEMM, whose one rounding moves the logits (see above)."""
-    monkeypatch.setenv("OVBATCH_SWIGLU_GEMM", "0")
-    switch = "OVBATCH_GROUPED_PROJECTIONS"
-    model, grouped, one_by_one = tiny_logits_on_and_off(switch, quantized, monkeypatch, tmp_path)
-    if not quantized:  # bf16: the MLP's gate and up weights now lie back to back
-        gate, up = model.llm.layers[0].mlp.gate_proj.weight, model.llm.layers[0].mlp.up_proj.weight
-        assert up.data_ptr() == gate.data_ptr() + gate.nbytes
+    switch = "grouped_projections"
+    model, grouped, one_by_one = tiny_logits_on_and_off(switch, quantized, tmp_path, swiglu_gemm=False)
+    assert model.llm.layers[0].mlp.gate_up_proj is not None
     assert torch.isfinite(grouped).all()
     assert rel_err(grouped, one_by_one) < 1e-2

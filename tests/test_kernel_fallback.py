@@ -25,8 +25,8 @@ from engine.kernels.w4a4 import (
     unpack_activations,
     unpack_operand,
 )
-from engine.quant.format import W4A4Tensors, pack_int4
-from engine.quant.reference import quantize_activations, w4a4_linear_reference
+from engine.w4a4.format import W4A4Tensors, pack_int4
+from engine.w4a4.reference import quantize_activations, w4a4_linear_reference
 
 needs_no_cuda = pytest.mark.skipif(
     torch.cuda.is_available(), reason="checks the fallback on a CPU-only machine"

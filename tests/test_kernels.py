@@ -1,4 +1,4 @@
-"""The W4A4 CUDA kernels against engine/quant/reference.py (GPU only; `pytest -m gpu`).
+"""The W4A4 CUDA kernels against engine/w4a4/reference.py (GPU only; `pytest -m gpu`).
 
 Fresh random inputs for every case, odd M (1, 7, 700, 2049), every OmniVoice N x K. Outputs are poisoned:
 before each call the caching allocator is handed blocks of exactly the output sizes filled with NaN, so
@@ -22,8 +22,8 @@ from engine.kernels.w4a4 import (
     pack_activations,
     unpack_activations,
 )
-from engine.quant.format import W4A4Tensors, pack_int4, unpack_int4
-from engine.quant.reference import quantize_activations, w4a4_linear_reference
+from engine.w4a4.format import W4A4Tensors, pack_int4, unpack_int4
+from engine.w4a4.reference import quantize_activations, w4a4_linear_reference
 
 pytestmark = pytest.mark.gpu
 

@@ -6,9 +6,9 @@ from dense_reference import dense_logits
 from torch import nn
 
 from engine.errors import BackendUnavailable, InputError
+from engine.generate.packing import GenItem, PackLayout, pack_items
 from engine.model import OmniVoiceModel
 from engine.model.attention import BACKENDS, choose_attention
-from engine.packing import GenItem, PackLayout, pack_items
 from engine.tiny import tiny_model_config, tiny_state_dict
 
 C, MASK = 8, 1024

@@ -26,7 +26,9 @@ from engine.api import SynthResult
 from engine.errors import InputError
 from pipeline.config import load_job_config
 from pipeline.job import rerun, submit
-from pipeline.plan import RowSize
+from pipeline.manifest import ManifestRow
+from pipeline.plan import PlannedRow, RowSize
+from pipeline.rows import RequestRow
 from pipeline.runner import ShardRunner, ShardTask
 from pipeline.store import JobDir, JobDirError
 
@@ -94,23 +96,11 @@ def _fake_cfg(manifest: Path | None = None, *extra: str):
     )
 
 
-def _row(i: int, text: str | None = None, tokens: int = 40) -> dict:
-    return {
-        "row_index": i,
-        "id": f"r{i:02d}",
-        "text": text or f"row r{i:02d}",
-        "ref_audio": None,
-        "ref_text": None,
-        "language": None,
-        "instruct": None,
-        "duration": None,
-        "speed": None,
-        "seed": i,
-        "ref_seconds": 0.0,
-        "row_key": f"k{i}",
-        "packed_tokens": tokens,
-        "target_frames": 10,
-    }
+def _row(i: int, text: str | None = None, tokens: int = 40) -> RequestRow:
+    row = ManifestRow(
+        row_index=i, id=f"r{i:02d}", text=text or f"row r{i:02d}", ref_audio=None, ref_text=None, seed=i
+    )
+    return RequestRow.of(row, PlannedRow(row.id, f"k{i}", tokens, 10))
 
 
 def test_a_failing_row_fails_alone_and_its_batch_mates_finish(tmp_path: Path):
@@ -118,13 +108,13 @@ def test_a_failing_row_fails_alone_and_its_batch_mates_finish(tmp_path: Path):
     runner = ShardRunner(tmp_path, _fake_cfg())
     rows = [_row(i) for i in range(6)]  # 6 x 40 tokens: one batch of 6 under 256
     results = runner.run_shard(ShardTask(0, "default", 64, 1, rows))
-    by_id = {r["id"]: r for r in results}
-    assert sorted(by_id) == [r["id"] for r in rows]
-    assert by_id["r03"]["status"] == "failed" and "injected failure" in by_id["r03"]["error"]
-    assert by_id["r03"].get("wav_path") is None and not (tmp_path / "wavs" / "default" / "r03.wav").exists()
+    by_id = {r.id: r for r in results}
+    assert sorted(by_id) == [r.id for r in rows]
+    assert by_id["r03"].status == "failed" and "injected failure" in by_id["r03"].error
+    assert by_id["r03"].wav_path is None and not (tmp_path / "wavs" / "default" / "r03.wav").exists()
     for rid, r in by_id.items():
         if rid != "r03":
-            assert r["status"] == "ok" and (tmp_path / r["wav_path"]).is_file()
+            assert r.status == "ok" and (tmp_path / r.wav_path).is_file()
     assert len(FakeEngine.calls[0]) == 6  # the whole batch first, then halves down to the bad row
 
 
@@ -132,30 +122,30 @@ def test_out_of_memory_splits_the_batch_until_it_fits(tmp_path: Path):
     FakeEngine.oom_above = 2
     runner = ShardRunner(tmp_path, _fake_cfg())
     results = runner.run_shard(ShardTask(4, "default", 64, 1, [_row(i) for i in range(6)]))
-    assert [r["status"] for r in results] == ["ok"] * 6
-    assert max(r["batch_size"] for r in results) <= 2
+    assert [r.status for r in results] == ["ok"] * 6
+    assert max(r.batch_size for r in results) <= 2
     assert max(len(c) for c in FakeEngine.calls) == 6  # it was tried whole first
 
 
 def test_an_input_the_engine_refuses_is_rejected_not_failed(tmp_path: Path):
     runner = ShardRunner(tmp_path, _fake_cfg())
     results = runner.run_shard(ShardTask(0, "default", 64, 1, [_row(0), _row(1, "BADINPUT here")]))
-    assert [r["status"] for r in results] == ["ok", "rejected"]
-    assert "refused by the fake engine" in results[1]["error"]
+    assert [r.status for r in results] == ["ok", "rejected"]
+    assert "refused by the fake engine" in results[1].error
 
 
 def test_per_row_time_is_a_share_of_the_batch_by_token_work(tmp_path: Path):
     runner = ShardRunner(tmp_path, _fake_cfg())
     rows = [_row(0, "short"), _row(1, "a much longer text for this row"), _row(2, "mid length")]
     results = runner.run_shard(ShardTask(0, "default", 64, 1, rows))
-    assert len({r["started_at"] for r in results}) == 1  # one batch
-    work = np.array([r["token_work"] for r in results], float)
-    synth = np.array([r["synth_seconds"] for r in results])
+    assert len({r.started_at for r in results}) == 1  # one batch
+    work = np.array([r.token_work for r in results], float)
+    synth = np.array([r.synth_seconds for r in results])
     assert np.allclose(synth / synth.sum(), work / work.sum())
     for r in results:
-        audio, sr = sf.read(tmp_path / r["wav_path"])
-        assert r["audio_seconds"] == pytest.approx(len(audio) / sr)
-        assert r["rtf"] == pytest.approx(r["synth_seconds"] / r["audio_seconds"])
+        audio, sr = sf.read(tmp_path / r.wav_path)
+        assert r.audio_seconds == pytest.approx(len(audio) / sr)
+        assert r.rtf == pytest.approx(r.synth_seconds / r.audio_seconds)
 
 
 def _manifest(path: Path, n: int, texts: list[str] | None = None) -> Path:
@@ -298,7 +288,7 @@ def test_killing_the_driver_then_resubmitting_redoes_only_unfinished_shards(tmp_
     assert finished, f"no shard finished before the deadline: {stderr[-2000:]}"
     assert len(planned) >= 3 and finished < planned, "the job finished before the driver could be killed"
     kept = {i: job.shard_result_path(i).read_bytes() for i in finished}
-    kept_ids = {r["id"] for i in finished for r in job.read_shard_results(i)}
+    kept_ids = {r.id for i in finished for r in job.read_shard_results(i)}
     stamps = {
         p: (p.stat().st_ino, p.stat().st_mtime_ns)
         for p in (job.path / "wavs").rglob("*.wav")

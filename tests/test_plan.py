@@ -123,13 +123,13 @@ def test_engine_sizer_matches_the_engine_layout_and_reuses_prompts(tmp_path_fact
     ]
     sizes = [sizer(r) for r in rows]
     assert len(sizer.prompts) == 1
-    spent = sizer.engine.synthesize([synth_request(r.to_dict()) for r in rows])
+    spent = sizer.engine.synthesize([synth_request(r) for r in rows])
     assert [s.packed_tokens for s in sizes] == [r.token_work for r in spent]
     for row, size in zip(rows, sizes):
-        prepared = sizer.engine.prepare(synth_request(row.to_dict()))
+        prepared = sizer.engine.prepare(synth_request(row))
         assert size == prepared_size(sizer.engine, prepared)  # the same without the shared prompt
         chunks = prepared.chunks
         assert size.target_frames == sum(c.target_frames for c in chunks)
         assert size.ref_frames == len(chunks) * prepared.prompt.tokens.shape[1]
     assert sizes[0].packed_tokens < sizes[1].packed_tokens < sizes[2].packed_tokens
-    assert len(sizer.engine.prepare(synth_request(rows[2].to_dict())).chunks) > 1
+    assert len(sizer.engine.prepare(synth_request(rows[2])).chunks) > 1

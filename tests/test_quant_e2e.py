@@ -10,14 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoint import checkpoint_fingerprint, load_model
+from engine.checkpoint import checkpoint_fingerprint
+from engine.config import FastPaths
 from engine.errors import QuantError
-from engine.quant import quantize as quantize_mod
-from engine.quant.calibrate import CalibRequest, manifest_items
-from engine.quant.format import FORMAT_VERSION, read_w4a4_safetensors, write_w4a4_safetensors
-from engine.quant.linear import W4A4Linear
-from engine.quant.load import build_w4a4_model
+from engine.loading import build_w4a4_model, load_model
+from engine.quantizer import quantize as quantize_mod
+from engine.quantizer.calibrate import CalibRequest, manifest_items
 from engine.tiny import ensure_tiny_checkpoint
+from engine.w4a4.format import FORMAT_VERSION, read_w4a4_safetensors, write_w4a4_safetensors
+from engine.w4a4.linear import W4A4Group, W4A4Linear
+from pipeline import quantize_command
 
 # Stated thresholds for the tiny model (random weights, so its decoding is fragile: near-flat logits
 # flip under small perturbations; chance agreement is 1/1024). Measured: cosine ~0.998, agreement ~0.45.
@@ -44,7 +46,7 @@ def quantized(tiny, tmp_path_factory, one_thread):
     out = tmp_path_factory.mktemp("q") / "tiny-w4a4"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = quantize_mod.main(
+        code = quantize_command.main(
             [str(tiny), "--out", str(out), "--samples", "6", "--eval-requests", "3", "--device", "cpu"]
         )
     assert code == 0
@@ -73,7 +75,9 @@ def test_written_checkpoint_loads_as_w4a4(tiny, quantized):
     out, _ = quantized
     assert {p.name for p in tiny.iterdir()} <= {p.name for p in out.iterdir()}
     assert not list(out.parent.glob(".tiny-w4a4.*"))  # no temp dir left behind
-    cfg, model = load_model(out)
+    _, merged = load_model(out)
+    assert isinstance(merged.llm.layers[0].mlp.gate_up_proj, W4A4Group)  # siblings merged at load
+    cfg, model = load_model(out, fast_paths=FastPaths(grouped_projections=False))
     w4a4 = [m for m in model.modules() if isinstance(m, W4A4Linear)]
     assert len(w4a4) == 14
     assert model.llm.embed_tokens.weight.dtype == torch.float32
@@ -82,7 +86,7 @@ def test_written_checkpoint_loads_as_w4a4(tiny, quantized):
     assert torch.equal(model.llm.norm.weight, fp.llm.norm.weight)
     raw = json.loads((out / "config.json").read_text())
     assert raw["quantization"]["rank"] == 16 and len(raw["quantization"]["layers"]) == 14
-    for layer in model.llm.layers:  # siblings share their smoothing (engine/quant/lowrank.py)
+    for layer in model.llm.layers:  # siblings share their smoothing (engine/quantizer/lowrank.py)
         attn, mlp = layer.self_attn, layer.mlp
         for siblings in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
             smooths = [lin.smooth for lin in siblings]
@@ -140,22 +144,22 @@ def test_truncated_w4a4_file_is_refused(quantized, tmp_path):
 def test_already_quantized_and_existing_output_are_refused(tiny, quantized, tmp_path):
     out, _ = quantized
     with pytest.raises(QuantError, match="already a W4A4 checkpoint"):
-        quantize_mod.main([str(out), "--out", str(tmp_path / "x")])
+        quantize_command.main([str(out), "--out", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
     with pytest.raises(QuantError, match="already exists"):
-        quantize_mod.main([str(tiny), "--out", str(out)])
+        quantize_command.main([str(tiny), "--out", str(out)])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")
 def test_cuda_without_gpu_is_refused(tiny, tmp_path):
     with pytest.raises(QuantError, match="no CUDA GPU"):
-        quantize_mod.main([str(tiny), "--out", str(tmp_path / "c"), "--device", "cuda"])
+        quantize_command.main([str(tiny), "--out", str(tmp_path / "c"), "--device", "cuda"])
     assert not (tmp_path / "c").exists()
 
 
 def test_unknown_device_is_refused_by_name(tiny, tmp_path):
     with pytest.raises(QuantError, match="--device gpu0"):
-        quantize_mod.main([str(tiny), "--out", str(tmp_path / "d"), "--device", "gpu0"])
+        quantize_command.main([str(tiny), "--out", str(tmp_path / "d"), "--device", "gpu0"])
     assert not (tmp_path / "d").exists()
 
 
@@ -166,7 +170,7 @@ def test_shapes_not_multiple_of_group_are_refused(tiny, tmp_path):
     raw["llm_config"]["intermediate_size"] = 100
     (src / "config.json").write_text(json.dumps(raw))
     with pytest.raises(QuantError, match=r"down_proj: in_features=100 is not a multiple"):
-        quantize_mod.main([str(src), "--out", str(tmp_path / "y")])
+        quantize_command.main([str(src), "--out", str(tmp_path / "y")])
     assert not (tmp_path / "y").exists()
 
 
@@ -178,7 +182,7 @@ def test_manifest_without_usable_rows(tiny, tmp_path):
         rows, rejected = [], [Rejected()]
 
     with pytest.raises(QuantError, match="no usable rows.*missing.wav"):
-        quantize_mod.main(
+        quantize_command.main(
             [str(tiny), "--out", str(tmp_path / "z"), "--calib", "m.parquet"],
             load_manifest=lambda location, clip_dir: EmptyManifest(),
         )
@@ -268,7 +272,9 @@ def test_calibration_from_a_manifest(tiny, tmp_path, monkeypatch, caplog):
     pq.write_table(pa.table(rows), manifest)
     out = tmp_path / "q"
     with contextlib.redirect_stdout(io.StringIO()), caplog.at_level("WARNING"):
-        quantize_mod.main([str(tiny), "--out", str(out), "--calib", str(manifest), "--eval-requests", "1"])
+        quantize_command.main(
+            [str(tiny), "--out", str(out), "--calib", str(manifest), "--eval-requests", "1"]
+        )
     report = json.loads((out / "quant_report.json").read_text())
     assert report["settings"]["calibration"] == str(manifest)
     assert report["settings"]["calib_requests"] == 3  # the remote clip is fetched as submit fetches it
@@ -287,5 +293,5 @@ def test_calibration_manifest_whose_clips_cannot_be_fetched(tiny, tmp_path, monk
     table = {"id": ["a"], "text": ["Hello."], "ref_audio": ["s3://bucket/gone.wav"], "ref_text": ["Hi."]}
     pq.write_table(pa.table(table), manifest)
     with pytest.raises(QuantError, match=r"no usable rows \(row 0: ref_audio 's3://bucket/gone.wav' .*fix"):
-        quantize_mod.main([str(tiny), "--out", str(tmp_path / "q"), "--calib", str(manifest)])
+        quantize_command.main([str(tiny), "--out", str(tmp_path / "q"), "--calib", str(manifest)])
     assert not (tmp_path / "q").exists()

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from engine.errors import QuantError
-from engine.quant import format as format_module
-from engine.quant.format import (
+from engine.w4a4 import format as format_module
+from engine.w4a4.format import (
     FORMAT_VERSION,
     QuantMeta,
     W4A4Tensors,

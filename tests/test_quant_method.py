@@ -5,12 +5,18 @@ import torch
 
 from engine.errors import QuantError
 from engine.kernels.w4a4 import group_obstacle
-from engine.quant.format import W4A4Tensors, pack_int4
-from engine.quant.gptq import GPTQConfig, gptq_quantize, quantize_rtn
-from engine.quant.lowrank import LayerStats, MethodConfig, lowrank_factors, quantize_linear, quantize_siblings
-from engine.quant.reference import dequantize_weight, w4a4_linear_reference
-from engine.quant.smooth import smoothing_factors
-from engine.quant.synthetic import outlier_channel_scales, structured_activations, structured_weight
+from engine.quantizer.gptq import GPTQConfig, gptq_quantize, quantize_rtn
+from engine.quantizer.lowrank import (
+    LayerStats,
+    MethodConfig,
+    lowrank_factors,
+    quantize_linear,
+    quantize_siblings,
+)
+from engine.quantizer.smooth import smoothing_factors
+from engine.quantizer.synthetic import outlier_channel_scales, structured_activations, structured_weight
+from engine.w4a4.format import W4A4Tensors, pack_int4
+from engine.w4a4.reference import dequantize_weight, w4a4_linear_reference
 
 
 @pytest.fixture(autouse=True)

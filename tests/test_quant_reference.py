@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from engine.errors import QuantError
-from engine.quant.format import W4A4Tensors, pack_int4, unpack_int4
-from engine.quant.reference import (
+from engine.w4a4.format import W4A4Tensors, pack_int4, unpack_int4
+from engine.w4a4.reference import (
     ReferenceW4A4Backend,
     effective_weight,
     quantize_activations,
@@ -147,8 +147,8 @@ def test_reference_on_cuda_matches_cpu():
 def test_w4a4_linear_is_a_drop_in(monkeypatch, caplog):
     import sys
 
-    from engine.quant import linear as linear_mod
-    from engine.quant.linear import W4A4Linear
+    from engine.w4a4 import linear as linear_mod
+    from engine.w4a4.linear import W4A4Linear
 
     t = random_layer(96, 128, seed=9)
     layer = W4A4Linear.from_tensors(t)
@@ -172,7 +172,7 @@ def test_w4a4_linear_is_a_drop_in(monkeypatch, caplog):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_w4a4_linear_on_cuda_matches_reference(dtype):
-    from engine.quant.linear import W4A4Linear, backend_for
+    from engine.w4a4.linear import W4A4Linear, backend_for
 
     for n, k in OMNIVOICE_SHAPES:
         t = random_layer(n, k, seed=n * 3 + k)

@@ -6,12 +6,13 @@ import pytest
 import torch
 from dense_reference import dense_generate
 
-from engine.checkpoint import load_model
 from engine.config import EngineConfig, GenerationConfig
-from engine.decoding import unmask_schedule
 from engine.errors import InputError
-from engine.packing import pack_items, token_chunks
-from engine.runner import GenItem, GraphedForward, Runner, choose_layout
+from engine.generate.batching import greedy_batches
+from engine.generate.decoding import unmask_schedule
+from engine.generate.loop import GenItem, GraphedForward, Runner, choose_layout
+from engine.generate.packing import pack_items, packed_tokens
+from engine.loading import load_model
 from engine.tiny import ensure_tiny_checkpoint, tiny_state_dict
 
 C = 8
@@ -36,11 +37,12 @@ def make_items(specs, seed=0):
     ]
 
 
-def test_token_chunks_keep_order_and_budget_and_run_an_oversized_item_alone():
+def test_greedy_batches_keep_order_and_budget_and_run_an_oversized_item_alone():
     items = make_items([(10, 0, 20), (10, 0, 20), (10, 0, 20), (100, 0, 200), (5, 0, 5)])  # 50 50 50 500 15
-    chunks = list(token_chunks(items, 120))
+    chunks = greedy_batches(items, packed_tokens, 120)
     assert [len(c) for c in chunks] == [2, 1, 1, 1]
     assert [item for chunk in chunks for item in chunk] == items
+    assert [len(c) for c in greedy_batches(items, packed_tokens, 10_000, max_items=2)] == [2, 2, 1]
 
 
 def test_packed_tokens_counts_cond_and_uncond():

@@ -12,7 +12,8 @@ from pipeline import atomic, store
 from pipeline.atomic import TMP_MARK
 from pipeline.manifest import ManifestRow, Rejection
 from pipeline.plan import Plan, PlannedRow, Shard
-from pipeline.store import RESULT_SCHEMA, JobDir, results_table
+from pipeline.rows import RESULT_SCHEMA, ResultRow, results_table
+from pipeline.store import JobDir
 
 
 def _plan() -> Plan:
@@ -65,9 +66,7 @@ def test_results_schema_and_shard_files(tmp_path: Path):
     job.write_plan(plan)
     job.write_rejected(plan)
     assert job.exists() and job.finished_shards() == set()
-    job.write_shard_results(
-        0, [{"id": "a", "status": "ok", "variant": "default", "audio_seconds": 1.5, "shard": 0, "attempt": 1}]
-    )
+    job.write_shard_results(0, [ResultRow("a", "default", "ok", audio_seconds=1.5, shard=0, attempt=1)])
     assert job.finished_shards() == {0}
     assert job.shard_result_path(0).name == "shard-00000.parquet"
     t = job.read_results()

@@ -15,7 +15,7 @@ from engine.frontend.text import (
     resolve_instruct,
     resolve_language,
 )
-from engine.tiny_tokenizer import write_tiny_tokenizer
+from engine.tiny.tokenizer import write_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

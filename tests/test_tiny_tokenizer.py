@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from engine.frontend.text import NONVERBAL_TAGS, OMNIVOICE_SPECIAL_TOKENS, TextFrontend
-from engine.tiny_tokenizer import QWEN_SPECIAL_TOKENS, write_tiny_tokenizer
+from engine.tiny.tokenizer import QWEN_SPECIAL_TOKENS, write_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def test_same_bytes_in_another_process(tiny_dir, tmp_path):
     # Rust hash maps are seeded per process: determinism has to hold across processes.
     code = (
         "import sys; from pathlib import Path; "
-        "from engine.tiny_tokenizer import write_tiny_tokenizer as w; w(Path(sys.argv[1]))"
+        "from engine.tiny.tokenizer import write_tiny_tokenizer as w; w(Path(sys.argv[1]))"
     )
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, cwd=Path(__file__).parents[1])
     assert _digest(tmp_path) == _digest(tiny_dir)

@@ -25,7 +25,15 @@ from engine.config import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = ("binding.cpp", "quantize_act.cu", "w4a4_gemm.cu", "qk_norm_rope.cu", "rms_norm.cu", "silu_mul.cu")
+SOURCES = (
+    "binding.cpp",
+    "quantize_act.cu",
+    "w4a4_gemm.cu",
+    "qk_norm_rope.cu",
+    "rms_norm.cu",
+    "silu_mul.cu",
+    "fp8_quantize.cu",
+)
 HEADERS = ("exact_division.cuh", "w4a4_common.cuh", "w4a4_launch.h", "wgmma.cuh")
 EXTENSION_NAME = "ovbatch_w4a4"
 # sm_90a: the GEMM uses wgmma (Hopper only); the rest is mma.sync and cp.async.

@@ -10,7 +10,7 @@ and `forward(x, packed) -> y`.
   along N: one activation quantization computes every layer's low-rank input, and each layer's output
   rows read their own low-rank columns. `prepare_swiglu` packs gate and up with their rows interleaved, for
   the GEMM whose epilogue writes silu(gate) * up.
-- `ReferenceW4A4Backend`: engine/quant/reference.py in plain torch, on any device.
+- `ReferenceW4A4Backend`: engine/w4a4/reference.py in plain torch, on any device.
 
 The kernels' operand layouts are defined here in torch (`pack_operand` / `unpack_operand` for the packed
 4-bit weights, `pack_activations` / `unpack_activations` for the e4m3 activation tiles) and in
@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
 from engine.errors import BackendUnavailable, QuantError
 from engine.kernels import ops
-from engine.quant.format import GROUP_SIZE, unpack_int4
-from engine.quant.reference import ReferenceW4A4Backend, layer_tensors
+from engine.w4a4.format import GROUP_SIZE, unpack_int4
+from engine.w4a4.reference import ReferenceW4A4Backend, layer_tensors
 
 log = logging.getLogger(__name__)
 
@@ -424,13 +423,12 @@ def w4a4_backend_report(device) -> list[tuple[str, bool, str]]:
     return [(cls.name, *cls().can_use(device)) for cls in BACKENDS]
 
 
-def choose_w4a4_backend(device, prefer: str | None = None):
+def choose_w4a4_backend(device, prefer: str = "auto"):
     """The fastest usable backend for `device`; logs why each faster one was skipped.
 
-    `prefer` (or the environment variable OVBATCH_W4A4_BACKEND): "auto" (default), "cuda-sm90" or
-    "reference". Asking for a backend by name that cannot run here raises BackendUnavailable.
+    `prefer` (EngineConfig.w4a4_backend): "auto", "cuda-sm90" or "reference". Asking for a backend by name
+    that cannot run here raises BackendUnavailable.
     """
-    prefer = prefer or os.environ.get("OVBATCH_W4A4_BACKEND", "auto")
     names = [cls.name for cls in BACKENDS]
     if prefer != "auto" and prefer not in names:
         raise BackendUnavailable(f"unknown W4A4 backend {prefer!r}; choose one of {['auto', *names]}")

@@ -81,9 +81,8 @@ class TorchVarlenBackend:
             return self._fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
         if self._native_gqa:
             return self._fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, enable_gqa=True)
-        # varlen_attn without enable_gqa (torch 2.11) needs k and v repeated per query head (two copies per
-        # layer: 10% of bf16 generation in profile-generate-h200.json at commit 97731f7); the flash kernel
-        # under it takes fewer k/v heads as they are.
+        # varlen_attn without enable_gqa (torch 2.11) would need k and v repeated per query head, two copies
+        # a layer; the flash kernel under it takes fewer k/v heads as they are.
         out = torch.ops.aten._flash_attention_forward(
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False
         )

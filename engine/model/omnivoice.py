@@ -16,16 +16,8 @@ from torch import Tensor, nn
 
 from engine.config import LLMConfig, ModelConfig
 from engine.model.attention import choose_attention
-from engine.model.layers import (
-    LinearFactory,
-    RMSNorm,
-    SwiGLU,
-    default_linear,
-    normed_projections,
-    plus_linear,
-    qk_norm_rope,
-    rope_cos_sin,
-)
+from engine.model.layers import LinearFactory, RMSNorm, SwiGLU, qk_norm_rope, rope_cos_sin
+from engine.model.linear import default_linear, merge_linears
 
 
 @dataclass
@@ -47,6 +39,8 @@ class PackedBatch:
 
 
 class SelfAttention(nn.Module):
+    SIBLINGS = ("q_proj", "k_proj", "v_proj")  # Linears that read one input: merged at load
+
     def __init__(self, prefix: str, cfg: LLMConfig, linear_factory: LinearFactory) -> None:
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
@@ -57,19 +51,42 @@ class SelfAttention(nn.Module):
         self.o_proj = linear_factory(f"{prefix}.o_proj", self.num_heads * d, h)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.qkv_proj = None  # q/k/v as one Linear, where merge_projections could merge them
+        self.fused = True
+
+    def merge_projections(self, merge: Callable[[list], nn.Module | None]) -> None:
+        if self.qkv_proj is not None:
+            return
+        merged = merge([getattr(self, name) for name in self.SIBLINGS])
+        if merged is not None:
+            self.qkv_proj = merged
+            for name in self.SIBLINGS:
+                delattr(self, name)
+
+    def project(self, x: Tensor, norm: RMSNorm) -> list[Tensor]:
+        """q, k and v of norm(x)."""
+        if self.qkv_proj is not None:
+            return list(self.qkv_proj.forward_normed(x, norm).split(self.qkv_proj.splits, dim=-1))
+        return [linear.forward_normed(x, norm) for linear in (self.q_proj, self.k_proj, self.v_proj)]
 
     def forward(
         self, x: Tensor, norm: RMSNorm, cos: Tensor, sin: Tensor, batch: PackedBatch, attend
     ) -> Tensor:
         """The attention block with its residual: x + o_proj(attention over norm(x))."""
         t, d = x.shape[0], self.head_dim
-        q, k, v = normed_projections(x, norm, (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = self.project(x, norm)
         q, k = qk_norm_rope(
-            q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), self.q_norm, self.k_norm, cos, sin
+            q.view(t, self.num_heads, d),
+            k.view(t, self.num_kv_heads, d),
+            self.q_norm,
+            self.k_norm,
+            cos,
+            sin,
+            self.fused,
         )
         v = v.view(t, self.num_kv_heads, d)
         out = attend(q, k, v, batch.cu_seqlens, batch.max_seqlen)
-        return plus_linear(x, self.o_proj, out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim), residual=x)
 
 
 class DecoderLayer(nn.Module):
@@ -119,6 +136,13 @@ class OmniVoiceModel(nn.Module):
         self.audio_heads = nn.Linear(hidden, codebook_rows, bias=False)
         self._backend = None
         self._backend_key = None
+
+    def merge_projections(self, merge: Callable[[list], nn.Module | None] = merge_linears) -> None:
+        """Merge each layer's q/k/v and gate/up into one Linear each where `merge` can (at load, for
+        inference: the members' names leave the state dict)."""
+        for layer in self.llm.layers:
+            layer.self_attn.merge_projections(merge)
+            layer.mlp.merge_projections(merge)
 
     def attention_backend(self, device: torch.device, dtype: torch.dtype):
         """The attention backend for this device and dtype, chosen once (and logged) per combination."""

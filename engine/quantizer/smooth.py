@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.quant.format import STORE_DTYPE
+from engine.w4a4.format import STORE_DTYPE
 
 # Channels far below the largest are floored, so a channel silent in calibration cannot get a tiny s
 # (which would blow up its activations at run time).

@@ -1,6 +1,6 @@
 """The W4A4 linear forward in plain torch: THE numerics contract the CUDA kernels must match.
 
-For a layer with canonical tensors (engine/quant/format.py) and an input x [M, K]:
+For a layer with canonical tensors (engine/w4a4/format.py) and an input x [M, K]:
 
 1. Smoothing: xs = float32(x) / float32(smooth)   (xs = float32(x) when the layer has no smooth)
 2. Activation quantization, per token m and per group g of 64 consecutive k:
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from engine.errors import QuantError
-from engine.quant.format import GROUP_SIZE, QMAX, W4A4Tensors, quantize_to_grid, unpack_int4
+from engine.w4a4.format import GROUP_SIZE, QMAX, W4A4Tensors, quantize_to_grid, unpack_int4
 
 
 def quantize_activations(x: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""`ovbatch quantize CHECKPOINT --out DIR`: an official OmniVoice checkpoint -> a W4A4 checkpoint directory.
+"""quantize_checkpoint: an official OmniVoice checkpoint -> a W4A4 checkpoint directory (`ovbatch quantize`).
 
 The output is the official layout the engine loads as it is: every backbone Linear's `weight` replaced by
 the canonical W4A4 tensors, everything else (embeddings, audio heads, norms, tokenizer, codec) copied
@@ -9,15 +9,12 @@ directory appears atomically (built under a temporary name, renamed when complet
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,18 +25,20 @@ from tqdm import tqdm
 
 from engine.checkpoint import (
     checkpoint_fingerprint,
-    load_model,
     read_config,
     read_tensors,
     resolve_checkpoint,
     weight_files,
 )
-from engine.config import DTYPES, EngineConfig, GenerationConfig, resolve_device
+from engine.config import DTYPES, EngineConfig, FastPaths, GenerationConfig, resolve_device
 from engine.errors import InputError, QuantError
 from engine.frontend.text import TextFrontend
+from engine.generate.batching import greedy_batches
+from engine.generate.loop import Runner
+from engine.generate.packing import GenItem, pack_items, packed_tokens
+from engine.loading import load_model
 from engine.model import OmniVoiceModel
-from engine.packing import GenItem, pack_items, token_chunks
-from engine.quant.calibrate import (
+from engine.quantizer.calibrate import (
     CalibRequest,
     calibrate_layers,
     first_layer_inputs,
@@ -48,17 +47,16 @@ from engine.quant.calibrate import (
     manifest_items,
     record_batches,
 )
-from engine.quant.format import (
+from engine.quantizer.gptq import GPTQConfig
+from engine.quantizer.lowrank import LayerStats, MethodConfig, quantize_siblings
+from engine.w4a4.format import (
     SUPPORTED_RANKS,
     QuantMeta,
     W4A4Tensors,
     check_group_multiple,
     write_w4a4_safetensors,
 )
-from engine.quant.gptq import GPTQConfig
-from engine.quant.linear import W4A4Linear, backend_for
-from engine.quant.lowrank import LayerStats, MethodConfig, quantize_siblings
-from engine.runner import Runner
+from engine.w4a4.linear import W4A4Linear, backend_for
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +127,8 @@ class _LayerQuantizer:
         self.report: list[dict] = []
 
     def __call__(self, index: int, linears: dict[str, nn.Linear], stats: dict[str, LayerStats]) -> None:
-        for names in sibling_groups(list(linears)):
+        layer = self.model.llm.layers[index]
+        for names in sibling_groups(layer, f"llm.layers.{index}", list(linears)):
             start = time.perf_counter()
             lins = [linears[name] for name in names]
             results = quantize_siblings(
@@ -159,22 +158,20 @@ class _LayerQuantizer:
                     self.progress.set_postfix_str(f"{name.split('.', 2)[-1]} err {res.errors['final']:.4f}")
 
 
-# Linears of a decoder layer that read one input: quantized with one smoothing, so they run as one GEMM.
-SIBLINGS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
-
-
-def sibling_groups(names: list[str]) -> list[list[str]]:
-    """The layer's Linear names in order, each sibling set (all members present) as one group."""
+def sibling_groups(layer: nn.Module, prefix: str, names: list[str]) -> list[list[str]]:
+    """The Linear names of decoder layer `prefix` in order, each set of siblings the model declares (Linears
+    reading one input: `SIBLINGS` on a block) as one group, quantized with one smoothing so that they can
+    run as one GEMM."""
+    declared = [
+        [f"{prefix}.{path}.{member}" for member in block.SIBLINGS]
+        for path, block in layer.named_modules()
+        if hasattr(block, "SIBLINGS")
+    ]
     groups, done = [], set()
     for name in names:
         if name in done:
             continue
-        prefix = name.rsplit(".", 2)[0]
-        group = [name]
-        for members in SIBLINGS:
-            full = [f"{prefix}.{m}" for m in members]
-            if name in full and all(f in names for f in full):
-                group = full
+        group = next((g for g in declared if name in g and all(n in names for n in g)), [name])
         groups.append(group)
         done.update(group)
     return groups
@@ -186,14 +183,14 @@ def compare_models(
 ) -> dict:
     """W4A4 vs FP: cosine of step-0 logits per (position, codebook), and 32-step token agreement."""
     cosines = []
-    for chunk in token_chunks(items, max_tokens):
+    for chunk in greedy_batches(items, packed_tokens, max_tokens):
         batch = pack_items(chunk, fp.cfg.num_audio_codebook, fp.cfg.audio_mask_id).to(device)
         a, b = fp(batch), q(batch)
         cosines.append(F.cosine_similarity(a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), dim=-1))
     cos = torch.cat(cosines).float()
     gen, run_cfg = GenerationConfig(), EngineConfig(cuda_graphs=False, max_batch_tokens=max_tokens)
     same = total = 0
-    for chunk in token_chunks(items, max_tokens):
+    for chunk in greedy_batches(items, packed_tokens, max_tokens):
         fp_tokens = Runner(fp, run_cfg, device, dtype).generate(chunk, gen)
         q_tokens = Runner(q, run_cfg, device, dtype).generate(chunk, gen)
         for x, y in zip(fp_tokens, q_tokens):
@@ -253,7 +250,8 @@ def quantize_checkpoint(
         torch.cuda.reset_peak_memory_stats(device)
 
     frontend = TextFrontend(src / "tokenizer.json")
-    _, model = load_model(src, device=device, dtype=dtype)
+    # calibration records each Linear's inputs, so q/k/v and gate/up stay apart
+    _, model = load_model(src, device=device, dtype=dtype, fast_paths=FastPaths(grouped_projections=False))
     c, audio_vocab = model.cfg.num_audio_codebook, model.cfg.audio_vocab_size
     if calib_requests is not None:
         from engine.codec import Codec  # heavy (transformers): only manifests need it
@@ -360,86 +358,3 @@ def format_report(report: dict) -> str:
     )
     lines.append(f"wrote {report['out']} in {report['seconds']:.1f} s")
     return "\n".join(lines)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ovbatch quantize", description=__doc__.splitlines()[0])
-    p.add_argument("checkpoint", help="official OmniVoice checkpoint directory (or Hugging Face repo id)")
-    p.add_argument("--out", required=True, help="new directory for the W4A4 checkpoint")
-    p.add_argument("--rank", type=int, default=16, choices=SUPPORTED_RANKS, help="low-rank branch rank")
-    p.add_argument("--calib", help="Parquet manifest whose rows calibrate (default: generated prompts)")
-    p.add_argument("--samples", type=int, default=128, help="calibration requests (default 128)")
-    p.add_argument("--eval-requests", type=int, default=8, help="held-out requests for the W4A4-vs-FP check")
-    p.add_argument(
-        "--sample-rows", type=int, default=512, help="rows per Linear used to measure output error"
-    )
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument(
-        "--dtype", default="auto", choices=["auto", *DTYPES], help="activation dtype (auto: bf16 on CUDA)"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stage-report", action="store_true", help="also measure GPTQ alone per layer (slower)")
-    return p
-
-
-def _manifest_requests(location: str, load_manifest: Callable | None, clip_dir: Path) -> list[CalibRequest]:
-    """The calibration requests of a manifest, read as `ovbatch submit` reads it: remote clips (s3://, gs://
-    ...) are copied into clip_dir, since the engine reads local files. Rows left out are logged."""
-    if load_manifest is None:  # the command-line layer reads manifests with the pipeline's reader
-        from pipeline.manifest import load as load_manifest
-    manifest = load_manifest(location, clip_dir=clip_dir)
-    requests = [
-        CalibRequest(
-            text=r.text,
-            ref_audio=r.ref_audio,
-            ref_text=r.ref_text,
-            language=r.language,
-            instruct=r.instruct,
-            seed=r.seed,
-        )
-        for r in manifest.rows
-        if r.ref_audio and r.ref_text
-    ]
-    reasons = "; ".join(f"row {r.row_index}: {r.reason}" for r in manifest.rejected[:3])
-    if not requests:
-        raise QuantError(
-            f"calibration manifest {location} has no usable rows ({reasons or 'no rows'}). Fix the rows or "
-            "leave --calib out to calibrate on generated prompts."
-        )
-    if manifest.rejected:
-        log.warning(
-            "calibration manifest %s: %d row(s) left out (%s%s)",
-            location,
-            len(manifest.rejected),
-            reasons,
-            "; ..." if len(manifest.rejected) > 3 else "",
-        )
-    return requests
-
-
-def main(argv: list[str] | None = None, load_manifest: Callable | None = None) -> int:
-    """Entry of `ovbatch quantize`; load_manifest(location, clip_dir=...) -> manifest with .rows/.rejected
-    (default: pipeline.manifest.load)."""
-    args = build_parser().parse_args(argv)
-    if args.samples < 1 or args.eval_requests < 1:
-        raise QuantError("--samples and --eval-requests must be at least 1.")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    options = QuantizeOptions(
-        rank=args.rank,
-        samples=args.samples,
-        eval_requests=args.eval_requests,
-        sample_rows=args.sample_rows,
-        device=args.device,
-        dtype=args.dtype,
-        seed=args.seed,
-        stage_report=args.stage_report,
-    )
-    with tempfile.TemporaryDirectory(prefix="ovbatch-calib-clips-") as clip_dir:
-        requests = _manifest_requests(args.calib, load_manifest, Path(clip_dir)) if args.calib else None
-        report = quantize_checkpoint(args.checkpoint, args.out, options, requests, args.calib)
-    print(format_report(report))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,7 @@
              L = SVD_r(W - Q)           refit the branch to what int4 got wrong
     keep the (Q, L) with the lowest output error on calibration rows; stop when it stops improving.
 
-Output error is measured through the real W4A4 forward (engine/quant/reference.py, activations quantized
+Output error is measured through the real W4A4 forward (engine/w4a4/reference.py, activations quantized
 too) as ||Y_w4a4 - Y|| / ||Y|| over the calibration sample. Smoothing strengths are screened cheaply (SVD +
 round-to-nearest); the best one is then refit with GPTQ and kept only if it beats the unsmoothed result.
 
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import QuantError
-from engine.quant.format import STORE_DTYPE, SUPPORTED_RANKS, W4A4Tensors, check_group_multiple, pack_int4
-from engine.quant.gptq import GPTQConfig, gptq_quantize, quantize_rtn
-from engine.quant.reference import dequantize_weight, w4a4_linear_reference
-from engine.quant.smooth import smoothing_factors
+from engine.quantizer.gptq import GPTQConfig, gptq_quantize, quantize_rtn
+from engine.quantizer.smooth import smoothing_factors
+from engine.w4a4.format import STORE_DTYPE, SUPPORTED_RANKS, W4A4Tensors, check_group_multiple, pack_int4
+from engine.w4a4.reference import dequantize_weight, w4a4_linear_reference
 
 
 @dataclass

@@ -10,7 +10,6 @@ logits[N:2N] unconditional, N = sum of target lengths.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,21 +35,6 @@ def cond_len(item: GenItem) -> int:
 def packed_tokens(item: GenItem) -> int:
     """Tokens a request occupies in a packed batch: its cond plus its uncond sequence."""
     return cond_len(item) + item.target_len
-
-
-def token_chunks(items: list[GenItem], max_tokens: int) -> Iterator[list[GenItem]]:
-    """Consecutive groups of items whose packed tokens stay within max_tokens (an item over the budget
-    runs alone)."""
-    chunk, used = [], 0
-    for item in items:
-        n = packed_tokens(item)
-        if chunk and used + n > max_tokens:
-            yield chunk
-            chunk, used = [], 0
-        chunk.append(item)
-        used += n
-    if chunk:
-        yield chunk
 
 
 def check_items(items: list[GenItem], num_codebooks: int, mask_id: int, text_vocab: int) -> None:
@@ -135,7 +119,7 @@ def pack_items(
         ):
             raise InputError(
                 f"batch ({start} tokens, {len(lengths)} sequences) does not fit {layout}: "
-                "take the layout from engine.runner.choose_layout(items, buckets)."
+                "take the layout from engine.generate.loop.choose_layout(items, buckets)."
             )
         if pad:
             ids.append(torch.zeros((num_codebooks, pad), dtype=torch.long))

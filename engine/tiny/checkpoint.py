@@ -62,8 +62,8 @@ def tiny_state_dict(cfg: ModelConfig, seed: int = SEED) -> dict[str, torch.Tenso
 
 def write_tiny_checkpoint(out_dir: Path) -> None:
     """Write the complete tiny checkpoint into out_dir (which must exist)."""
-    from engine.tiny_codec import write_tiny_codec
-    from engine.tiny_tokenizer import write_tiny_tokenizer
+    from engine.tiny.codec import write_tiny_codec
+    from engine.tiny.tokenizer import write_tiny_tokenizer
 
     vocab_size = write_tiny_tokenizer(out_dir)
     cfg = tiny_model_config(vocab_size)

@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from engine.config import EngineConfig, GenerationConfig
-from engine.decoding import BatchDecoder
+from engine.generate.decoding import BatchDecoder
+from engine.generate.packing import GenItem, PackLayout, check_items, cond_len, pack_items, packed_tokens
 from engine.model import OmniVoiceModel, PackedBatch
-from engine.packing import GenItem, PackLayout, check_items, cond_len, pack_items, packed_tokens
 
 __all__ = ["GenItem", "Runner", "choose_layout"]
 

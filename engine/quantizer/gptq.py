@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import QuantError
-from engine.quant.format import (
+from engine.w4a4.format import (
     GROUP_SIZE,
     check_group_multiple,
     quantize_to_grid,

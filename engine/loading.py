@@ -1,28 +1,97 @@
-"""Load a W4A4 checkpoint directory (written by `ovbatch quantize`) into an OmniVoiceModel.
+"""Load a checkpoint into an OmniVoiceModel ready to run: read the official layout or a W4A4 checkpoint,
+choose each Linear's implementation (DenseLinear, W4A4Linear), merge q/k/v and gate/up once, and fix the
+fast-path switches (EngineConfig's fused_kernels, grouped_projections, swiglu_gemm, w4a4_backend).
 
-The backbone Linears named in config.json["quantization"]["layers"] become W4A4Linear (their buffers
-are the stored canonical tensors); every other tensor loads as in an official checkpoint, cast to the
-requested dtype. engine.checkpoint.load_model calls this when config.json carries "quantization".
+A W4A4 checkpoint (written by `ovbatch quantize`) is the official layout with the Linears named in
+config.json["quantization"]["layers"] stored as canonical W4A4 tensors; every other tensor loads as in an
+official checkpoint, cast to the requested dtype.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.checkpoint import (
+    check_shapes,
+    read_config,
+    read_tensors,
+    resolve_checkpoint,
+    tensor_shapes,
+    weight_files,
+)
+from engine.config import FastPaths, ModelConfig
 from engine.errors import QuantError
-from engine.model import OmniVoiceModel, default_linear
-from engine.quant.format import FORMAT_VERSION, QuantMeta, W4A4Tensors, read_w4a4_safetensors
-from engine.quant.linear import W4A4Linear
+from engine.fp8.linear import Fp8Linear
+from engine.model import DenseLinear, LinearFactory, OmniVoiceModel, default_linear
+from engine.w4a4.format import FORMAT_VERSION, QuantMeta, W4A4Tensors, read_w4a4_safetensors
+from engine.w4a4.linear import W4A4Group, W4A4Linear
 
 log = logging.getLogger(__name__)
 
 WEIGHTS = "model.safetensors"
+
+
+def load_model(
+    path_or_repo: str | os.PathLike,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    linear_factory: LinearFactory | None = None,
+    attention: str = "auto",
+    fast_paths: FastPaths | None = None,
+    fp8: bool = False,
+) -> tuple[ModelConfig, OmniVoiceModel]:
+    """Read a checkpoint (official or W4A4) into an OmniVoiceModel on `device` in `dtype`, in eval mode,
+    with `fast_paths` fixed (None: the defaults, all on); `fp8`: the backbone Linears of an unquantized
+    checkpoint become Fp8Linear (weights quantized here, per output channel)."""
+    ckpt_dir = resolve_checkpoint(path_or_repo)
+    cfg, raw = read_config(ckpt_dir)
+    if "quantization" in raw:
+        if fp8:
+            raise QuantError(f"{ckpt_dir} is a W4A4 checkpoint; fp8 is made from an unquantized one.")
+        model = build_w4a4_model(ckpt_dir, cfg, device=device, dtype=dtype, attention=attention)
+        return cfg, prepare_for_inference(model, fast_paths)
+    files = weight_files(ckpt_dir)
+    with torch.device("meta"):
+        model = OmniVoiceModel(cfg, linear_factory=linear_factory, attention=attention)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    check_shapes(expected, tensor_shapes(files), files[0] if len(files) == 1 else ckpt_dir)
+    model.load_state_dict(read_tensors(files, device, dtype), strict=True, assign=True)
+    model.requires_grad_(False)
+    if fp8:
+        backbone_to_fp8(model)
+    log.info("loaded %s (%s%s on %s)", ckpt_dir, dtype, ", fp8 Linears" if fp8 else "", device)
+    return cfg, prepare_for_inference(model.eval(), fast_paths)
+
+
+def backbone_to_fp8(model: OmniVoiceModel) -> OmniVoiceModel:
+    """Replace every dense Linear of the backbone (`llm.layers.*`) by its Fp8Linear, in place; embeddings,
+    norms and the audio heads stay in the model's dtype."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, DenseLinear) and name.startswith("llm.layers."):
+            parent, child = name.rsplit(".", 1)
+            setattr(model.get_submodule(parent), child, Fp8Linear.from_dense(module))
+    return model
+
+
+def prepare_for_inference(model: OmniVoiceModel, fast_paths: FastPaths | None = None) -> OmniVoiceModel:
+    """Fix the fast-path switches on every module that reads them, then merge q/k/v and gate/up where
+    `grouped_projections` is on and their implementation can."""
+    fast_paths = fast_paths or FastPaths()
+    for module in model.modules():
+        if hasattr(module, "fused"):
+            module.fused = fast_paths.fused_kernels
+        if isinstance(module, W4A4Linear | W4A4Group):
+            module.backend_name = fast_paths.w4a4_backend
+            module.swiglu_gemm = fast_paths.swiglu_gemm
+    if fast_paths.grouped_projections:
+        model.merge_projections()
+    return model
 
 
 def read_quant_meta(ckpt_dir: Path) -> QuantMeta:

@@ -29,10 +29,11 @@ from engine.frontend.audio import ReferenceSettings, read_clip_bytes
 from engine.frontend.duration import estimate_target_frames
 from engine.frontend.instruct import has_chinese, resolve_instruct
 from engine.frontend.prompt import build_prompt
+from engine.generate.batching import greedy_batches
+from engine.generate.loop import Runner
+from engine.generate.packing import GenItem, packed_tokens
 from engine.model import OmniVoiceModel, PackedBatch
-from engine.packing import GenItem, token_chunks
-from engine.quant.lowrank import LayerStats
-from engine.runner import Runner
+from engine.quantizer.lowrank import LayerStats
 
 # Calibration decodes with 8 steps (4x cheaper than 32) and records the model inputs of steps 0, 4, 6, 7:
 # about 0%, 9%, 23% and 41% of the targets decoded (t_shift 0.1), the states 32-step decoding passes
@@ -129,7 +130,7 @@ def record_batches(
 
     handle = model.register_forward_pre_hook(keep)
     try:
-        for chunk in token_chunks(items, max_tokens):
+        for chunk in greedy_batches(items, packed_tokens, max_tokens):
             calls[0] = 0
             runner.generate(chunk, gen)
     finally:

@@ -1,0 +1,127 @@
+// Row-wise e4m3 quantization of an FP8 linear's input, inside the kernel that produces that input:
+//   copy:     x                                   (the attention output, o_proj's input)
+//   rms_norm: T(w * T(x * rstd))                  (q/k/v and gate/up inputs; rstd as csrc/rms_norm.cu)
+//   silu_mul: T(T(silu(gate)) * up)               (down_proj's input; as csrc/silu_mul.cu)
+// Each row r gets scale[r] = max(max|v|, kMinAmax) / 448 and codes e4m3(v / scale[r]) (IEEE division, round
+// to nearest even): engine/fp8/reference.py quantize_rows applied to the same T values, bit for bit.
+// One warp per row, 16-byte reads. The row is read three times (twice for copy and silu_mul): statistics,
+// then the maximum of the produced values, then the codes; the later reads come from L1/L2, so memory sees
+// the input once and the codes and scales once.
+#include <cuda_fp8.h>
+
+#include "w4a4_common.cuh"
+#include "w4a4_launch.h"
+
+namespace w4a4 {
+namespace {
+
+constexpr int kRowsPerBlock = 8;
+constexpr int kVec = 8;  // elements per 16-byte access
+constexpr float kE4m3Max = 448.0f;
+
+template <typename T>
+__device__ __forceinline__ uint32_t silu_mul2(uint32_t g, uint32_t u) {
+  const float2 gf = unpack2<T>(g), uf = unpack2<T>(u);
+  const float2 s = round2<T>(gf.x / (1.0f + expf(-gf.x)), gf.y / (1.0f + expf(-gf.y)));
+  return pack2<T>(s.x * uf.x, s.y * uf.y);
+}
+
+// The 8 values of the row at column c, as T words.
+template <typename T, Fp8Source S>
+__device__ __forceinline__ uint4 produce(const T* x, const T* second, int c, float rstd) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(x + c);
+  if constexpr (S == Fp8Source::kCopy) {
+    return raw;
+  } else {
+    const uint4 s = *reinterpret_cast<const uint4*>(second + c);
+    if constexpr (S == Fp8Source::kRmsNorm)
+      return make_uint4(rms_normed2<T>(raw.x, s.x, rstd), rms_normed2<T>(raw.y, s.y, rstd),
+                        rms_normed2<T>(raw.z, s.z, rstd), rms_normed2<T>(raw.w, s.w, rstd));
+    else
+      return make_uint4(silu_mul2<T>(raw.x, s.x), silu_mul2<T>(raw.y, s.y), silu_mul2<T>(raw.z, s.z),
+                        silu_mul2<T>(raw.w, s.w));
+  }
+}
+
+__device__ __forceinline__ uint32_t e4m3x2(float2 v, float scale) {
+  const float2 scaled = make_float2(__fdiv_rn(v.x, scale), __fdiv_rn(v.y, scale));
+  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(scaled, __NV_SATFINITE, __NV_E4M3));
+}
+
+template <typename T, Fp8Source S>
+__global__ void __launch_bounds__(kRowsPerBlock * 32) fp8_quantize_kernel(const Fp8QuantizeArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * kRowsPerBlock + (threadIdx.x >> 5);
+  if (row >= a.rows) return;
+  const int K = a.K;
+  const T* x = static_cast<const T*>(a.x) + static_cast<int64_t>(row) * a.x_ld;
+  const T* second = static_cast<const T*>(a.second);
+  if constexpr (S == Fp8Source::kSiluMul) second += static_cast<int64_t>(row) * a.second_ld;
+
+  float rstd = 0.f;
+  if constexpr (S == Fp8Source::kRmsNorm) {
+    float ss = 0.f;
+    for (int c = lane * kVec; c < K; c += 32 * kVec) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(x + c);
+      const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 v = unpack2<T>(words[j]);
+        ss = fmaf(v.y, v.y, fmaf(v.x, v.x, ss));
+      }
+    }
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+    rstd = rsqrtf(ss * (1.0f / static_cast<float>(K)) + a.eps);
+  }
+
+  float amax = 0.f;
+  for (int c = lane * kVec; c < K; c += 32 * kVec) {
+    const uint4 v = produce<T, S>(x, second, c, rstd);
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = unpack2<T>(words[j]);
+      amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+  const float scale = __fdiv_rn(fmaxf(amax, kFp8MinAmax), kE4m3Max);
+
+  uint8_t* q = static_cast<uint8_t*>(a.q) + static_cast<int64_t>(row) * K;
+  for (int c = lane * kVec; c < K; c += 32 * kVec) {
+    const uint4 v = produce<T, S>(x, second, c, rstd);
+    const uint32_t lo = e4m3x2(unpack2<T>(v.x), scale) | (e4m3x2(unpack2<T>(v.y), scale) << 16);
+    const uint32_t hi = e4m3x2(unpack2<T>(v.z), scale) | (e4m3x2(unpack2<T>(v.w), scale) << 16);
+    *reinterpret_cast<uint2*>(q + c) = make_uint2(lo, hi);
+  }
+  if (lane == 0) a.scale[row] = scale;
+}
+
+template <typename T, Fp8Source S>
+cudaError_t launch_typed(const Fp8QuantizeArgs& a, cudaStream_t stream) {
+  const dim3 grid((a.rows + kRowsPerBlock - 1) / kRowsPerBlock);
+  fp8_quantize_kernel<T, S><<<grid, kRowsPerBlock * 32, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_source(const Fp8QuantizeArgs& a, Fp8Source source, cudaStream_t stream) {
+  switch (source) {
+    case Fp8Source::kCopy: return launch_typed<T, Fp8Source::kCopy>(a, stream);
+    case Fp8Source::kRmsNorm: return launch_typed<T, Fp8Source::kRmsNorm>(a, stream);
+    case Fp8Source::kSiluMul: return launch_typed<T, Fp8Source::kSiluMul>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t launch_fp8_quantize(const Fp8QuantizeArgs& a, Fp8Source source, cudaStream_t stream) {
+  if (a.K % kVec || a.K <= 0) return cudaErrorInvalidValue;
+  if (a.rows == 0) return cudaSuccess;
+  return a.bf16 ? launch_source<__nv_bfloat16>(a, source, stream) : launch_source<__half>(a, source, stream);
+}
+
+}  // namespace w4a4

@@ -1,0 +1,94 @@
+"""The one Linear interface the model calls, and its dense (fp32/bf16/fp16) implementation.
+
+engine/loading.py decides each Linear's implementation when it loads a checkpoint (DenseLinear here,
+W4A4Linear in engine/w4a4/linear.py), and merges the Linears that read one input (q/k/v, gate/up) into
+one with `merge`. The model calls only the methods below. An implementation overrides those it can run
+faster: the input's RMSNorm inside its activation quantization, the residual add in its GEMM's epilogue,
+silu(gate) * up written by the GEMM itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.model.layers import RMSNorm, silu_mul
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ bias), with W [out_features, in_features]. A merged Linear's output is its members'
+    outputs side by side; `splits` holds their widths (one entry when nothing is merged)."""
+
+    in_features: int
+    out_features: int
+    splits: tuple[int, ...]
+    fused: bool = True  # may call the fused CUDA kernels (engine/kernels/fused.py); fixed at load
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """x W^T, plus `residual` (the output's shape) when given."""
+        raise NotImplementedError
+
+    def forward_normed(self, x: Tensor, norm: RMSNorm) -> Tensor:
+        """self(norm(x))."""
+        return self(norm(x))
+
+    def forward_swiglu(self, x: Tensor, norm: RMSNorm) -> Tensor:
+        """silu(gate) * up for a merged (gate, up) Linear on norm(x)."""
+        gate, up = self.forward_normed(x, norm).split(self.splits, dim=-1)
+        return silu_mul(gate, up, self.fused)
+
+    @classmethod
+    def merge(cls, linears: list[Linear]) -> Linear | None:
+        """One Linear computing the given ones side by side (all of this class), or None when they cannot
+        share one GEMM; the caller then keeps them apart."""
+        return None
+
+
+class DenseLinear(Linear, nn.Linear):
+    """The unquantized Linear: one cuBLAS GEMM (torch's F.linear). Its parameters are nn.Linear's, so
+    official state dicts load into it and calibration hooks see an nn.Linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        nn.Linear.__init__(self, in_features, out_features, bias=bias)
+        self.splits = (out_features,)
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return y if residual is None else residual + y
+
+    @classmethod
+    def merge(cls, linears: list[Linear]) -> DenseLinear | None:
+        if not all(type(linear) is cls for linear in linears):
+            return None
+        weights = [linear.weight for linear in linears]
+        if len({(w.shape[1], w.dtype, w.device) for w in weights}) != 1:
+            return None
+        with torch.device("meta"):
+            merged = cls(weights[0].shape[1], sum(w.shape[0] for w in weights), bias=False)
+        merged.weight = nn.Parameter(torch.cat([w.detach() for w in weights]), requires_grad=False)
+        if any(linear.bias is not None for linear in linears):
+            biases = [
+                linear.bias.detach() if linear.bias is not None else weights[0].new_zeros(linear.out_features)
+                for linear in linears
+            ]
+            merged.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
+        merged.splits = tuple(s for linear in linears for s in linear.splits)
+        merged.fused = all(linear.fused for linear in linears)
+        return merged
+
+    def extra_repr(self) -> str:
+        merged = f", splits={self.splits}" if len(self.splits) > 1 else ""
+        return super().extra_repr() + merged
+
+
+def default_linear(name: str, in_features: int, out_features: int) -> DenseLinear:
+    """The unquantized Linear of the official model (no bias anywhere in the backbone)."""
+    return DenseLinear(in_features, out_features, bias=False)
+
+
+def merge_linears(linears: list[Linear]) -> Linear | None:
+    """The members merged by their implementation's `merge`, or None (different implementations, or
+    ones that cannot share a GEMM)."""
+    kinds = {type(linear) for linear in linears}
+    return kinds.pop().merge(linears) if len(kinds) == 1 else None

@@ -1,0 +1,1 @@
+"""The offline W4A4 quantizer (never imported at run time): calibration, GPTQ, low-rank, smoothing."""

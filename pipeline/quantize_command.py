@@ -1,0 +1,98 @@
+"""`ovbatch quantize CHECKPOINT --out DIR`: the command line of engine.quantizer.quantize_checkpoint, with
+calibration rows read from a Parquet manifest as `ovbatch submit` reads them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pipeline.manifest
+from engine.config import DTYPES
+from engine.errors import QuantError
+from engine.quantizer.calibrate import CalibRequest
+from engine.quantizer.quantize import QuantizeOptions, format_report, quantize_checkpoint
+from engine.w4a4.format import SUPPORTED_RANKS
+
+log = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ovbatch quantize", description="an official OmniVoice checkpoint -> a W4A4 checkpoint directory"
+    )
+    p.add_argument("checkpoint", help="official OmniVoice checkpoint directory (or Hugging Face repo id)")
+    p.add_argument("--out", required=True, help="new directory for the W4A4 checkpoint")
+    p.add_argument("--rank", type=int, default=16, choices=SUPPORTED_RANKS, help="low-rank branch rank")
+    p.add_argument("--calib", help="Parquet manifest whose rows calibrate (default: generated prompts)")
+    p.add_argument("--samples", type=int, default=128, help="calibration requests (default 128)")
+    p.add_argument("--eval-requests", type=int, default=8, help="held-out requests for the W4A4-vs-FP check")
+    p.add_argument(
+        "--sample-rows", type=int, default=512, help="rows per Linear used to measure output error"
+    )
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument(
+        "--dtype", default="auto", choices=["auto", *DTYPES], help="activation dtype (auto: bf16 on CUDA)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stage-report", action="store_true", help="also measure GPTQ alone per layer (slower)")
+    return p
+
+
+def _manifest_requests(location: str, load_manifest: Callable | None, clip_dir: Path) -> list[CalibRequest]:
+    """The calibration requests of a manifest, read as `ovbatch submit` reads it: remote clips (s3://, gs://
+    ...) are copied into clip_dir, since the engine reads local files. Rows left out are logged."""
+    manifest = (load_manifest or pipeline.manifest.load)(location, clip_dir=clip_dir)
+    requests = [
+        CalibRequest(
+            text=r.text,
+            ref_audio=r.ref_audio,
+            ref_text=r.ref_text,
+            language=r.language,
+            instruct=r.instruct,
+            seed=r.seed,
+        )
+        for r in manifest.rows
+        if r.ref_audio and r.ref_text
+    ]
+    reasons = "; ".join(f"row {r.row_index}: {r.reason}" for r in manifest.rejected[:3])
+    if not requests:
+        raise QuantError(
+            f"calibration manifest {location} has no usable rows ({reasons or 'no rows'}). Fix the rows or "
+            "leave --calib out to calibrate on generated prompts."
+        )
+    if manifest.rejected:
+        log.warning(
+            "calibration manifest %s: %d row(s) left out (%s%s)",
+            location,
+            len(manifest.rejected),
+            reasons,
+            "; ..." if len(manifest.rejected) > 3 else "",
+        )
+    return requests
+
+
+def main(argv: list[str] | None = None, load_manifest: Callable | None = None) -> int:
+    """Entry of `ovbatch quantize`; load_manifest(location, clip_dir=...) -> manifest with .rows/.rejected
+    (default: pipeline.manifest.load)."""
+    args = build_parser().parse_args(argv)
+    if args.samples < 1 or args.eval_requests < 1:
+        raise QuantError("--samples and --eval-requests must be at least 1.")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    options = QuantizeOptions(
+        rank=args.rank,
+        samples=args.samples,
+        eval_requests=args.eval_requests,
+        sample_rows=args.sample_rows,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        stage_report=args.stage_report,
+    )
+    with tempfile.TemporaryDirectory(prefix="ovbatch-calib-clips-") as clip_dir:
+        requests = _manifest_requests(args.calib, load_manifest, Path(clip_dir)) if args.calib else None
+        report = quantize_checkpoint(args.checkpoint, args.out, options, requests, args.calib)
+    print(format_report(report))
+    return 0
