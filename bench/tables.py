@@ -150,44 +150,6 @@ def target_rows(result: dict) -> list[str]:
     ]
 
 
-def loop_ceiling_rows(runs: list[dict], clocks: dict) -> list[str]:
-    """docs/kernels.md: bench/gemm_loop_ceiling.cu's two runs, with the SM cycles per group implied by the
-    clock that bench/clocks_under_load.py --probe sampled during a third."""
-    cycles = {
-        (r["parts"], r["bm"], r["blocks_per_sm"]): r.get("sm_cycles_per_group")
-        for r in clocks["loop_ceiling_rows"]
-    }
-    out = []
-    for a, b in zip(runs[0]["rows"], runs[1]["rows"], strict=True):
-        c = cycles.get((a["parts"], a["bm"], a["blocks_per_sm"]))
-        out.append(
-            row(
-                a["parts"],
-                a["bm"],
-                a["blocks_per_sm"],
-                f"{a['tops']:.0f}, {b['tops']:.0f}",
-                f"{a['qkv_m8192_loop_us']:.1f}, {b['qkv_m8192_loop_us']:.1f}",
-                "" if c is None else f"{c:.0f}",
-            )
-        )
-    return out
-
-
-def sustained_rows(clocks: dict) -> list[str]:
-    """docs/kernels.md: each workload replayed for seconds, with the SM clock and power sampled meanwhile."""
-    return [
-        row(
-            r["shape"],
-            r["workload"],
-            f"{r['us_per_call']:.1f}",
-            f"{r['sm_clock_mhz_median']:.0f}",
-            f"{r['power_w_median']:.0f}",
-            ", ".join(r["clock_event_reasons"]),
-        )
-        for r in clocks["rows"]
-    ]
-
-
 def _fused_case(result: dict, m: int, case: str) -> dict:
     return next(r for r in result["rows"] if r["M"] == m and r["case"] == case)
 
@@ -269,8 +231,6 @@ def residual_rows(result: dict) -> list[str]:
 def tables() -> dict[str, tuple[str, list[str]]]:
     """Table name -> (the document it lives in, its rows)."""
     generate, kernels, fused = load("generate-h200.json"), load("kernels-h200.json"), load("fused-h200.json")
-    loops = [load("gemm-loop-ceiling-h200.json"), load("gemm-loop-ceiling-h200-2.json")]
-    clocks = load("clocks-under-load-h200.json")
     return {
         "generation": ("README.md", generate_rows(generate)),
         "W4A4 kernels": ("README.md", kernel_summary_rows(kernels)),
@@ -278,8 +238,6 @@ def tables() -> dict[str, tuple[str, list[str]]]:
         "two-kernel floors": ("docs/kernels.md", floor_rows(kernels)),
         "issue floors": ("docs/kernels.md", issue_floor_rows(kernels)),
         "targets": ("docs/kernels.md", target_rows(kernels)),
-        "loop ceiling": ("docs/kernels.md", loop_ceiling_rows(loops, clocks)),
-        "sustained": ("docs/kernels.md", sustained_rows(clocks)),
         "fused kernels": ("docs/kernels.md", fused_rows(fused)),
         "groups": ("docs/kernels.md", group_rows(fused)),
         "swiglu": ("docs/kernels.md", swiglu_rows(fused)),
