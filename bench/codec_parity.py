@@ -10,7 +10,8 @@ batch of all clips) and the largest absolute difference of the decoded audio (bo
 codes), next to the reference peak. fp32 throughout, TF32 off. Needs torchaudio (transformers' model
 imports it).
 
-    python bench/codec_parity.py [--out bench/results/codec-parity.json] [--size full|tiny] [--device cuda]
+    python bench/codec_parity.py [--out bench/results/codec-parity-h200.json] [--size full|tiny]
+                                 [--device cuda]
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", default="bench/results/codec-parity.json")
+    parser.add_argument("--out", default="bench/results/codec-parity-h200.json")
     parser.add_argument("--size", choices=["full", "tiny"], default="full")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)

@@ -17,9 +17,9 @@ RANK = 32  # the low-rank width bench/kernels.py measures at
 
 # Instruction issue: 4 warp instructions a cycle on each of 132 SMs, at the H200's top SM clock (1980 MHz).
 WARP_INSTRUCTIONS_PER_S = 4 * 132 * 1.98e9
-# Warp instructions per 64-wide K group: the GEMM's loop on 256-row tiles, its fewest per output (static SASS,
-# bench/sass_diff.py; 4 warps per tile of 64 weight rows), and the quantize kernel's loop (a warp's 16 rows;
-# ncu at o, M = 8192, rank 32, v54: bench/results/profile-quantize-o-h200-v54.txt).
+# Warp instructions per 64-wide K group: the GEMM's loop on 256-row tiles, its fewest per output (static SASS;
+# 4 warps per tile of 64 weight rows), and the quantize kernel's loop (a warp's 16 rows; ncu at o, M = 8192,
+# rank 32 with smoothing). Recount them when a kernel's loop changes (docs/kernels.md, Floors).
 GEMM_LOOP_INSTRUCTIONS = 255
 QUANTIZE_LOOP_INSTRUCTIONS = 463
 

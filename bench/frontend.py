@@ -6,7 +6,7 @@ Where the official `omnivoice` package is importable its functions are the refer
 reference is emulated with engine.resample (torchaudio's resampler, reproduced) and our pydub-exact
 silence removal (tests/test_audio.py checks it against pydub).
 
-    python bench/frontend.py [--out bench/results/frontend.json] [--repeats 5]
+    python bench/frontend.py [--out bench/results/frontend-cpu.json] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def agreement(a: np.ndarray, b: np.ndarray) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "frontend.json"))
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "frontend-cpu.json"))
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 

@@ -77,115 +77,46 @@ def kernel_summary_rows(result: dict) -> list[str]:
 
 
 def kernel_rows(result: dict) -> list[str]:
-    """docs/kernels.md: the current numbers, one row per M and layer."""
+    """docs/kernels.md: the current numbers, one row per M and layer: times, then speed relative to cuBLAS
+    bf16 of the whole W4A4 linear, the W4A4 GEMM alone and FP8 `_scaled_mm`, beside the target."""
     return [
         row(
             r["M"],
             r["layer"],
             *(f"{r[k]:.1f}" for k in ("w4a4_us", "quantize_us", "gemm_us", "bf16_us", "fp8_us")),
             f"{r['speedup_vs_bf16']:.2f}x",
-            f"{r['speedup_vs_fp8']:.2f}x",
-            f"{r['w4a4_tops']:.0f}",
-        )
-        for r in result["rows"]
-    ]
-
-
-def floor_rows(result: dict) -> list[str]:
-    """docs/kernels.md: the two kernels' floors back to back against the 1.5x-over-bf16 target's budget."""
-    out = []
-    for r in result["rows"]:
-        m, n, k = r["M"], r["N"], r["K"]
-        quantize, gemm, budget = quantize_floor_us(m, k), gemm_floor_us(m, n, k), r["bf16_us"] / 1.5
-        out.append(
-            row(
-                m,
-                r["layer"],
-                f"{budget:.1f}",
-                f"{r['fp8_us']:.1f}",
-                f"{quantize:.1f}",
-                f"{gemm:.1f}",
-                f"{(quantize + gemm) / budget:.2f}",
-                f"{r['quantize_us'] / quantize:.1f}x",
-                f"{r['gemm_us'] / gemm:.1f}x",
-            )
-        )
-    return out
-
-
-def issue_floor_rows(result: dict) -> list[str]:
-    """docs/kernels.md: the loops' instructions at full issue rate against the 1.5x-over-bf16 budget."""
-    out = []
-    for r in result["rows"]:
-        m, n, k = r["M"], r["N"], r["K"]
-        gemm, quantize = gemm_issue_floor_us(m, n, k), quantize_issue_floor_us(m, k)
-        budget = r["bf16_us"] / 1.5
-        out.append(
-            row(
-                m,
-                r["layer"],
-                f"{budget:.1f}",
-                f"{gemm:.1f}",
-                f"{quantize:.1f}",
-                f"{(gemm + quantize) / budget:.2f}",
-                f"{r['gemm_us'] / gemm:.1f}x",
-            )
-        )
-    return out
-
-
-def target_rows(result: dict) -> list[str]:
-    """docs/kernels.md: speed relative to cuBLAS bf16 of FP8 `_scaled_mm`, the W4A4 GEMM alone and the whole
-    W4A4 linear, beside the issue's targets."""
-    return [
-        row(
-            r["M"],
-            r["layer"],
-            f"{r['bf16_us'] / r['fp8_us']:.2f}x",
             f"{r['bf16_us'] / r['gemm_us']:.2f}x",
-            f"{r['speedup_vs_bf16']:.2f}x",
+            f"{r['bf16_us'] / r['fp8_us']:.2f}x",
             "1x" if r["M"] < 2048 else "1.5x",
         )
         for r in result["rows"]
     ]
 
 
-def loop_ceiling_rows(runs: list[dict], clocks: dict) -> list[str]:
-    """docs/kernels.md: bench/gemm_loop_ceiling.cu's two runs, with the SM cycles per group implied by the
-    clock that bench/clocks_under_load.py --probe sampled during a third."""
-    cycles = {
-        (r["parts"], r["bm"], r["blocks_per_sm"]): r.get("sm_cycles_per_group")
-        for r in clocks["loop_ceiling_rows"]
-    }
+def floor_rows(result: dict) -> list[str]:
+    """docs/kernels.md: the two kernels' floors (bytes, tensor-core time, loop instructions at full issue
+    rate) against the 1.5x-over-bf16 target's budget, and each kernel's measured time over its floor."""
     out = []
-    for a, b in zip(runs[0]["rows"], runs[1]["rows"], strict=True):
-        c = cycles.get((a["parts"], a["bm"], a["blocks_per_sm"]))
+    for r in result["rows"]:
+        m, n, k = r["M"], r["N"], r["K"]
+        quantize, gemm, budget = quantize_floor_us(m, k), gemm_floor_us(m, n, k), r["bf16_us"] / 1.5
+        gemm_issue, quantize_issue = gemm_issue_floor_us(m, n, k), quantize_issue_floor_us(m, k)
         out.append(
             row(
-                a["parts"],
-                a["bm"],
-                a["blocks_per_sm"],
-                f"{a['tops']:.0f}, {b['tops']:.0f}",
-                f"{a['qkv_m8192_loop_us']:.1f}, {b['qkv_m8192_loop_us']:.1f}",
-                "" if c is None else f"{c:.0f}",
+                m,
+                r["layer"],
+                f"{budget:.1f}",
+                f"{quantize:.1f}",
+                f"{gemm:.1f}",
+                f"{gemm_issue:.1f}",
+                f"{(quantize + gemm) / budget:.2f}",
+                f"{(quantize_issue + gemm_issue) / budget:.2f}",
+                f"{r['quantize_us'] / quantize:.1f}x",
+                f"{r['gemm_us'] / gemm:.1f}x",
+                f"{r['gemm_us'] / gemm_issue:.1f}x",
             )
         )
     return out
-
-
-def sustained_rows(clocks: dict) -> list[str]:
-    """docs/kernels.md: each workload replayed for seconds, with the SM clock and power sampled meanwhile."""
-    return [
-        row(
-            r["shape"],
-            r["workload"],
-            f"{r['us_per_call']:.1f}",
-            f"{r['sm_clock_mhz_median']:.0f}",
-            f"{r['power_w_median']:.0f}",
-            ", ".join(r["clock_event_reasons"]),
-        )
-        for r in clocks["rows"]
-    ]
 
 
 def _fused_case(result: dict, m: int, case: str) -> dict:
@@ -269,17 +200,11 @@ def residual_rows(result: dict) -> list[str]:
 def tables() -> dict[str, tuple[str, list[str]]]:
     """Table name -> (the document it lives in, its rows)."""
     generate, kernels, fused = load("generate-h200.json"), load("kernels-h200.json"), load("fused-h200.json")
-    loops = [load("gemm-loop-ceiling-h200.json"), load("gemm-loop-ceiling-h200-2.json")]
-    clocks = load("clocks-under-load-h200.json")
     return {
         "generation": ("README.md", generate_rows(generate)),
         "W4A4 kernels": ("README.md", kernel_summary_rows(kernels)),
         "current kernel numbers": ("docs/kernels.md", kernel_rows(kernels)),
-        "two-kernel floors": ("docs/kernels.md", floor_rows(kernels)),
-        "issue floors": ("docs/kernels.md", issue_floor_rows(kernels)),
-        "targets": ("docs/kernels.md", target_rows(kernels)),
-        "loop ceiling": ("docs/kernels.md", loop_ceiling_rows(loops, clocks)),
-        "sustained": ("docs/kernels.md", sustained_rows(clocks)),
+        "floors": ("docs/kernels.md", floor_rows(kernels)),
         "fused kernels": ("docs/kernels.md", fused_rows(fused)),
         "groups": ("docs/kernels.md", group_rows(fused)),
         "swiglu": ("docs/kernels.md", swiglu_rows(fused)),

@@ -6,12 +6,12 @@
 // low-rank partial sums of the warps are added in shared memory at the end. W = 16 warps per block while
 // the grid is small (few rows: spread each row's groups over many warps), 4 once there are 2+ blocks per
 // SM (measured 1.15-1.25x faster from M = 8192, docs/kernels.md). On the smallest 16-warp grids a block owns
-// 8 rows instead (each lane one row: twice the blocks, half the quantization arithmetic a warp; v42, where
+// 8 rows instead (each lane one row: twice the blocks, half the quantization arithmetic a warp; where
 // launch_typed says). The smallest grids (a quarter of a row set per SM or less, M <= 512 on an H200;
 // K >= 2048, no prologue) spread each row set over a cluster of 8 blocks of W = 4 warps (6 at K = 3072)
 // instead, so that more SMs get work: warp w of block c takes groups Wc + w, Wc + w + 8W, ..., and the blocks
 // send their scales and partial sums to the first block's shared memory (distributed shared memory), which
-// adds the sums in rank order (docs/kernels.md, v32, v38). Lane (gr, t) loads rows gr and gr + 8 (one of
+// adds the sums in rank order (docs/kernels.md). Lane (gr, t) loads rows gr and gr + 8 (one of
 // them in 8-row blocks), columns 16c + 4t .. 16c + 4t + 3 of the group for c = 0..3, so the per-row max
 // is a 4-lane shuffle and each quantized word is 4 consecutive bytes of the output layout. The low-rank
 // product reuses the same registers as bf16/fp16 MMA fragments by permuting k inside each 16-wide block (lane
@@ -20,8 +20,7 @@
 //
 // The scales leave as the GEMM folds them (csrc/w4a4_gemm.cu): each row's largest scale amax_row (float32)
 // and per group the fp16 ratio scale / amax_row. The warps keep their float32 scales in shared memory as
-// they go; once every group is done the block writes both (docs/kernels.md, v26: a global scratch buffer
-// before).
+// they go; once every group is done the block writes both (no round trip through global memory).
 //
 // Divisions are correctly rounded (the reference's IEEE float32 x / smooth and xs / scale) without a
 // division instruction: with y = RN(1/b) (1/smooth precomputed at load, 1/(512 scale) once per row),
@@ -110,8 +109,8 @@ __device__ __forceinline__ void row_rstd(const T* x, const int64_t (&off)[kLaneR
 }
 
 // 16-warp blocks at 16 low-rank columns without a prologue load each group's pd_t fragments into registers
-// before the quantization arithmetic (v24: 4-18% faster than loading them before the MMAs; staging them, below,
-// measured a median 2.4% slower there, v37).
+// before the quantization arithmetic (4-18% faster than loading them right before the MMAs; staging them, below,
+// measured a median 2.4% slower there).
 template <Prologue P, int R, int kWarpsPerBlock>
 constexpr bool kEarlyLowRank = kWarpsPerBlock == 16 && R <= 16 && P == Prologue::kNone;
 // The other kernels up to 48 columns stage pd_t slices in shared memory (below): rows padded by 16 elements, so
@@ -123,11 +122,11 @@ constexpr int kStagedLowRankBytes = R <= 48 && !kEarlyLowRank<P, R, kWarpsPerBlo
                                         ? kWarpsPerBlock * R * kPdStride * static_cast<int>(sizeof(T))
                                         : 0;
 // Kernels without a prologue outside clusters copy all of K's smoothing factors (smooth, then 1 / smooth) into
-// shared memory when they start, and each group reads its factors from there (v54): loaded from global memory at
-// the top of each group, their first use was the kernel's most stalled instruction (ncu on v52). Those kernels
-// keep their scales in dynamic shared memory too, sized by K, so that 4 blocks of 4 warps still fit an SM at
-// K = 3072 (the static array holds 127 groups). With the RMSNorm prologue staging measured 0.79x-1.13x v52's
-// speed (0.79x at K = 3072, M = 8192); a cluster block walks an eighth of the groups, on latency-bound grids.
+// shared memory when they start, and each group reads its factors from there: loaded from global memory at the
+// top of each group, their first use was the kernel's most stalled instruction (ncu). Those kernels keep their
+// scales in dynamic shared memory too, sized by K, so that 4 blocks of 4 warps still fit an SM at K = 3072 (the
+// static array holds 127 groups). With the RMSNorm prologue staging measured 0.79x-1.13x the speed of loading
+// (0.79x at K = 3072, M = 8192); a cluster block walks an eighth of the groups, on latency-bound grids.
 template <Prologue P, bool kSmooth, int kClusterBlocks>
 constexpr bool kStagedSmoothing = kSmooth && P == Prologue::kNone && kClusterBlocks == 1;
 // Dynamic shared memory: the warps' pd_t slices, then where the smoothing factors are staged the block's scales
@@ -140,11 +139,11 @@ constexpr int quantize_smem_bytes(int K) {
 }
 
 // 4-warp blocks of the groups' low-rank products (R = 48, 64, 96) are told 4 blocks fit an SM, which caps them
-// at 128 registers: left alone, rank-32 groups (64, 96) take up to 147 and 3 fit, and since v25 the R = 48
-// RMSNorm kernel took 102-106 registers for a fifth block (at 106 measured 1.2-1.5x slower than v24's 128,
-// docs/kernels.md). 6-warp blocks (down_proj's cluster grids) are told 3 fit: left alone, the rank-32 ones took
-// 110-116 registers at v54, most of them too many for a third block (1.2x v52's time at 96). 0 leaves the other
-// kernels to the compiler's choice: an explicit 1 made it spend up to 168 registers on R <= 32.
+// at 128 registers: left alone, the compiler gives rank-32 groups (64, 96) registers for only 3 blocks, and the
+// R = 48 RMSNorm kernel fewer registers for a fifth block, which measured 1.2-1.5x slower than 4 blocks.
+// 6-warp blocks (down_proj's cluster grids) are told 3 fit: left alone, the rank-32 ones can take too many
+// registers for a third block (measured 1.2x the time). 0 leaves the other kernels to the compiler's choice: an
+// explicit 1 made it spend far more registers on R <= 32.
 template <int R, int kWarpsPerBlock>
 constexpr int kQuantizeMinBlocks = kWarpsPerBlock == 4 && R >= 48 ? 4 : kWarpsPerBlock == 6 ? 3 : 0;
 
@@ -229,8 +228,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
   // The low-rank MMAs waited on their pd_t loads (ncu: 18-20% of the stall samples), so the B fragments are
   // fetched ahead of use: up to 48 columns, each warp copies its first group's pd_t slice into (dynamic) shared
   // memory with cp.async at the start and its next one once it has used the current one, so the copy runs
-  // behind the arithmetic without holding registers (docs/kernels.md: v30 in 4-warp blocks, v37 in 16-warp
-  // blocks; 64 and 96 columns would take 40-61 KB per 4-warp block and are not staged), or loads them early
+  // behind the arithmetic without holding registers (in 4-warp and 16-warp blocks alike; 64 and 96 columns
+  // would take 40-61 KB per 4-warp block and are not staged), or loads them early
   // (kEarlyLowRank, above).
   constexpr bool kStagedLowRank = kPdBytes > 0;
   constexpr bool kEarly = kEarlyLowRank<P, R, kWarpsPerBlock>;
@@ -394,7 +393,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
   }
   for (int g = first_group; g < G; g += kGroupStep) {
     if (!kPrefetch) load_group<T, P>(cur, x, norm_w, off, ok, g, t);
-    // The next group's input is loaded once this group's is in raw (v54). Loaded before the group, ptxas moved
+    // The next group's input is loaded once this group's is in raw. Loaded before the group, ptxas moved
     // registers between the two buffers (up to 16 moves a group), and with the smoothing factors staged it waited
     // for those loads at the top of this very group.
     quantize_group(g, cur, [&] {
@@ -459,8 +458,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, (kQuantizeMinBlocks<R, kW
   __syncthreads();  // scales_s is complete
   if constexpr (kCluster) {
     // Every block sends its groups' scales and its low-rank partial sums to rank 0's shared memory and leaves;
-    // rank 0 waits for them and finishes alone (v38: one cluster barrier and no reads of other blocks' memory;
-    // v32-v37 had every block read the others' row maxima and partial sums between two full cluster barriers).
+    // rank 0 waits for them and finishes alone: one cluster barrier and no reads of other blocks' memory, faster
+    // than every block reading the others' row maxima and partial sums between two full cluster barriers.
     __cluster_barrier_wait();  // phase 1 (arrived at the start): every block runs, so its shared memory is there
     if (rank > 0) {
       float(*scales0)[16] = static_cast<float(*)[16]>(__cluster_map_shared_rank(scales_s, 0));
@@ -539,7 +538,7 @@ cudaError_t launch_typed(const QuantizeArgs& a, cudaStream_t stream) {
       return launch_warps<T, P, kSmooth, R, 4, kClusterSize>(a, stream);
     }
   }
-  // 8-row blocks where they measured faster (docs/kernels.md, v42): with the RMSNorm prologue or at 16 columns
+  // 8-row blocks where they measured faster (docs/kernels.md): with the RMSNorm prologue or at 16 columns
   // up to half a row set per SM, otherwise up to an eighth; not above 48 columns.
   if constexpr (R <= 48) {
     const bool half_rows_pay = P == Prologue::kRmsNorm || R == 16;

@@ -8,7 +8,7 @@
 // blocks per SM; the blocks interleave, so one block's float work runs while another's wgmma uses the
 // tensor cores. On grids too small for that (at most one 64-row tile per SM) a block has kSplit warpgroups
 // instead, each walking its own contiguous range of K groups through its own ring; the first adds the
-// others' sums and runs the epilogue alone (docs/kernels.md, v33).
+// others' sums and runs the epilogue alone (docs/kernels.md, The GEMM).
 //
 // Per 64-wide K group (kStages-deep cp.async ring of the operands and their scales):
 //   1. the activation tile arrives as the quantize kernel wrote it, e4m3 bytes in wgmma's canonical
@@ -22,7 +22,7 @@
 //        s = ra[m] * rw[n]     ra = ascale / amax_row in [0, 1] (the quantize kernel's),
 //                              rw = wscale / wmax_row * 2^15 (kernel_weight_scales)
 //        acc = fma(dot * 2^-18, s, acc)                      (half2: two outputs of one weight row)
-//      Half the fold of float32 accumulators, and half their registers (docs/kernels.md, v25).
+//      Half the fold of float32 accumulators, and half their registers (docs/kernels.md, Numerics).
 // Epilogue: acc * amax_row[m] * 8 wmax_row[n] + bias in float32 (the weights' row factors are the last row
 // of their scale tensor, [K/64 + 1, N_pad]), + proj_up[n, :] . lora[m, :] on tf32 mma.sync (its C fragment
 // matches wgmma's D layout), cast, transpose through shared memory (stmatrix), 16-byte stores of rows < M. A
@@ -55,7 +55,7 @@ static_assert((kStages & (kStages - 1)) == 0, "stage count must be a power of tw
 #ifndef W4A4_GEMM_BIG_TILES_FROM
 #define W4A4_GEMM_BIG_TILES_FROM 1
 #endif
-// Tuning knob: 256-row activation tiles from this many such blocks per SM up (3: docs/kernels.md, v55).
+// Tuning knob: 256-row activation tiles from this many such blocks per SM up (3: the fastest of 1, 3 and 6).
 #ifndef W4A4_GEMM_HUGE_TILES_FROM
 #define W4A4_GEMM_HUGE_TILES_FROM 3
 #endif
@@ -94,9 +94,10 @@ struct Tile {
   // (activation_scale_position order), and the weight tile's proj_up rows pu_tile[64][R + 4] (padded likewise).
   // Blocks of 128 rows and more (3-4 per SM, the others hide the wait) copy the first two after the K loop into
   // the free ring, where the output tile later overwrites them; 64-row blocks (small grids, often one per SM)
-  // copy them at the start, behind the first stages, into their own space after the ring (docs/kernels.md, v23).
+  // copy them at the start, behind the first stages, into their own space after the ring (not ahead of them:
+  // the first group's copies would wait).
   // Every block copies proj_up at the start into its own space too, except 256-row blocks, whose rings fill the
-  // SM's shared memory: they copy it after the loop with the others (v37; read from global memory right before
+  // SM's shared memory: they copy it after the loop with the others (read from global memory right before
   // the low-rank MMAs before, its latency was on every block's path).
   static constexpr bool kEpilogueDataAfterLoop = BM >= 128;
   static constexpr bool kProjUpAfterLoop = BM == 256;
@@ -223,7 +224,7 @@ __global__ void __launch_bounds__(kThreads * kSplit, Tile<BM>::kMinBlocks / kSpl
   for (int i = 1; i < kActHalves; ++i) act_src[i] = act_src[i - 1] + static_cast<int64_t>(G) * kActTileBytes;
   const int4* w_src = qweight + (static_cast<int64_t>(n0 / 16 + warp) * G + g_begin) * 32 + lane;
   const bool act_scales = tid < BM / 8;
-  // Opaque, so each refill does not re-read threadIdx (S2R) and the stride from constant memory (v16 profile).
+  // Opaque, so each refill does not re-read threadIdx (S2R) and the stride from constant memory (ncu stalls).
   const bool copies_scales = opaque(tid < BM / 8 + kTileN / 4);
   const char* s_src = act_scales ? reinterpret_cast<const char*>(aratios + m0 + 8 * tid)
                                  : reinterpret_cast<const char*>(wscales + n0 + 4 * (tid - BM / 8));
@@ -328,8 +329,8 @@ __global__ void __launch_bounds__(kThreads * kSplit, Tile<BM>::kMinBlocks / kSpl
     const __half2 rw0 = __float2half2_rn(at_offset<float>(s.ws, ws_off)),
                   rw1 = __float2half2_rn(at_offset<float>(s.ws, ws_off + 8 * sizeof(float)));
     // So are the 64-row tiles' first activation scale ratios: read after the wgmma wait, the first HMUL2 of
-    // the fold waited for them (ncu, v42). The taller tiles measured up to 3.5% slower with it (docs/kernels.md,
-    // v45 and v45b).
+    // the fold waited for them (ncu). The taller tiles measured up to 3.5% slower with it (docs/kernels.md,
+    // "Tried and not kept").
     constexpr bool kEarlyRatios = BM == 64;
     const uint4 ra8_first = kEarlyRatios ? at_offset<uint4>(s.ra, ra_off) : uint4{};
 
@@ -511,7 +512,7 @@ GemmPlan plan_gemm(int M, int N, int K, int sms) {
   if (huge_tiles >= W4A4_GEMM_HUGE_TILES_FROM * sms) return {256, 1};
   if (big_tiles >= W4A4_GEMM_BIG_TILES_FROM * sms) return {128, 1};
   // Split where the grid has at most one block per SM (at two per SM, 4 warpgroups measured 5-17% slower and 2
-  // within 3% of one: docs/kernels.md, v33).
+  // within 3% of one).
   const int small_tiles = (N / kTileN) * ((M + 63) / 64);
   const bool split = small_tiles <= sms && K / kGroup >= kMinGroupsPerSplit * kSmallGridSplit;
   return {64, split ? kSmallGridSplit : 1};

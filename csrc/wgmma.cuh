@@ -1,6 +1,6 @@
 // The W4A4 GEMM's K-loop instructions: Hopper's warpgroup MMA (wgmma, sm_90a) as the GEMM issues it, e4m3 x
 // e4m3 into fp16 pairs, A from registers, B from shared memory, with the fences around it; and the fold of a
-// group's sums. Shared by csrc/w4a4_gemm.cu and bench/gemm_loop_ceiling.cu.
+// group's sums, as csrc/w4a4_gemm.cu issues them.
 #pragma once
 #include <cstdint>
 #include <cuda_fp16.h>
@@ -22,8 +22,7 @@ __device__ __forceinline__ void fence_operands(uint32_t (&regs)[N]) {
 
 #define W4A4_D8(i) "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3]), "+r"(d[i + 4]), "+r"(d[i + 5]), \
                    "+r"(d[i + 6]), "+r"(d[i + 7])
-// A wgmma's 64 sum registers d[0..63]: their place in the instruction (operands %0..%63) and their constraints
-// (also used by bench/gemm_loop_ceiling.cu's variants).
+// A wgmma's 64 sum registers d[0..63]: their place in the instruction (operands %0..%63) and their constraints.
 #define W4A4_WGMMA_D64                                                               \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \

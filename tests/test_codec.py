@@ -296,7 +296,7 @@ def test_cuda_matches_transformers_and_batches(tiny_dir, fp32_cuda):
         assert (gpu.decode([want])[0] - want_audio).abs().max().item() <= 1e-4
     # cuDNN picks its convolution algorithms per batch size; the tiny codec's random weights make large
     # intermediate activations, so the summation-order noise reaches ~3e-4 here (measured on the H200).
-    # The real-size codec meets 1e-4 by three orders (bench/results/codec-parity.json: 5.4e-7).
+    # The real-size codec meets 1e-4 by three orders (bench/results/codec-parity-h200.json: 5.4e-7).
     audio = gpu.decode(batched)
     for codes, a in zip(batched, audio):
         assert (a - gpu.decode([codes])[0]).abs().max().item() <= 1e-3
