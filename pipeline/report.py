@@ -83,10 +83,15 @@ def _ab_section(job: JobDir, a: str, b: str) -> tuple[str, dict[str, Any]]:
     plots = "".join(
         [
             svgplot.histogram(
-                {"mel LSD (dB)": [r["mel_lsd_db"] for r in compared]}, f"log-mel LSD, {b} vs {a} (dB)"
+                {"rows": [r["mel_lsd_db"] for r in compared]},
+                f"Spectral distance, {b} against {a}",
+                "log-mel LSD (dB)",
             ),
             svgplot.scatter(
-                {"rows": [(r["seconds_a"], r["seconds_b"]) for r in compared]}, f"{a} seconds", f"{b} seconds"
+                {"rows": [(r["seconds_a"], r["seconds_b"]) for r in compared]},
+                f"Duration, {b} against {a}",
+                f"{a} seconds",
+                f"{b} seconds",
             ),
         ]
     )
@@ -125,11 +130,14 @@ def write_report(job: JobDir) -> Path:
         [
             svgplot.scatter(
                 {v: [(r["packed_tokens"], r["rtf"]) for r in ok if r["variant"] == v] for v in variants},
+                "Real-time factor against packed length",
                 "packed tokens (cond + uncond)",
                 "RTF (synth s / audio s)",
             ),
             svgplot.histogram(
-                {v: [r["audio_seconds"] for r in ok if r["variant"] == v] for v in variants}, "audio seconds"
+                {v: [r["audio_seconds"] for r in ok if r["variant"] == v] for v in variants},
+                "Audio length per row",
+                "audio seconds",
             ),
         ]
     )
