@@ -44,6 +44,15 @@ class RayConfig:
 
 
 @dataclass
+class CompareConfig:
+    """How the report is written."""
+
+    # How the report's players reach their wavs: link (hard links in report/audio/, copies where links
+    # fail), copy, or embed (data URIs in index.html). Either way report/ opens anywhere on its own.
+    audio: str = "link"
+
+
+@dataclass
 class JobConfig:
     manifest: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -56,6 +65,7 @@ class JobConfig:
     engine_factory: str = "engine.api:Engine"  # "module:callable" taking an EngineConfig
     progress: bool = True
     report: str = "auto"  # auto (when there are two or more variants) | always | never
+    compare: CompareConfig = field(default_factory=CompareConfig)
 
     def variant_names(self) -> list[str]:
         return list(self.variants) or [DEFAULT_VARIANT]
@@ -145,8 +155,14 @@ def validate(cfg: JobConfig) -> None:
         raise InputError(f"ray.num_cpus={ray.num_cpus}: give the local Ray at least 1 CPU (or null for all).")
     if cfg.report not in ("auto", "always", "never"):
         raise InputError(f"report={cfg.report!r}: choose auto, always or never.")
+    validate_compare(cfg.compare)
     if ":" not in cfg.engine_factory:
         raise InputError(f"engine_factory={cfg.engine_factory!r}: write it as 'module:callable'.")
+
+
+def validate_compare(cmp: CompareConfig) -> None:
+    if cmp.audio not in ("link", "copy", "embed"):
+        raise InputError(f"compare.audio={cmp.audio!r}: choose link, copy or embed.")
 
 
 def to_yaml(cfg: JobConfig) -> str:

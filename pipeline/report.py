@@ -1,10 +1,10 @@
 """report/index.html: the job's figures, plots (inline SVG) and audio players; A/B metrics when the job
-ran two or more variants (the first variant against each other one)."""
+ran two or more variants (the first variant against each other one). The players' audio is placed under
+report/ (pipeline.media): the folder opens anywhere."""
 
 from __future__ import annotations
 
 import math
-import os
 import statistics
 from html import escape
 from pathlib import Path
@@ -13,6 +13,8 @@ from typing import Any
 from pipeline import svgplot
 from pipeline.atomic import write_bytes_atomic, write_json_atomic
 from pipeline.compare import METRICS, compare_variants
+from pipeline.config import CompareConfig, load_job_config
+from pipeline.media import ReportAudio
 from pipeline.store import JobDir
 from pipeline.summary import summarize
 
@@ -45,11 +47,11 @@ def table(rows: list[dict[str, Any]], columns: list[str], markup: tuple[str, ...
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def _audio(job: JobDir, rel: str | None) -> str:
-    if not rel:
-        return ""
-    src = os.path.relpath(job.path / rel, job.report_dir)
-    return f'<audio controls preload="none" src="{escape(src)}"></audio>'
+def _player(audio: ReportAudio, wav_path: str | None) -> str:
+    src = audio.src(wav_path) if wav_path else None
+    if src is None:
+        return "(wav missing)" if wav_path else ""
+    return f'<audio controls preload="metadata" src="{escape(src)}"></audio>'
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -65,7 +67,7 @@ def _stats(values: list[float]) -> dict[str, float]:
     }
 
 
-def _ab_section(job: JobDir, a: str, b: str) -> tuple[str, dict[str, Any]]:
+def _ab_section(job: JobDir, a: str, b: str, audio: ReportAudio) -> tuple[str, dict[str, Any]]:
     rows = compare_variants(job, a, b)
     compared = [r for r in rows if r["comparable"]]
     skipped = [r for r in rows if not r["comparable"]]
@@ -73,8 +75,8 @@ def _ab_section(job: JobDir, a: str, b: str) -> tuple[str, dict[str, Any]]:
     stat_rows = [{"metric": m, **s} for m, s in stats.items()]
     worst = sorted(compared, key=lambda r: -r["mel_lsd_db"])[:PLAYERS]
     for r in worst:
-        r["A"] = _audio(job, r["wav_a"])
-        r["B"] = _audio(job, r["wav_b"])
+        r["A"] = _player(audio, r["wav_a"])
+        r["B"] = _player(audio, r["wav_b"])
     players = table(
         worst,
         ["id", "bucket", "seconds_a", "seconds_b", "mel_lsd_db", "snr_db", "correlation"],
@@ -116,14 +118,22 @@ def _ab_section(job: JobDir, a: str, b: str) -> tuple[str, dict[str, Any]]:
     }
 
 
-def write_report(job: JobDir) -> Path:
-    """Write JOB/report/index.html (and report/ab.json when there are two or more variants)."""
+def stored_compare(job: JobDir) -> CompareConfig:
+    """The job's own compare settings (JOB/config.yaml), or the defaults for a job dir without one."""
+    return load_job_config(job.config_path).compare if job.config_path.is_file() else CompareConfig()
+
+
+def write_report(job: JobDir, compare: CompareConfig | None = None) -> Path:
+    """Write JOB/report/index.html (and report/ab.json when there are two or more variants). `compare`
+    defaults to the job's stored settings."""
+    cmp = compare if compare is not None else stored_compare(job)
     summary = summarize(job)
     results = job.read_results().to_pylist()
     ok = [r for r in results if r["status"] == "ok"]
     problems = [r for r in results if r["status"] != "ok"][:LISTED_PROBLEMS]
     variants = summary["variants"]
     job.report_dir.mkdir(parents=True, exist_ok=True)
+    audio = ReportAudio(job, cmp.audio)
 
     status_rows = [{"variant": v, **c} for v, c in summary["rows_by_variant"].items()]
     plots = "".join(
@@ -157,13 +167,13 @@ def write_report(job: JobDir) -> Path:
     ]
     ab = []
     for other in variants[1:]:
-        html, figures = _ab_section(job, variants[0], other)
+        html, figures = _ab_section(job, variants[0], other, audio)
         parts.append(html)
         ab.append(figures)
     if len(variants) == 1 and ok:
         sample = sorted(ok, key=lambda r: r["id"])[:PLAYERS]
         for r in sample:
-            r["listen"] = _audio(job, r["wav_path"])
+            r["listen"] = _player(audio, r["wav_path"])
         columns = ["id", "bucket", "audio_seconds", "rtf"]
         parts += ["<h2>Samples</h2>", table(sample, columns, markup=("listen",))]
     if problems:
@@ -177,6 +187,7 @@ def write_report(job: JobDir) -> Path:
     )
     out = job.report_dir / "index.html"
     write_bytes_atomic(out, page.encode())
+    audio.finish()
     if ab:
         write_json_atomic(job.report_dir / "ab.json", ab)
     return out
