@@ -188,6 +188,11 @@ def test_ab_job_through_the_real_engine(tmp_path: Path, tmp_path_factory):
     ab = json.loads((outcome.job.report_dir / "ab.json").read_text())
     assert ab[0]["variant_a"] == "fp32" and ab[0]["variant_b"] == "bf16" and ab[0]["rows"] == 3
     assert all(math.isfinite(ab[0]["metrics"][m]["median"]) for m in ("duration_ratio", "mel_lsd_db"))
+    assert all(
+        (outcome.job.path / "tokens" / v / f"{i}.npy").is_file() for v in ("fp32", "bf16") for i in "abc"
+    )
+    assert ab[0]["token_rows"] == 3 and len(ab[0]["token_agreement"]["per_codebook"]) == 8
+    assert 0 <= ab[0]["token_agreement"]["all"] <= 1
     assert "A/B: bf16 against fp32" in (outcome.job.report_dir / "index.html").read_text()
 
 

@@ -1,17 +1,19 @@
-"""The generated audio codes kept per row (JOB/tokens)."""
+"""The generated audio codes kept per row (JOB/tokens) and the A/B report's token agreement per codebook."""
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from ab_job import CODEBOOKS, changed_mask, codes, make_ab_job
 
 from engine.api import SynthResult
+from pipeline.compare import compare_variants
 from pipeline.config import load_job_config
+from pipeline.report import write_report
 from pipeline.runner import ShardRunner, ShardTask
 from pipeline.store import JobDir
 from pipeline.tokens import agreement, read_tokens, tokens_path, write_tokens
-
-CODEBOOKS = 8
 
 
 class CodesEngine:
@@ -93,6 +95,33 @@ def test_agreement_counts_equal_codes_per_codebook_over_the_common_frames():
     assert frames == 3 and same.tolist() == [2, 1]
     with pytest.raises(ValueError, match="same codebooks"):
         agreement(a, b[:1])
+
+
+def test_compare_rows_carry_token_agreement_per_codebook(tmp_path: Path):
+    job = make_ab_job(tmp_path, tokens=True)
+    rows = {r["id"]: r for r in compare_variants(job, "fp16", "w4a4")}
+    for n in range(5):
+        frames = codes(n, 25 + n).shape[1]
+        want = (~changed_mask(1, (CODEBOOKS, frames))).sum(axis=1)
+        r = rows[f"u{n}"]
+        assert r["token_frames"] == frames and r["token_same"] == want.tolist()
+        assert r["token_agreement"] == pytest.approx(want.sum() / (CODEBOOKS * frames))
+
+
+def test_report_shows_token_agreement_per_codebook_and_says_when_codes_are_missing(tmp_path: Path):
+    job = make_ab_job(tmp_path, tokens=True)
+    tokens_path(job, "w4a4", "u3").unlink()  # a row run before codes were kept
+    page = write_report(job).read_text()
+    assert "Token agreement per codebook (4 rows," in page
+    assert "1 of 5 rows have no kept codes in both variants" in page
+    ab = json.loads((job.report_dir / "ab.json").read_text())[0]
+    kept = [n for n in range(5) if n != 3]
+    frames = sum(25 + n for n in kept)
+    same = sum((~changed_mask(1, (CODEBOOKS, 25 + n))).sum(axis=1) for n in kept)
+    assert ab["token_rows"] == 4
+    assert ab["token_agreement"]["per_codebook"] == pytest.approx((same / frames).tolist())
+    assert ab["metrics"]["token_agreement"]["rows"] == 4
+    assert any("no kept codes" in n for n in ab["not_measured"])
 
 
 def test_real_engine_results_carry_their_codes():
