@@ -45,8 +45,13 @@ class RayConfig:
 
 @dataclass
 class CompareConfig:
-    """How the report is written."""
+    """Report metrics that need a model (pipeline.quality); each is skipped, and the report says so, while
+    its model is unset. A model is a local directory or a hub id, loaded with transformers."""
 
+    asr_model: str | None = None  # speech recognition (e.g. openai/whisper-small): WER/CER against the text
+    speaker_model: str | None = None  # x-vector (e.g. microsoft/wavlm-base-plus-sv): similarity to the clip
+    device: str = "auto"  # auto: cuda when there is a GPU, else cpu
+    batch_size: int = 16
     # How the report's players reach their wavs: link (hard links in report/audio/, copies where links
     # fail), copy, or embed (data URIs in index.html). Either way report/ opens anywhere on its own.
     audio: str = "link"
@@ -161,8 +166,14 @@ def validate(cfg: JobConfig) -> None:
 
 
 def validate_compare(cmp: CompareConfig) -> None:
+    if cmp.batch_size < 1:
+        raise InputError(f"compare.batch_size={cmp.batch_size}: it must be at least 1.")
     if cmp.audio not in ("link", "copy", "embed"):
         raise InputError(f"compare.audio={cmp.audio!r}: choose link, copy or embed.")
+    for key in ("asr_model", "speaker_model"):
+        value = getattr(cmp, key)
+        if value is not None and not value.strip():
+            raise InputError(f"compare.{key}={value!r}: give a model directory or hub id, or leave it unset.")
 
 
 def to_yaml(cfg: JobConfig) -> str:
