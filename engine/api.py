@@ -67,6 +67,9 @@ class SynthResult:
     token_work: int  # packed tokens x decoding steps spent on this request
     # prepare, generate and decode: seconds of the whole synthesize call; postprocess: this request's.
     timings: dict[str, float] = field(default_factory=dict)
+    # The generated audio codes [codebooks, frames], a long text's chunks joined in order (A/B reports
+    # compare them between variants).
+    tokens: np.ndarray | None = None
 
 
 @dataclass
@@ -310,6 +313,7 @@ class Engine:
                     target_frames=sum(c.target_frames for c in p.chunks),
                     token_work=w,
                     timings=timings,
+                    tokens=torch.cat(per_request, dim=1).cpu().numpy(),
                 )
             )
         return results

@@ -95,12 +95,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from pipeline.config import load_job_config
     from pipeline.report import write_report
     from pipeline.store import JobDir
 
     job = JobDir(args.job)
     job.require()
-    print(write_report(job))
+    cfg = load_job_config(job.config_path if job.config_path.is_file() else None, args.overrides)
+    print(write_report(job, cfg.compare))
     return 0
 
 
@@ -190,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("report", help="write JOB/report/index.html (A/B metrics when there are variants)")
     sp.add_argument("job")
+    sp.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="e.g. compare.asr_model=openai/whisper-small"
+    )
     sp.set_defaults(func=cmd_report)
 
     sp = sub.add_parser("demo", help="run a small job on the tiny checkpoint through local Ray")

@@ -8,6 +8,11 @@ Per row, on the two waveforms:
   correlation     Pearson correlation of the waveforms over the common length
 A row whose two wavs cannot be compared (one unreadable or empty, sample rates differ) keeps its place with
 comparable=False, the reason, and no metrics.
+
+Per row, on the two variants' generated audio codes (JOB/tokens, pipeline.tokens), when both are kept:
+  token_same       per codebook, the frames where both chose the same code (over the frames both have)
+  token_frames     the frames compared
+  token_agreement  sum(token_same) / (codebooks x token_frames)
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ from engine.errors import OVBatchError
 from pipeline.atomic import write_parquet_atomic
 from pipeline.messages import first_line
 from pipeline.store import JobDir
+from pipeline.tokens import agreement, read_tokens
 
 N_FFT = 1024
 HOP = 256
 N_MELS = 80
 DB_FLOOR = -100.0
 METRICS = ("duration_ratio", "mel_lsd_db", "snr_db", "correlation")
+TOKEN_METRICS = ("token_agreement", "token_frames", "token_same")
 
 
 def _hz_to_mel(f: np.ndarray) -> np.ndarray:
@@ -110,6 +117,23 @@ def _pair(job: JobDir, pair: list[tuple[str, str]]) -> tuple[dict[str, float | N
     return pair_metrics(a, b, sr_a), None
 
 
+def token_metrics(job: JobDir, variant_a: str, variant_b: str, row_id: str) -> dict[str, Any]:
+    """The row's code agreement between two variants; None values when either's codes are not kept (or
+    the two do not have the same codebooks)."""
+    try:
+        a, b = read_tokens(job, variant_a, row_id), read_tokens(job, variant_b, row_id)
+        same, frames = agreement(a, b) if a is not None and b is not None else (None, 0)
+    except (OSError, ValueError):  # a torn or foreign file counts as not kept
+        same, frames = None, 0
+    if same is None:
+        return dict.fromkeys(TOKEN_METRICS)
+    return {
+        "token_agreement": float(same.sum() / (len(same) * frames)) if frames else None,
+        "token_frames": frames,
+        "token_same": [int(n) for n in same],
+    }
+
+
 def compare_variants(job: JobDir, variant_a: str, variant_b: str) -> list[dict[str, Any]]:
     """One row per id ok in both variants (metrics, or comparable=False and the reason); written to
     report/compare.parquet beside the rows of the job's other pairs."""
@@ -136,6 +160,7 @@ def compare_variants(job: JobDir, variant_a: str, variant_b: str) -> list[dict[s
                 "comparable": reason is None,
                 "reason": reason,
                 **metrics,
+                **token_metrics(job, variant_a, variant_b, row_id),
             }
         )
     path = job.report_dir / "compare.parquet"

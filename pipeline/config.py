@@ -44,6 +44,20 @@ class RayConfig:
 
 
 @dataclass
+class CompareConfig:
+    """Report metrics that need a model (pipeline.quality); each is skipped, and the report says so, while
+    its model is unset. A model is a local directory or a hub id, loaded with transformers."""
+
+    asr_model: str | None = None  # speech recognition (e.g. openai/whisper-small): WER/CER against the text
+    speaker_model: str | None = None  # x-vector (e.g. microsoft/wavlm-base-plus-sv): similarity to the clip
+    device: str = "auto"  # auto: cuda when there is a GPU, else cpu
+    batch_size: int = 16
+    # How the report's players reach their wavs: link (hard links in report/audio/, copies where links
+    # fail), copy, or embed (data URIs in index.html). Either way report/ opens anywhere on its own.
+    audio: str = "link"
+
+
+@dataclass
 class JobConfig:
     manifest: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -56,6 +70,7 @@ class JobConfig:
     engine_factory: str = "engine.api:Engine"  # "module:callable" taking an EngineConfig
     progress: bool = True
     report: str = "auto"  # auto (when there are two or more variants) | always | never
+    compare: CompareConfig = field(default_factory=CompareConfig)
 
     def variant_names(self) -> list[str]:
         return list(self.variants) or [DEFAULT_VARIANT]
@@ -145,8 +160,20 @@ def validate(cfg: JobConfig) -> None:
         raise InputError(f"ray.num_cpus={ray.num_cpus}: give the local Ray at least 1 CPU (or null for all).")
     if cfg.report not in ("auto", "always", "never"):
         raise InputError(f"report={cfg.report!r}: choose auto, always or never.")
+    validate_compare(cfg.compare)
     if ":" not in cfg.engine_factory:
         raise InputError(f"engine_factory={cfg.engine_factory!r}: write it as 'module:callable'.")
+
+
+def validate_compare(cmp: CompareConfig) -> None:
+    if cmp.batch_size < 1:
+        raise InputError(f"compare.batch_size={cmp.batch_size}: it must be at least 1.")
+    if cmp.audio not in ("link", "copy", "embed"):
+        raise InputError(f"compare.audio={cmp.audio!r}: choose link, copy or embed.")
+    for key in ("asr_model", "speaker_model"):
+        value = getattr(cmp, key)
+        if value is not None and not value.strip():
+            raise InputError(f"compare.{key}={value!r}: give a model directory or hub id, or leave it unset.")
 
 
 def to_yaml(cfg: JobConfig) -> str:

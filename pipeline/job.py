@@ -264,7 +264,7 @@ def execute(
     if cfg.report == "always" or (cfg.report == "auto" and len(plan.variants) > 1 and summary["complete"]):
         from pipeline.report import write_report
 
-        write_report(job)
+        write_report(job, cfg.compare)
     return JobOutcome(job, summary, [t.index for t in tasks])
 
 

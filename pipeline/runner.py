@@ -25,6 +25,7 @@ from pipeline.config import JobConfig
 from pipeline.manifest import ManifestRow
 from pipeline.rows import RequestRow, ResultRow
 from pipeline.store import JobDir
+from pipeline.tokens import write_tokens
 
 MAX_ERROR_CHARS = 2000
 
@@ -161,6 +162,9 @@ class ShardRunner:
         results = []
         for row, out, w in zip(rows, outputs, work, strict=True):
             path = self.job.wav_path(task.variant, row.id)
+            codes = getattr(out, "tokens", None)  # an engine_factory's own results may carry none
+            if codes is not None:
+                write_tokens(self.job, task.variant, row.id, codes)
             write_wav_atomic(path, out.audio, out.sample_rate)
             audio_seconds = len(out.audio) / float(out.sample_rate)
             share = wall * (w / total if total else 1.0 / len(rows))

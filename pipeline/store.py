@@ -7,6 +7,7 @@
     JOB/results/shard-NNNNN.parquet one per finished shard
     JOB/results/rejected.parquet    rows refused before running
     JOB/wavs/<variant>/<id>.wav
+    JOB/tokens/<variant>/<id>.npy   the row's generated audio codes (pipeline.tokens)
     JOB/runs.jsonl                  one line per run of the job (submit, resume, rerun)
     JOB/summary.json
 """
@@ -53,6 +54,7 @@ class JobDir:
             "rows.parquet",
             "results",
             "wavs",
+            "tokens",
             "clips",
             "cache",
             "runs.jsonl",

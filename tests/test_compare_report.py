@@ -7,20 +7,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from ab_job import SR, make_ab_job
+from ab_job import tone as _tone
 
 from engine.errors import OVBatchError
 from pipeline.atomic import write_wav_atomic
 from pipeline.compare import compare_variants, log_mel_db, mel_filterbank, pair_metrics
-from pipeline.plan import Plan, PlannedRow, Shard
 from pipeline.report import write_report
 from pipeline.store import JobDir
-
-SR = 24000
-
-
-def _tone(seconds: float, freq: float, rng: np.random.Generator) -> np.ndarray:
-    t = np.arange(int(seconds * SR)) / SR
-    return (0.3 * np.sin(2 * np.pi * freq * t) + 0.01 * rng.standard_normal(len(t))).astype(np.float32)
 
 
 def test_identical_signals():
@@ -61,39 +55,7 @@ def test_mel_filterbank_and_tone_peak():
 
 
 def _ab_job(root: Path) -> JobDir:
-    job = JobDir(root)
-    rng = np.random.default_rng(7)
-    ids = [f"u{i}" for i in range(5)]
-    shards, results = [], []
-    for variant, noise in (("fp16", 0.0), ("w4a4", 0.02)):
-        rows = [PlannedRow(i, f"{variant}-{i}", 200, 50) for i in ids]
-        shards.append(Shard(len(shards), variant, 256, 1000, rows))
-        for k, i in enumerate(ids):
-            audio = _tone(1.0 + 0.1 * k, 200 + 40 * k, np.random.default_rng(k))
-            audio = audio + noise * rng.standard_normal(len(audio)).astype(np.float32)
-            path = job.wav_path(variant, i)
-            write_wav_atomic(path, audio, SR)
-            results.append(
-                {
-                    "id": i,
-                    "variant": variant,
-                    "status": "ok",
-                    "wav_path": job.relative(path),
-                    "audio_seconds": len(audio) / SR,
-                    "synth_seconds": 0.1,
-                    "rtf": 0.1 * SR / len(audio),
-                    "bucket": 256,
-                    "shard": shards[-1].index,
-                    "packed_tokens": 200,
-                    "attempt": 1,
-                }
-            )
-    job.write_plan(Plan(["fp16", "w4a4"], [256], 1000, shards, []))
-    job.write_rejected(job.read_plan())
-    for s in shards:
-        job.write_shard_results(s.index, [r for r in results if r["shard"] == s.index])
-    job.append_run({"kind": "submit", "wall_seconds": 2.0})
-    return job
+    return make_ab_job(root)
 
 
 def test_compare_variants_pairs_rows_by_id(tmp_path: Path):
@@ -119,7 +81,7 @@ def test_report_has_tables_plots_and_players(tmp_path: Path):
     page = write_report(job).read_text()
     assert page.count("<svg") >= 4
     assert page.count("<audio") == 10  # 5 rows x (A, B)
-    assert 'src="../wavs/w4a4/u0.wav"' in page
+    assert 'src="audio/w4a4/u0.wav"' in page and (job.report_dir / "audio/w4a4/u0.wav").is_file()
     assert "A/B: w4a4 against fp16" in page
     ab = json.loads((job.report_dir / "ab.json").read_text())
     assert ab[0]["rows"] == 5 and ab[0]["metrics"]["snr_db"]["median"] > 10
@@ -226,6 +188,11 @@ def test_ab_job_through_the_real_engine(tmp_path: Path, tmp_path_factory):
     ab = json.loads((outcome.job.report_dir / "ab.json").read_text())
     assert ab[0]["variant_a"] == "fp32" and ab[0]["variant_b"] == "bf16" and ab[0]["rows"] == 3
     assert all(math.isfinite(ab[0]["metrics"][m]["median"]) for m in ("duration_ratio", "mel_lsd_db"))
+    assert all(
+        (outcome.job.path / "tokens" / v / f"{i}.npy").is_file() for v in ("fp32", "bf16") for i in "abc"
+    )
+    assert ab[0]["token_rows"] == 3 and len(ab[0]["token_agreement"]["per_codebook"]) == 8
+    assert 0 <= ab[0]["token_agreement"]["all"] <= 1
     assert "A/B: bf16 against fp32" in (outcome.job.report_dir / "index.html").read_text()
 
 
