@@ -37,6 +37,7 @@ from engine.checkpoint import (
 from engine.config import DTYPES, EngineConfig, GenerationConfig, resolve_device
 from engine.errors import InputError, QuantError
 from engine.frontend.text import TextFrontend
+from engine.fsmodes import chmod_tree_as_created
 from engine.model import OmniVoiceModel
 from engine.packing import GenItem, pack_items, token_chunks
 from engine.quant.calibrate import (
@@ -321,6 +322,7 @@ def quantize_checkpoint(
         (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
         if out.exists():
             raise QuantError(f"output {out} appeared while quantizing; the result is left unused.")
+        chmod_tree_as_created(tmp)  # mkdtemp made it owner-only: others on a shared volume read it too
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
