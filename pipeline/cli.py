@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import OVBatchError
+from pipeline.messages import first_line_of
 
 EXIT_FAILED_ROWS = 1
 EXIT_ERROR = 2
+ERROR_CHARS = 200  # of a row's error shown on the terminal (the results files hold all of it)
 
 
 def _flag_settings(args: argparse.Namespace, **given: Any) -> dict[str, Any]:
@@ -31,6 +33,29 @@ def _flag_settings(args: argparse.Namespace, **given: Any) -> dict[str, Any]:
     return out
 
 
+def _print_problems(s: dict[str, Any]) -> None:
+    """The first failed and rejected rows with their reasons, and the files that list them all."""
+    advice = {
+        "rejected": "not run: fix their inputs and submit them to a new --out",
+        "failed": f"`ovbatch rerun {s['job']}` runs them again",
+    }
+    for status in ("rejected", "failed"):
+        p = s["problems"][status]
+        if not p["count"]:
+            continue
+        print(f"{p['count']} row(s) {status} ({advice[status]}):")
+        for r in p["examples"]:
+            variant = f" [{r['variant']}]" if status == "failed" and len(s["variants"]) > 1 else ""
+            error = first_line_of(r["error"] or "", ERROR_CHARS)
+            print(f"  row {r['row_index']} id={r['id']!r}{variant}: {error}")
+        if p["distinct"] > len(p["examples"]):
+            print(f"  ... and {p['distinct'] - len(p['examples'])} more")
+        shown = ", ".join(p["files"][:3]) + (
+            f" and {len(p['files']) - 3} more" if len(p["files"]) > 3 else ""
+        )
+        print(f"  listed with status={status!r} and the reason in `error` in: {shown}")
+
+
 def _print_outcome(outcome: Any) -> int:
     s = outcome.summary
     rows = s["rows"]
@@ -44,13 +69,8 @@ def _print_outcome(outcome: Any) -> int:
     print(f"  summary: {outcome.job.summary_path}")
     if (outcome.job.report_dir / "index.html").exists():
         print(f"  report:  {outcome.job.report_dir / 'index.html'}")
-    if rows["failed"]:
-        print(
-            f"{rows['failed']} row(s) failed (see the error column): "
-            f"`ovbatch rerun {s['job']}` runs them again."
-        )
-        return EXIT_FAILED_ROWS
-    return 0
+    _print_problems(s)
+    return EXIT_FAILED_ROWS if rows["failed"] else 0
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -68,28 +88,55 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     return _print_outcome(rerun(args.job, args.overrides, _flag_settings(args)))
 
 
+def _run_note(run: dict[str, Any]) -> str | None:
+    """What status says about a run that did not finish normally."""
+    if run["state"] == "stopped":
+        return f"stopped by {run['stopped_by']} after {run['wall_seconds']:.1f} s"
+    if run["state"] == "unfinished":
+        return (
+            f"no end recorded (killed, or still running); counted up to its last finished shard: "
+            f"{run['wall_seconds']:.1f} s, {run['shards_finished']} of {run['shards']} shard(s)"
+        )
+    return None
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from pipeline.job import status
+    from pipeline.summary import counts_time
 
     s = status(args.job)
     if args.json:
         print(json.dumps(s, indent=1))
         return 0
-    rows = s["rows"]
+    rows, shards = s["rows"], s["shards"]
     print(f"job {s['job']} ({'complete' if s['complete'] else 'incomplete'})")
     print(
         f"  rows: {rows['ok']} ok, {rows['failed']} failed, {rows['rejected']} rejected, "
         f"{rows['pending']} pending of {rows['total']}"
     )
-    print(f"  shards: {s['shards']['finished']} of {s['shards']['planned']} finished")
+    print(f"  shards: {shards['finished']} of {shards['planned']} finished")
+    timed = [r for r in s["runs"] if counts_time(r)]
+    idle = len(s["runs"]) - len(timed)
+    idle_note = f" (+{idle} that had nothing to run)" if idle else ""
     print(
-        f"  wall {s['wall_seconds']:.1f} s over {len(s['runs'])} run(s); audio {s['audio_seconds']:.1f} s; "
-        f"x-realtime {s['x_realtime']} (engine {s['engine_x_realtime']})"
+        f"  wall {s['wall_seconds']:.1f} s over {len(timed)} run(s){idle_note}; "
+        f"audio {s['audio_seconds']:.1f} s; x-realtime {s['x_realtime']} (engine {s['engine_x_realtime']})"
     )
+    for run in timed:
+        note = _run_note(run)
+        if note:
+            print(f"  run {run.get('kind', '?')} started {run.get('started_at', '?')}: {note}")
     for b in s["per_bucket"]:
         print(
             f"  {b['variant']} bucket {b['bucket']}: {b['rows']} rows, {b['rows_per_s']} rows/s, "
             f"x-realtime {b['x_realtime']}"
+        )
+    _print_problems(s)
+    if shards["finished"] < shards["planned"]:
+        left = shards["planned"] - shards["finished"]
+        print(
+            f"{left} shard(s) not run yet: `ovbatch rerun {s['job']}` runs them (so does submitting the "
+            "same manifest and config to this --out again)."
         )
     return 0
 
@@ -233,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    args = None
     try:
         if argv and argv[0] == "quantize":
             return cmd_quantize(argv[1:])
@@ -249,8 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ovbatch: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
+        job = getattr(args, "out", None) or getattr(args, "job", None) or "JOB"
         print(
-            "ovbatch: interrupted; finished shards are saved; submit the same job again to resume.",
+            f"ovbatch: interrupted; finished shards are saved: `ovbatch rerun {job}` (or the same submit "
+            "again) runs the rest.",
             file=sys.stderr,
         )
         return 130
