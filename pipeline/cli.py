@@ -33,6 +33,20 @@ def _flag_settings(args: argparse.Namespace, **given: Any) -> dict[str, Any]:
     return out
 
 
+def _tiny_checkpoint_dir() -> Path:
+    from engine.config import cache_root
+    from engine.tiny import TINY_VERSION
+
+    return cache_root() / f"tiny-v{TINY_VERSION}"
+
+
+def _print_checkpoints(job: Any) -> None:
+    """Where each variant's checkpoint is: a user comparing or reusing them needs the paths."""
+    for variant, settings in job.read_plan().engine_settings.items():
+        checkpoint = settings.get("checkpoint") or f"the embedded tiny checkpoint, {_tiny_checkpoint_dir()}"
+        print(f"  checkpoint ({variant}): {checkpoint}")
+
+
 def _print_problems(s: dict[str, Any]) -> None:
     """The first failed and rejected rows with their reasons, and the files that list them all."""
     advice = {
@@ -69,6 +83,7 @@ def _print_outcome(outcome: Any) -> int:
     print(f"  summary: {outcome.job.summary_path}")
     if (outcome.job.report_dir / "index.html").exists():
         print(f"  report:  {outcome.job.report_dir / 'index.html'}")
+    _print_checkpoints(outcome.job)
     _print_problems(s)
     return EXIT_FAILED_ROWS if rows["failed"] else 0
 
@@ -102,6 +117,7 @@ def _run_note(run: dict[str, Any]) -> str | None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from pipeline.job import status
+    from pipeline.store import JobDir
     from pipeline.summary import counts_time
 
     s = status(args.job)
@@ -131,6 +147,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"  {b['variant']} bucket {b['bucket']}: {b['rows']} rows, {b['rows_per_s']} rows/s, "
             f"x-realtime {b['x_realtime']}"
         )
+    _print_checkpoints(JobDir(args.job))
     _print_problems(s)
     if shards["finished"] < shards["planned"]:
         left = shards["planned"] - shards["finished"]
@@ -152,9 +169,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from pipeline.demo import run_demo
+    from pipeline.demo import DEMO_AB_OUT, DEMO_OUT, run_demo
 
-    return _print_outcome(run_demo(args.out, local=args.local, overrides=list(args.overrides), ab=args.ab))
+    out = args.out or (DEMO_AB_OUT if args.ab else DEMO_OUT)
+    return _print_outcome(run_demo(out, local=args.local, overrides=list(args.overrides), ab=args.ab))
 
 
 def cmd_manifest_check(args: argparse.Namespace) -> int:
@@ -178,9 +196,9 @@ def cmd_manifest_check(args: argparse.Namespace) -> int:
 def cmd_synth(args: argparse.Namespace) -> int:
     from engine.api import Engine, SynthRequest
     from pipeline.atomic import write_wav_atomic
-    from pipeline.config import load_job_config
+    from pipeline.config import load_job_config, resolve_checkpoint_names
 
-    cfg = load_job_config(None, args.overrides, _flag_settings(args))
+    cfg = resolve_checkpoint_names(load_job_config(None, args.overrides, _flag_settings(args)))
     engine = Engine(cfg.engine)
     req = SynthRequest(
         text=args.text,
@@ -212,7 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     def job_flags(sp: argparse.ArgumentParser, config: bool = True) -> None:
         sp.add_argument("--local", action="store_true", help="run shards in this process (no Ray)")
         sp.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
-        sp.add_argument("--checkpoint", help="checkpoint directory (default: the embedded tiny checkpoint)")
+        sp.add_argument(
+            "--checkpoint",
+            help="checkpoint directory, Hugging Face repo id, or tiny-w4a4 (the tiny checkpoint quantized, "
+            "made on first use); default: the embedded tiny checkpoint",
+        )
         if config:
             sp.add_argument("--config", help="job config YAML (see jobs/*.yaml)")
         sp.add_argument(
@@ -240,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_report)
 
     sp = sub.add_parser("demo", help="run a small job on the tiny checkpoint through local Ray")
-    sp.add_argument("--out", default="out/demo", help="job directory (default: out/demo)")
+    sp.add_argument("--out", help="job directory (default: out/demo, or out/demo-ab with --ab)")
     sp.add_argument("--local", action="store_true", help="run in this process instead of on Ray actors")
     sp.add_argument("--ab", action="store_true", help="float32 vs W4A4 tiny model, with the A/B report")
     sp.add_argument("overrides", nargs="*", metavar="key=value")

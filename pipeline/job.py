@@ -24,7 +24,7 @@ from engine.config import resolve_device
 from engine.errors import InputError
 from pipeline import manifest as manifest_mod
 from pipeline.atomic import write_bytes_atomic, write_json_atomic
-from pipeline.config import JobConfig, load_job_config, to_yaml
+from pipeline.config import JobConfig, load_job_config, resolve_checkpoint_names, to_yaml
 from pipeline.messages import first_line
 from pipeline.plan import Plan, RowSize, Sizer, make_plan, plan_differences
 from pipeline.runner import ShardRunner, ShardTask, run_local
@@ -99,6 +99,7 @@ def plan_job(
 def check_manifest(cfg: JobConfig, make_sizer: Callable[[JobConfig], Sizer]) -> dict[str, Any]:
     """What submit would plan, without writing or running anything. Remote clips go to a temporary
     folder (submit copies them into the job) so that the engine's preparation can read them."""
+    cfg = resolve_checkpoint_names(cfg)
     with tempfile.TemporaryDirectory(prefix="ovbatch-check-") as clips:
         plan, _, _ = plan_job(cfg, make_sizer, clip_dir=Path(clips))
     buckets: dict[int, int] = {}
@@ -130,6 +131,7 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: Callable[[JobConfig], Si
             f"--out {job.path} already holds other files ({', '.join(foreign[:3])}): "
             "give a new or empty directory for the job."
         )
+    cfg = resolve_checkpoint_names(cfg)
     plan, rows, sizer = plan_job(cfg, make_sizer, job.clip_dir)
     kind = "submit"
     if job.exists():

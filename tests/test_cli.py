@@ -88,6 +88,24 @@ def test_stray_arguments_are_a_usage_error(tmp_path: Path):
     assert e.value.code == 2
 
 
+def test_the_ab_demo_has_its_own_job_directory(monkeypatch, capsys):
+    from engine.errors import OVBatchError
+    from pipeline import demo
+
+    outs = []
+
+    def record(out, **kw):
+        outs.append(out)
+        raise OVBatchError("recorded")
+
+    monkeypatch.setattr(demo, "run_demo", record)
+    main(["demo"])
+    main(["demo", "--ab"])
+    main(["demo", "--ab", "--out", "elsewhere"])
+    capsys.readouterr()
+    assert outs == ["out/demo", "out/demo-ab", "elsewhere"]
+
+
 def test_status_of_a_directory_that_is_not_a_job(tmp_path: Path, capsys):
     assert main(["status", str(tmp_path)]) == EXIT_ERROR
     assert "not a job directory" in _error_line(capsys)
@@ -183,6 +201,8 @@ def test_job_configs_load(name: str):
     if name == "ab.yaml":
         assert cfg.variant_names() == ["fp16", "w4a4"]
         assert [cfg.engine_config(v).precision for v in cfg.variant_names()] == ["fp16", "w4a4"]
+        # the embedded tiny checkpoint and its W4A4 sibling unless overridden
+        assert [cfg.engine_config(v).checkpoint for v in cfg.variant_names()] == [None, "tiny-w4a4"]
     if name == "cluster.yaml":
         assert cfg.engine.prompt_cache_dir == "/data/cache/prompts" and cfg.engine.device == "cuda"
 
@@ -252,3 +272,51 @@ def test_literal_settings_sit_between_the_config_file_and_the_overrides(tmp_path
         None, ["engine.checkpoint=${manifest}.d"], {"manifest": "/m", "engine.checkpoint": "/c"}
     )
     assert cfg.engine.checkpoint == "/m.d"
+
+
+def test_the_ab_config_runs_as_it_is_on_the_tiny_checkpoints(tmp_path: Path, capsys, fast):
+    """jobs/ab.yaml without overrides: the tiny checkpoint against its W4A4 sibling (made on first use),
+    and the output says where both are."""
+    from engine.tiny import ensure_tiny_checkpoint
+
+    tiny = ensure_tiny_checkpoint()
+    manifest = tmp_path / "m.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "id": ["a"],
+                "text": ["Hello."],
+                "ref_audio": [str(DATA / CLIP)],
+                "ref_text": [CLIPS[CLIP]["transcript"]],
+            }
+        ),
+        manifest,
+    )
+    small = ["engine.buckets=[128,256,512,1024]", "engine.max_batch_tokens=1024", "progress=false"]
+    argv = [
+        "submit",
+        str(manifest),
+        "--out",
+        str(tmp_path / "ab"),
+        "--config",
+        str(ROOT / "jobs" / "ab.yaml"),
+    ]
+    assert main([*argv, "--local", *fast, *small, "report=never"]) == 0
+    out = capsys.readouterr().out
+    assert "2 ok, 0 failed, 0 rejected" in out  # one row in each variant
+    assert f"checkpoint (fp16): the embedded tiny checkpoint, {tiny}" in out
+    assert f"checkpoint (w4a4): {tiny.parent / (tiny.name + '-w4a4')}" in out
+    assert (tiny.parent / f"{tiny.name}-w4a4" / "config.json").is_file()
+
+
+def test_checkpoint_names_resolve_and_paths_stay_as_given():
+    from pipeline.config import load_job_config, resolve_checkpoint_names
+
+    cfg = load_job_config(
+        None, ["engine.checkpoint=tiny", "variants.a.checkpoint=/c/tiny", "variants.b.precision=fp32"]
+    )
+    resolved = resolve_checkpoint_names(cfg)
+    assert resolved.engine.checkpoint is None  # `tiny` is null: the embedded tiny checkpoint
+    assert (
+        resolved.engine_config("a").checkpoint == "/c/tiny" and resolved.engine_config("b").checkpoint is None
+    )
