@@ -82,10 +82,66 @@ def test_bad_config_keys_and_values_are_one_line(tmp_path: Path, capsys):
         assert message in _error_line(capsys)
 
 
-def test_stray_arguments_are_a_usage_error(tmp_path: Path):
+def test_an_override_without_equals_is_named_with_the_key_value_form(tmp_path: Path, capsys):
+    for argv in (
+        ["submit", "m.parquet", "--out", str(tmp_path), "notakeyvalue"],
+        ["submit", "m.parquet", "notakeyvalue", "--out", str(tmp_path)],
+        ["demo", "--local", "notakeyvalue"],
+    ):
+        assert main(argv) == EXIT_ERROR
+        line = _error_line(capsys)
+        assert line.startswith("ovbatch: error: 'notakeyvalue' is not a key=value override")
+        assert "e.g. engine.precision=fp16" in line and f"`ovbatch {argv[0]} --help`" in line
+
+
+def test_an_unknown_option_shows_its_commands_usage(tmp_path: Path, capsys):
     with pytest.raises(SystemExit) as e:
-        main(["submit", "m.parquet", "--out", str(tmp_path), "notakeyvalue"])
+        main(["submit", "m.parquet", "--out", str(tmp_path), "--nope"])
     assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ovbatch submit") and "unrecognized arguments: --nope" in err
+    with pytest.raises(SystemExit):
+        main(["status", str(tmp_path), "extra"])
+    assert capsys.readouterr().err.startswith("usage: ovbatch status")
+
+
+def _subcommands(parser) -> dict[str, object]:
+    """Every (sub)command's parser by its prog, e.g. 'ovbatch manifest check'."""
+    import argparse
+
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found[sub.prog] = sub
+                found.update(_subcommands(sub))
+    return found
+
+
+def test_every_argument_of_every_command_is_described():
+    from pipeline.cli import build_parser
+
+    commands = _subcommands(build_parser())
+    assert {"ovbatch synth", "ovbatch manifest check", "ovbatch report", "ovbatch rerun"} <= set(commands)
+    for prog, parser in commands.items():
+        if prog == "ovbatch quantize":  # its options are its own parser's (ovbatch quantize --help)
+            continue
+        for action in parser._actions:
+            if action.dest in ("help", "func", "parser") or action.help == "==SUPPRESS==":
+                continue
+            if hasattr(action, "choices") and action.dest.endswith("command"):
+                continue
+            assert action.help, f"{prog}: {action.option_strings or action.dest} has no description"
+            if action.default not in (None, False) and action.option_strings:
+                assert "default" in action.help, f"{prog} {action.option_strings}: its default is not shown"
+
+
+def test_rerun_says_its_checkpoint_is_the_jobs_own(capsys):
+    with pytest.raises(SystemExit):
+        main(["rerun", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "default: the job's own checkpoint" in help_text
+    assert "the embedded tiny checkpoint" not in help_text
 
 
 def test_the_ab_demo_has_its_own_job_directory(monkeypatch, capsys):
