@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # CPU torch: the wheel on this machine's disk when there is one (never a multi-GB CUDA download in CI).
 TORCH_WHEELS := $(wildcard /opt/wheels)
 
-.PHONY: setup demo test test-gpu bench build-ext lint clean
+.PHONY: setup demo using-it test test-gpu bench build-ext lint clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,12 @@ $(STAMP): pyproject.toml
 
 demo: setup
 	$(VENV)/bin/ovbatch demo
+	@echo "ovbatch is in $(VENV)/bin, not on your PATH: 'source $(VENV)/bin/activate' puts it there (or call $(VENV)/bin/ovbatch); then README's 'Using it'."
+
+# README's "Using it" commands, in order, after the demo, in a temporary copy of the checkout (11 min
+# on 2 cores: CI runs it, `make test` does not).
+using-it: setup
+	OVBATCH_README_RUN=1 $(PY) -m pytest -q tests/test_readme.py
 
 test: setup
 	$(VENV)/bin/ruff check .

@@ -17,6 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import soundfile as sf
 
+from engine.fsmodes import chmod_as_created
+
 TMP_MARK = ".ovtmp-"
 
 
@@ -27,7 +29,7 @@ def _replacing(path: Path) -> Iterator[str]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
     os.close(fd)
-    os.chmod(tmp, 0o644)  # mkstemp makes owner-only files; outputs are read by other users and containers
+    chmod_as_created(tmp)  # mkstemp makes owner-only files; outputs are read by other users and containers
     try:
         yield tmp
         os.replace(tmp, path)

@@ -12,10 +12,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine.errors import OVBatchError
+from engine.errors import InputError, OVBatchError
+from pipeline.messages import first_line_of
 
 EXIT_FAILED_ROWS = 1
 EXIT_ERROR = 2
+ERROR_CHARS = 200  # of a row's error shown on the terminal (the results files hold all of it)
+OVERRIDE_FORM = "write overrides as key=value, e.g. engine.precision=fp16"
+CHECKPOINT_HELP = (
+    "checkpoint directory, Hugging Face repo id, or tiny-w4a4 (the tiny checkpoint quantized, made on "
+    "first use); default: the embedded tiny checkpoint"
+)
 
 
 def _flag_settings(args: argparse.Namespace, **given: Any) -> dict[str, Any]:
@@ -31,6 +38,43 @@ def _flag_settings(args: argparse.Namespace, **given: Any) -> dict[str, Any]:
     return out
 
 
+def _tiny_checkpoint_dir() -> Path:
+    from engine.config import cache_root
+    from engine.tiny import TINY_VERSION
+
+    return cache_root() / f"tiny-v{TINY_VERSION}"
+
+
+def _print_checkpoints(job: Any) -> None:
+    """Where each variant's checkpoint is: a user comparing or reusing them needs the paths."""
+    for variant, settings in job.read_plan().engine_settings.items():
+        checkpoint = settings.get("checkpoint") or f"the embedded tiny checkpoint, {_tiny_checkpoint_dir()}"
+        print(f"  checkpoint ({variant}): {checkpoint}")
+
+
+def _print_problems(s: dict[str, Any]) -> None:
+    """The first failed and rejected rows with their reasons, and the files that list them all."""
+    advice = {
+        "rejected": "not run: fix their inputs and submit them to a new --out",
+        "failed": f"`ovbatch rerun {s['job']}` runs them again",
+    }
+    for status in ("rejected", "failed"):
+        p = s["problems"][status]
+        if not p["count"]:
+            continue
+        print(f"{p['count']} row(s) {status} ({advice[status]}):")
+        for r in p["examples"]:
+            variant = f" [{r['variant']}]" if status == "failed" and len(s["variants"]) > 1 else ""
+            error = first_line_of(r["error"] or "", ERROR_CHARS)
+            print(f"  row {r['row_index']} id={r['id']!r}{variant}: {error}")
+        if p["distinct"] > len(p["examples"]):
+            print(f"  ... and {p['distinct'] - len(p['examples'])} more")
+        shown = ", ".join(p["files"][:3]) + (
+            f" and {len(p['files']) - 3} more" if len(p["files"]) > 3 else ""
+        )
+        print(f"  listed with status={status!r} and the reason in `error` in: {shown}")
+
+
 def _print_outcome(outcome: Any) -> int:
     s = outcome.summary
     rows = s["rows"]
@@ -44,13 +88,9 @@ def _print_outcome(outcome: Any) -> int:
     print(f"  summary: {outcome.job.summary_path}")
     if (outcome.job.report_dir / "index.html").exists():
         print(f"  report:  {outcome.job.report_dir / 'index.html'}")
-    if rows["failed"]:
-        print(
-            f"{rows['failed']} row(s) failed (see the error column): "
-            f"`ovbatch rerun {s['job']}` runs them again."
-        )
-        return EXIT_FAILED_ROWS
-    return 0
+    _print_checkpoints(outcome.job)
+    _print_problems(s)
+    return EXIT_FAILED_ROWS if rows["failed"] else 0
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -68,28 +108,57 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     return _print_outcome(rerun(args.job, args.overrides, _flag_settings(args)))
 
 
+def _run_note(run: dict[str, Any]) -> str | None:
+    """What status says about a run that did not finish normally."""
+    if run["state"] == "stopped":
+        return f"stopped by {run['stopped_by']} after {run['wall_seconds']:.1f} s"
+    if run["state"] == "unfinished":
+        return (
+            f"no end recorded (killed, or still running); counted up to its last finished shard: "
+            f"{run['wall_seconds']:.1f} s, {run['shards_finished']} of {run['shards']} shard(s)"
+        )
+    return None
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from pipeline.job import status
+    from pipeline.store import JobDir
+    from pipeline.summary import counts_time
 
     s = status(args.job)
     if args.json:
         print(json.dumps(s, indent=1))
         return 0
-    rows = s["rows"]
+    rows, shards = s["rows"], s["shards"]
     print(f"job {s['job']} ({'complete' if s['complete'] else 'incomplete'})")
     print(
         f"  rows: {rows['ok']} ok, {rows['failed']} failed, {rows['rejected']} rejected, "
         f"{rows['pending']} pending of {rows['total']}"
     )
-    print(f"  shards: {s['shards']['finished']} of {s['shards']['planned']} finished")
+    print(f"  shards: {shards['finished']} of {shards['planned']} finished")
+    timed = [r for r in s["runs"] if counts_time(r)]
+    idle = len(s["runs"]) - len(timed)
+    idle_note = f" (+{idle} that had nothing to run)" if idle else ""
     print(
-        f"  wall {s['wall_seconds']:.1f} s over {len(s['runs'])} run(s); audio {s['audio_seconds']:.1f} s; "
-        f"x-realtime {s['x_realtime']} (engine {s['engine_x_realtime']})"
+        f"  wall {s['wall_seconds']:.1f} s over {len(timed)} run(s){idle_note}; "
+        f"audio {s['audio_seconds']:.1f} s; x-realtime {s['x_realtime']} (engine {s['engine_x_realtime']})"
     )
+    for run in timed:
+        note = _run_note(run)
+        if note:
+            print(f"  run {run.get('kind', '?')} started {run.get('started_at', '?')}: {note}")
     for b in s["per_bucket"]:
         print(
             f"  {b['variant']} bucket {b['bucket']}: {b['rows']} rows, {b['rows_per_s']} rows/s, "
             f"x-realtime {b['x_realtime']}"
+        )
+    _print_checkpoints(JobDir(args.job))
+    _print_problems(s)
+    if shards["finished"] < shards["planned"]:
+        left = shards["planned"] - shards["finished"]
+        print(
+            f"{left} shard(s) not run yet: `ovbatch rerun {s['job']}` runs them (so does submitting the "
+            "same manifest and config to this --out again)."
         )
     return 0
 
@@ -107,9 +176,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from pipeline.demo import run_demo
+    from pipeline.demo import DEMO_AB_OUT, DEMO_OUT, run_demo
 
-    return _print_outcome(run_demo(args.out, local=args.local, overrides=list(args.overrides), ab=args.ab))
+    out = args.out or (DEMO_AB_OUT if args.ab else DEMO_OUT)
+    return _print_outcome(run_demo(out, local=args.local, overrides=list(args.overrides), ab=args.ab))
 
 
 def cmd_manifest_check(args: argparse.Namespace) -> int:
@@ -133,9 +203,9 @@ def cmd_manifest_check(args: argparse.Namespace) -> int:
 def cmd_synth(args: argparse.Namespace) -> int:
     from engine.api import Engine, SynthRequest
     from pipeline.atomic import write_wav_atomic
-    from pipeline.config import load_job_config
+    from pipeline.config import load_job_config, resolve_checkpoint_names
 
-    cfg = load_job_config(None, args.overrides, _flag_settings(args))
+    cfg = resolve_checkpoint_names(load_job_config(None, args.overrides, _flag_settings(args)))
     engine = Engine(cfg.engine)
     req = SynthRequest(
         text=args.text,
@@ -164,71 +234,83 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ovbatch", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    def job_flags(sp: argparse.ArgumentParser, config: bool = True) -> None:
-        sp.add_argument("--local", action="store_true", help="run shards in this process (no Ray)")
-        sp.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
-        sp.add_argument("--checkpoint", help="checkpoint directory (default: the embedded tiny checkpoint)")
-        if config:
-            sp.add_argument("--config", help="job config YAML (see jobs/*.yaml)")
+    def command(name: str, func: Any, help: str, parent: Any = sub) -> argparse.ArgumentParser:
+        sp = parent.add_parser(name, help=help, description=help)
+        sp.set_defaults(func=func, parser=sp)  # main() reports stray arguments with this command's usage
+        return sp
+
+    def overrides(sp: argparse.ArgumentParser, example: str = "engine.precision=fp16") -> None:
         sp.add_argument(
-            "overrides", nargs="*", metavar="key=value", help="config overrides, e.g. engine.precision=fp16"
+            "overrides",
+            nargs="*",
+            metavar="key=value",
+            help=f"config overrides (docs/pipeline.md), e.g. {example}",
         )
 
-    sp = sub.add_parser("submit", help="plan a manifest into a job dir and run it (or resume it)")
+    def job_flags(sp: argparse.ArgumentParser, checkpoint_help: str = CHECKPOINT_HELP) -> None:
+        sp.add_argument("--local", action="store_true", help="run shards in this process (no Ray)")
+        sp.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
+        sp.add_argument("--checkpoint", help=checkpoint_help)
+
+    job_help = "job directory (the --out given to submit)"
+    sp = command("submit", cmd_submit, "plan a manifest into a job dir and run it (or resume it)")
     sp.add_argument("manifest", help="Parquet manifest: local path or pyarrow.fs URI (s3://, gs://, file://)")
-    sp.add_argument("--out", required=True, help="job directory")
+    sp.add_argument("--out", required=True, help="job directory (new, or this job's to resume it)")
     job_flags(sp)
-    sp.set_defaults(func=cmd_submit)
+    sp.add_argument("--config", help="job config YAML (see jobs/*.yaml)")
+    overrides(sp)
 
-    sp = sub.add_parser("rerun", help="run the shards that are missing or hold failed rows")
-    sp.add_argument("job")
-    job_flags(sp, config=False)
-    sp.set_defaults(func=cmd_rerun)
-
-    sp = sub.add_parser("status", help="rows by status, shards, throughput")
-    sp.add_argument("job")
-    sp.add_argument("--json", action="store_true", help="print the summary as JSON")
-    sp.set_defaults(func=cmd_status)
-
-    sp = sub.add_parser("report", help="write JOB/report/index.html (A/B metrics when there are variants)")
-    sp.add_argument("job")
-    sp.add_argument(
-        "overrides", nargs="*", metavar="key=value", help="e.g. compare.asr_model=openai/whisper-small"
+    sp = command("rerun", cmd_rerun, "run the shards that are missing or hold failed rows")
+    sp.add_argument("job", help=job_help)
+    job_flags(
+        sp,
+        "checkpoint directory (default: the job's own checkpoint; a different one is refused, since it "
+        "would change what the rows sound like)",
     )
-    sp.set_defaults(func=cmd_report)
+    overrides(sp, "engine.max_batch_tokens=8192")
 
-    sp = sub.add_parser("demo", help="run a small job on the tiny checkpoint through local Ray")
-    sp.add_argument("--out", default="out/demo", help="job directory (default: out/demo)")
+    sp = command(
+        "status", cmd_status, "rows by status, shards, throughput, rows that failed or were rejected"
+    )
+    sp.add_argument("job", help=job_help)
+    sp.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    sp = command("report", cmd_report, "write JOB/report/index.html (A/B metrics when there are variants)")
+    sp.add_argument("job", help=job_help)
+    overrides(sp, "compare.asr_model=openai/whisper-small")
+
+    sp = command("demo", cmd_demo, "run a small job on the tiny checkpoint through local Ray")
+    sp.add_argument("--out", help="job directory (default: out/demo, or out/demo-ab with --ab)")
     sp.add_argument("--local", action="store_true", help="run in this process instead of on Ray actors")
     sp.add_argument("--ab", action="store_true", help="float32 vs W4A4 tiny model, with the A/B report")
-    sp.add_argument("overrides", nargs="*", metavar="key=value")
-    sp.set_defaults(func=cmd_demo)
+    overrides(sp, "engine.generation.num_step=8")
 
-    sp = sub.add_parser("manifest", help="manifest tools")
+    sp = sub.add_parser("manifest", help="manifest tools", description="manifest tools")
     msub = sp.add_subparsers(dest="manifest_command", required=True)
-    mc = msub.add_parser("check", help="validate a manifest without running anything")
-    mc.add_argument("file")
+    mc = command("check", cmd_manifest_check, "validate a manifest without running anything", msub)
+    mc.add_argument("file", help="Parquet manifest: local path or pyarrow.fs URI (s3://, gs://, file://)")
     mc.add_argument("--checkpoint", help="checkpoint whose tokenizer sizes the rows (default: tiny)")
     mc.add_argument("--config", help="job config YAML (engine buckets and limits)")
-    mc.add_argument("--limit", type=int, default=50, help="rejected rows to print")
-    mc.add_argument("overrides", nargs="*", metavar="key=value")
-    mc.set_defaults(func=cmd_manifest_check)
+    mc.add_argument("--limit", type=int, default=50, help="rejected rows to print (default 50)")
+    overrides(mc, "engine.max_batch_tokens=8192")
 
-    sp = sub.add_parser("synth", help="synthesize one utterance")
-    sp.add_argument("--text", required=True)
-    sp.add_argument("--ref-audio")
-    sp.add_argument("--ref-text")
-    sp.add_argument("--out", required=True, help="output wav")
-    sp.add_argument("--checkpoint")
-    sp.add_argument("--language")
-    sp.add_argument("--instruct")
-    sp.add_argument("--duration", type=float)
-    sp.add_argument("--speed", type=float)
-    sp.add_argument("--seed", type=int, default=0)
+    sp = command("synth", cmd_synth, "synthesize one utterance")
+    sp.add_argument("--text", required=True, help="the words to speak")
     sp.add_argument(
-        "overrides", nargs="*", metavar="key=value", help="engine overrides, e.g. engine.precision=fp32"
+        "--ref-audio",
+        help="reference clip of the voice to clone (wav, flac, ogg, mp3; default: no reference)",
     )
-    sp.set_defaults(func=cmd_synth)
+    sp.add_argument("--ref-text", help="transcript of --ref-audio (required with it)")
+    sp.add_argument("--out", required=True, help="output wav (16-bit PCM at the codec's 24 kHz)")
+    sp.add_argument("--checkpoint", help=CHECKPOINT_HELP)
+    sp.add_argument("--language", help="language id or name, e.g. en or English (default: language-agnostic)")
+    sp.add_argument(
+        "--instruct", help="voice-design items, e.g. 'female, low pitch' (an error lists the valid ones)"
+    )
+    sp.add_argument("--duration", type=float, help="seconds of audio to produce (overrides --speed)")
+    sp.add_argument("--speed", type=float, help="speaking-rate factor, e.g. 1.2 is faster (default 1.0)")
+    sp.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    overrides(sp, "engine.precision=fp32")
 
     sub.add_parser(
         "quantize", help="quantize a checkpoint to W4A4 (options: ovbatch quantize --help)", add_help=False
@@ -236,26 +318,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _stray_arguments(args: argparse.Namespace, extra: list[str]) -> None:
+    """Overrides may follow options (argparse cannot interleave them with subcommands): take the extra
+    key=value words as overrides; anything else is an error naming it."""
+    options = [x for x in extra if x.startswith("-")]
+    if options or (extra and not hasattr(args, "overrides")):
+        args.parser.error(f"unrecognized arguments: {' '.join(options or extra)}")
+    words = [x for x in [*getattr(args, "overrides", []), *extra] if "=" not in x]
+    if words:
+        raise InputError(
+            f"{words[0]!r} is not a key=value override ({OVERRIDE_FORM}; `{args.parser.prog} --help` lists "
+            "the arguments)."
+        )
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    args = None
     try:
         if argv and argv[0] == "quantize":
             return cmd_quantize(argv[1:])
-        parser = build_parser()
-        # key=value overrides may follow options (argparse cannot interleave them with subcommands)
-        args, extra = parser.parse_known_args(argv)
-        stray = [x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")]
-        if stray:
-            parser.error(f"unrecognized arguments: {' '.join(stray)}")
-        if extra:
-            args.overrides = [*args.overrides, *extra]
+        args, extra = build_parser().parse_known_args(argv)
+        _stray_arguments(args, extra)
         return args.func(args)
     except OVBatchError as e:
         print(f"ovbatch: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
+        job = getattr(args, "out", None) or getattr(args, "job", None) or "JOB"
         print(
-            "ovbatch: interrupted; finished shards are saved; submit the same job again to resume.",
+            f"ovbatch: interrupted; finished shards are saved: `ovbatch rerun {job}` (or the same submit "
+            "again) runs the rest.",
             file=sys.stderr,
         )
         return 130

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,10 @@ from engine.errors import InputError
 from pipeline.messages import first_line
 
 DEFAULT_VARIANT = "default"
+# Checkpoint names that need no path (engine.checkpoint, variants.*.checkpoint): the embedded tiny
+# checkpoint (the same as null) and its W4A4 sibling, quantized on first use beside it.
+TINY_CHECKPOINT = "tiny"
+TINY_W4A4_CHECKPOINT = "tiny-w4a4"
 _INTERPOLATION = re.compile(r"(\\*)\$\{")
 _VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -174,6 +178,28 @@ def validate_compare(cmp: CompareConfig) -> None:
         value = getattr(cmp, key)
         if value is not None and not value.strip():
             raise InputError(f"compare.{key}={value!r}: give a model directory or hub id, or leave it unset.")
+
+
+def resolve_checkpoint_names(cfg: JobConfig) -> JobConfig:
+    """`cfg` with the checkpoint names `tiny` (null: the engine's embedded tiny checkpoint) and `tiny-w4a4`
+    (that checkpoint quantized to W4A4, made on first use) replaced by what the engine loads."""
+
+    def resolve(checkpoint: Any) -> Any:
+        if checkpoint == TINY_CHECKPOINT:
+            return None
+        if checkpoint == TINY_W4A4_CHECKPOINT:
+            from engine.tiny import ensure_tiny_checkpoint
+            from pipeline.demo import tiny_w4a4_checkpoint
+
+            return str(tiny_w4a4_checkpoint(ensure_tiny_checkpoint()))
+        return checkpoint
+
+    variants = {
+        name: {**v, "checkpoint": resolve(v["checkpoint"])} if "checkpoint" in (v or {}) else v
+        for name, v in cfg.variants.items()
+    }
+    engine = replace(cfg.engine, checkpoint=resolve(cfg.engine.checkpoint))
+    return replace(cfg, engine=engine, variants=variants)
 
 
 def to_yaml(cfg: JobConfig) -> str:

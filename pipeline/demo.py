@@ -1,7 +1,8 @@
 """`ovbatch demo`: the tiny checkpoint, a manifest over the repo's real speech clips (espeak-ng, with
 transcripts in tests/data/clips.json), and the job run through a local Ray with two CPU actors.
 `ovbatch demo --ab` runs the same rows through the float32 and the W4A4 tiny model (quantized once,
-beside the tiny checkpoint) and writes the A/B report."""
+beside the tiny checkpoint) and writes the A/B report; the two demos have their own job directories
+(DEMO_OUT, DEMO_AB_OUT), so that either can run after the other."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ DEMO_TEXTS = (
     "We tested the voices on a quiet afternoon and wrote down every number we saw.",
 )
 DEMO_ROWS = 24
+DEMO_OUT = "out/demo"
+DEMO_AB_OUT = "out/demo-ab"
 # Buckets sized for the tiny checkpoint's short sequences; two CPU actors on local Ray.
 DEMO_OVERRIDES = (
     "engine.device=cpu",
@@ -65,14 +68,19 @@ def write_demo_manifest(path: Path, rows: int = DEMO_ROWS) -> Path:
 
 def tiny_w4a4_checkpoint(checkpoint: Path) -> Path:
     """The tiny checkpoint quantized to W4A4, made on first use beside it (about 20 s on 2 cores)."""
+    from engine.errors import QuantError
     from engine.quantizer.quantize import QuantizeOptions, quantize_checkpoint
 
     target = checkpoint.parent / f"{checkpoint.name}-w4a4"
     if not (target / "config.json").is_file():
-        print(f"demo: quantizing the tiny checkpoint to W4A4 -> {target}")
-        quantize_checkpoint(
-            checkpoint, target, QuantizeOptions(samples=16, device="cpu"), show_progress=False
-        )
+        print(f"ovbatch: quantizing the tiny checkpoint to W4A4 (once) -> {target}")
+        try:
+            quantize_checkpoint(
+                checkpoint, target, QuantizeOptions(samples=16, device="cpu"), show_progress=False
+            )
+        except QuantError:
+            if not (target / "config.json").is_file():  # not a concurrent run that finished first
+                raise
     return target
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
@@ -23,7 +24,7 @@ from engine.config import resolve_device
 from engine.errors import InputError
 from pipeline import manifest as manifest_mod
 from pipeline.atomic import write_bytes_atomic, write_json_atomic
-from pipeline.config import JobConfig, load_job_config, to_yaml
+from pipeline.config import JobConfig, load_job_config, resolve_checkpoint_names, to_yaml
 from pipeline.messages import first_line
 from pipeline.plan import Plan, RowSize, Sizer, make_plan, plan_differences
 from pipeline.rows import RequestRow, ResultRow
@@ -99,6 +100,7 @@ def plan_job(
 def check_manifest(cfg: JobConfig, make_sizer: Callable[[JobConfig], Sizer]) -> dict[str, Any]:
     """What submit would plan, without writing or running anything. Remote clips go to a temporary
     folder (submit copies them into the job) so that the engine's preparation can read them."""
+    cfg = resolve_checkpoint_names(cfg)
     with tempfile.TemporaryDirectory(prefix="ovbatch-check-") as clips:
         plan, _, _ = plan_job(cfg, make_sizer, clip_dir=Path(clips))
     buckets: dict[int, int] = {}
@@ -130,6 +132,7 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: Callable[[JobConfig], Si
             f"--out {job.path} already holds other files ({', '.join(foreign[:3])}): "
             "give a new or empty directory for the job."
         )
+    cfg = resolve_checkpoint_names(cfg)
     plan, rows, sizer = plan_job(cfg, make_sizer, job.clip_dir)
     kind = "submit"
     if job.exists():
@@ -226,6 +229,7 @@ def execute(
     t0 = time.perf_counter() if t0 is None else t0
     planning = time.perf_counter() - t0
     started = (datetime.now(UTC) - timedelta(seconds=planning)).isoformat(timespec="seconds")
+    run_id = uuid.uuid4().hex[:12]
     run_record = {
         "kind": kind,
         "started_at": started,
@@ -234,31 +238,15 @@ def execute(
         "shards": len(tasks),
         "rows": sum(len(t.rows) for t in tasks),
     }
-    pool = None
     if tasks:
-        executor, pool = make_executor(job, cfg, engines)
-        bar = tqdm(
-            total=run_record["rows"],
-            unit="row",
-            desc=f"{kind} {job.path.name}",
-            disable=not cfg.progress,
-            dynamic_ncols=True,
+        # Recorded before any shard runs, so that a run killed half-way still counts its time.
+        job.append_run({"event": "start", "run": run_id, **run_record})
+        run_tasks(job, cfg, tasks, kept, engines, kind, run_id, t0)
+        job.append_run({"event": "end", "run": run_id, "finished_at": _now(), "wall_seconds": _since(t0)})
+    else:  # recorded, but a run with nothing to do adds no time to the job (summary.counts_time)
+        job.append_run(
+            {"event": "end", "run": run_id, **run_record, "finished_at": _now(), "wall_seconds": _since(t0)}
         )
-        try:
-            for task, results in executor(tasks):
-                for r in results:  # a row that did not end ok keeps no wav from an earlier attempt
-                    if r.status != "ok":
-                        job.wav_path(task.variant, r.id).unlink(missing_ok=True)
-                job.write_shard_results(task.index, kept.get(task.index, []) + results)
-                bar.update(len(task.rows))
-        finally:
-            bar.close()
-            if pool is not None:
-                pool.shutdown()
-            # A worker lost during this run (a killed actor) may have left a temp file; no writer is left.
-            job.remove_temp_files()
-    run_record.update(finished_at=_now(), wall_seconds=round(time.perf_counter() - t0, 3))
-    job.append_run(run_record)
     summary = summarize(job)
     write_json_atomic(job.summary_path, summary)
     if cfg.report == "always" or (cfg.report == "auto" and len(plan.variants) > 1 and summary["complete"]):
@@ -266,6 +254,58 @@ def execute(
 
         write_report(job, cfg.compare)
     return JobOutcome(job, summary, [t.index for t in tasks])
+
+
+def _since(t0: float) -> float:
+    return round(time.perf_counter() - t0, 3)
+
+
+def run_tasks(
+    job: JobDir,
+    cfg: JobConfig,
+    tasks: list[ShardTask],
+    kept: dict[int, list[ResultRow]],
+    engines: dict[str, Any] | None,
+    kind: str,
+    run_id: str,
+    t0: float,
+) -> None:
+    """Run the shards and write each one's results as it finishes, with a `shard` event in runs.jsonl.
+    A run that stops on an exception (Ctrl-C included) records its end and what stopped it."""
+    pool = None
+    bar = tqdm(
+        total=sum(len(t.rows) for t in tasks),
+        unit="row",
+        desc=f"{kind} {job.path.name}",
+        disable=not cfg.progress,
+        dynamic_ncols=True,
+    )
+    try:
+        executor, pool = make_executor(job, cfg, engines)
+        for task, results in executor(tasks):
+            for r in results:  # a row that did not end ok keeps no wav from an earlier attempt
+                if r.status != "ok":
+                    job.wav_path(task.variant, r.id).unlink(missing_ok=True)
+            job.write_shard_results(task.index, kept.get(task.index, []) + results)
+            job.append_run({"event": "shard", "run": run_id, "shard": task.index, "seconds": _since(t0)})
+            bar.update(len(task.rows))
+    except BaseException as e:
+        job.append_run(
+            {
+                "event": "end",
+                "run": run_id,
+                "finished_at": _now(),
+                "wall_seconds": _since(t0),
+                "stopped_by": type(e).__name__,
+            }
+        )
+        raise
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.shutdown()
+        # A worker lost during this run (a killed actor) may have left a temp file; no writer is left.
+        job.remove_temp_files()
 
 
 def make_executor(job: JobDir, cfg: JobConfig, engines: dict[str, Any] | None = None) -> tuple[Executor, Any]:

@@ -25,18 +25,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("checkpoint", help="official OmniVoice checkpoint directory (or Hugging Face repo id)")
     p.add_argument("--out", required=True, help="new directory for the W4A4 checkpoint")
-    p.add_argument("--rank", type=int, default=16, choices=SUPPORTED_RANKS, help="low-rank branch rank")
+    p.add_argument(
+        "--rank", type=int, default=16, choices=SUPPORTED_RANKS, help="low-rank branch rank (default 16)"
+    )
     p.add_argument("--calib", help="Parquet manifest whose rows calibrate (default: generated prompts)")
     p.add_argument("--samples", type=int, default=128, help="calibration requests (default 128)")
-    p.add_argument("--eval-requests", type=int, default=8, help="held-out requests for the W4A4-vs-FP check")
     p.add_argument(
-        "--sample-rows", type=int, default=512, help="rows per Linear used to measure output error"
+        "--eval-requests", type=int, default=8, help="held-out requests for the W4A4-vs-FP check (default 8)"
     )
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument(
-        "--dtype", default="auto", choices=["auto", *DTYPES], help="activation dtype (auto: bf16 on CUDA)"
+        "--sample-rows",
+        type=int,
+        default=512,
+        help="rows per Linear used to measure output error (default 512)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="activation dtype (default auto: bf16 on CUDA, fp32 on CPU)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the calibration and evaluation prompts (default 0)"
+    )
     p.add_argument("--stage-report", action="store_true", help="also measure GPTQ alone per layer (slower)")
     return p
 

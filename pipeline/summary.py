@@ -1,4 +1,10 @@
-"""summary.json: rows by status, wall time, aggregate x-realtime, per-bucket figures."""
+"""summary.json: rows by status, wall time, aggregate x-realtime, per-bucket figures, the first failed
+and rejected rows with the files that list them all.
+
+Runs are read from runs.jsonl, where each run writes a `start` event, a `shard` event per finished
+shard and an `end` event: a run killed before its end still counts its time up to its last finished
+shard, so the audio it produced is not counted without the time it took.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +14,70 @@ from typing import Any
 from pipeline.rows import STATUSES
 from pipeline.store import JobDir
 
+PROBLEM_EXAMPLES = 5  # failed and rejected rows named in the summary (all are in the results files)
+
 
 def _rate(num: float, den: float) -> float | None:
     return round(num / den, 4) if den > 0 else None
 
 
+def fold_runs(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per run from runs.jsonl's events; a record without `event` (written before events
+    existed) is one whole run. `state`: finished; stopped (by an exception or Ctrl-C, named in
+    `stopped_by`); or unfinished (no end recorded: killed, or still running), whose `wall_seconds` reach
+    its last finished shard."""
+    runs: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        event = rec.get("event")
+        if event is None:
+            runs[f"record-{len(runs)}"] = {**rec, "state": "finished"}
+            continue
+        run = runs.setdefault(rec["run"], {"run": rec["run"], "state": "unfinished", "shards_finished": 0})
+        fields = {k: v for k, v in rec.items() if k not in ("event", "shard", "seconds")}
+        if event == "start":
+            run.update(fields, wall_seconds=rec.get("planning_seconds", 0.0))
+        elif event == "shard":
+            run["shards_finished"] += 1
+            run["wall_seconds"] = max(run.get("wall_seconds", 0.0), rec["seconds"])
+        elif event == "end":
+            run.update(fields, state="stopped" if rec.get("stopped_by") else "finished")
+    return list(runs.values())
+
+
+def counts_time(run: dict[str, Any]) -> bool:
+    """A run that had no shard to run (a resume of a complete job) adds no time to the job's wall."""
+    return run.get("shards", 1) > 0
+
+
+def _result_file(job: JobDir, row: dict[str, Any]) -> str:
+    """The results file that holds `row` (rows refused at planning have no shard)."""
+    if row["shard"] is None:
+        return str(job.results_dir / "rejected.parquet")
+    return str(job.shard_result_path(row["shard"]))
+
+
+def _problems(job: JobDir, results: list[dict[str, Any]], status: str) -> dict[str, Any]:
+    """The first rows of one status (a row refused in every variant for one reason is named once) and
+    every results file holding rows of that status."""
+    rows = [r for r in results if r["status"] == status]
+    rows.sort(key=lambda r: (r["row_index"] if r["row_index"] is not None else -1, r["variant"]))
+    examples: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in rows:
+        key = (r["id"], r["error"] or "")
+        if key not in examples and len(examples) < PROBLEM_EXAMPLES:
+            examples[key] = {k: r[k] for k in ("id", "row_index", "variant", "error")}
+    return {
+        "count": len(rows),
+        "distinct": len({(r["id"], r["error"] or "") for r in rows}),
+        "examples": list(examples.values()),
+        "files": sorted({_result_file(job, r) for r in rows}),
+    }
+
+
 def summarize(job: JobDir) -> dict[str, Any]:
     plan = job.read_plan()
     results = job.read_results().to_pylist()
-    runs = job.read_runs()
+    runs = fold_runs(job.read_runs())
     finished = job.finished_shards()
     planned = {s.index for s in plan.shards}
 
@@ -37,7 +98,7 @@ def summarize(job: JobDir) -> dict[str, Any]:
         b["synth_seconds"] += r["synth_seconds"]
     planned_rows = sum(len(s.rows) for s in plan.shards) + len(plan.rejected) * len(plan.variants)
     pending = planned_rows - len(results)
-    wall = sum(run.get("wall_seconds", 0.0) for run in runs)
+    wall = sum(run.get("wall_seconds", 0.0) for run in runs if counts_time(run))
     per_bucket = [
         {
             "variant": v,
@@ -65,5 +126,6 @@ def summarize(job: JobDir) -> dict[str, Any]:
         # audio per second of engine time (sum of per-row shares of batch time)
         "engine_x_realtime": _rate(audio, synth),
         "per_bucket": per_bucket,
+        "problems": {status: _problems(job, results, status) for status in ("rejected", "failed")},
         "runs": runs,
     }

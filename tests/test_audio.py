@@ -132,6 +132,16 @@ def test_corrupt_file(tmp_path, damage):
         A.prepare_reference(path, RATE, HOP)
 
 
+def test_a_text_file_named_wav_is_refused_by_its_path(tmp_path):
+    path = tmp_path / "notes.wav"
+    path.write_text("not audio, just a text file\n")
+    with pytest.raises(AudioError) as e:
+        A.prepare_reference(path, RATE, HOP)
+    message = str(e.value)
+    assert f"reference clip {path} is not a readable audio file (Format not recognised)" in message
+    assert "BytesIO" not in message and " at 0x" not in message
+
+
 @pytest.mark.parametrize("level", [0.0, 1e-5])
 def test_silent_clip(level):
     x = (np.random.default_rng(2).standard_normal(RATE * 2) * level).astype(np.float32)

@@ -82,10 +82,85 @@ def test_bad_config_keys_and_values_are_one_line(tmp_path: Path, capsys):
         assert message in _error_line(capsys)
 
 
-def test_stray_arguments_are_a_usage_error(tmp_path: Path):
+def test_an_override_without_equals_is_named_with_the_key_value_form(tmp_path: Path, capsys):
+    for argv in (
+        ["submit", "m.parquet", "--out", str(tmp_path), "notakeyvalue"],
+        ["submit", "m.parquet", "notakeyvalue", "--out", str(tmp_path)],
+        ["demo", "--local", "notakeyvalue"],
+    ):
+        assert main(argv) == EXIT_ERROR
+        line = _error_line(capsys)
+        assert line.startswith("ovbatch: error: 'notakeyvalue' is not a key=value override")
+        assert "e.g. engine.precision=fp16" in line and f"`ovbatch {argv[0]} --help`" in line
+
+
+def test_an_unknown_option_shows_its_commands_usage(tmp_path: Path, capsys):
     with pytest.raises(SystemExit) as e:
-        main(["submit", "m.parquet", "--out", str(tmp_path), "notakeyvalue"])
+        main(["submit", "m.parquet", "--out", str(tmp_path), "--nope"])
     assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ovbatch submit") and "unrecognized arguments: --nope" in err
+    with pytest.raises(SystemExit):
+        main(["status", str(tmp_path), "extra"])
+    assert capsys.readouterr().err.startswith("usage: ovbatch status")
+
+
+def _subcommands(parser) -> dict[str, object]:
+    """Every (sub)command's parser by its prog, e.g. 'ovbatch manifest check'."""
+    import argparse
+
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found[sub.prog] = sub
+                found.update(_subcommands(sub))
+    return found
+
+
+def test_every_argument_of_every_command_is_described():
+    from pipeline.cli import build_parser
+
+    commands = _subcommands(build_parser())
+    assert {"ovbatch synth", "ovbatch manifest check", "ovbatch report", "ovbatch rerun"} <= set(commands)
+    from pipeline.quantize_command import build_parser as quantize_parser
+
+    commands["ovbatch quantize"] = quantize_parser()  # `ovbatch quantize` hands its arguments to this one
+    for prog, parser in commands.items():
+        for action in parser._actions:
+            if action.dest in ("help", "func", "parser") or action.help == "==SUPPRESS==":
+                continue
+            if hasattr(action, "choices") and action.dest.endswith("command"):
+                continue
+            assert action.help, f"{prog}: {action.option_strings or action.dest} has no description"
+            if action.default not in (None, False) and action.option_strings:
+                assert "default" in action.help, f"{prog} {action.option_strings}: its default is not shown"
+
+
+def test_rerun_says_its_checkpoint_is_the_jobs_own(capsys):
+    with pytest.raises(SystemExit):
+        main(["rerun", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "default: the job's own checkpoint" in help_text
+    assert "the embedded tiny checkpoint" not in help_text
+
+
+def test_the_ab_demo_has_its_own_job_directory(monkeypatch, capsys):
+    from engine.errors import OVBatchError
+    from pipeline import demo
+
+    outs = []
+
+    def record(out, **kw):
+        outs.append(out)
+        raise OVBatchError("recorded")
+
+    monkeypatch.setattr(demo, "run_demo", record)
+    main(["demo"])
+    main(["demo", "--ab"])
+    main(["demo", "--ab", "--out", "elsewhere"])
+    capsys.readouterr()
+    assert outs == ["out/demo", "out/demo-ab", "elsewhere"]
 
 
 def test_status_of_a_directory_that_is_not_a_job(tmp_path: Path, capsys):
@@ -183,6 +258,8 @@ def test_job_configs_load(name: str):
     if name == "ab.yaml":
         assert cfg.variant_names() == ["fp16", "w4a4"]
         assert [cfg.engine_config(v).precision for v in cfg.variant_names()] == ["fp16", "w4a4"]
+        # the embedded tiny checkpoint and its W4A4 sibling unless overridden
+        assert [cfg.engine_config(v).checkpoint for v in cfg.variant_names()] == [None, "tiny-w4a4"]
     if name == "cluster.yaml":
         assert cfg.engine.prompt_cache_dir == "/data/cache/prompts" and cfg.engine.device == "cuda"
 
@@ -252,3 +329,51 @@ def test_literal_settings_sit_between_the_config_file_and_the_overrides(tmp_path
         None, ["engine.checkpoint=${manifest}.d"], {"manifest": "/m", "engine.checkpoint": "/c"}
     )
     assert cfg.engine.checkpoint == "/m.d"
+
+
+def test_the_ab_config_runs_as_it_is_on_the_tiny_checkpoints(tmp_path: Path, capsys, fast):
+    """jobs/ab.yaml without overrides: the tiny checkpoint against its W4A4 sibling (made on first use),
+    and the output says where both are."""
+    from engine.tiny import ensure_tiny_checkpoint
+
+    tiny = ensure_tiny_checkpoint()
+    manifest = tmp_path / "m.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "id": ["a"],
+                "text": ["Hello."],
+                "ref_audio": [str(DATA / CLIP)],
+                "ref_text": [CLIPS[CLIP]["transcript"]],
+            }
+        ),
+        manifest,
+    )
+    small = ["engine.buckets=[128,256,512,1024]", "engine.max_batch_tokens=1024", "progress=false"]
+    argv = [
+        "submit",
+        str(manifest),
+        "--out",
+        str(tmp_path / "ab"),
+        "--config",
+        str(ROOT / "jobs" / "ab.yaml"),
+    ]
+    assert main([*argv, "--local", *fast, *small, "report=never"]) == 0
+    out = capsys.readouterr().out
+    assert "2 ok, 0 failed, 0 rejected" in out  # one row in each variant
+    assert f"checkpoint (fp16): the embedded tiny checkpoint, {tiny}" in out
+    assert f"checkpoint (w4a4): {tiny.parent / (tiny.name + '-w4a4')}" in out
+    assert (tiny.parent / f"{tiny.name}-w4a4" / "config.json").is_file()
+
+
+def test_checkpoint_names_resolve_and_paths_stay_as_given():
+    from pipeline.config import load_job_config, resolve_checkpoint_names
+
+    cfg = load_job_config(
+        None, ["engine.checkpoint=tiny", "variants.a.checkpoint=/c/tiny", "variants.b.precision=fp32"]
+    )
+    resolved = resolve_checkpoint_names(cfg)
+    assert resolved.engine.checkpoint is None  # `tiny` is null: the embedded tiny checkpoint
+    assert (
+        resolved.engine_config("a").checkpoint == "/c/tiny" and resolved.engine_config("b").checkpoint is None
+    )

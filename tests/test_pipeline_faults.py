@@ -307,7 +307,10 @@ def test_killing_the_driver_then_resubmitting_redoes_only_unfinished_shards(tmp_
     assert all(r["status"] == "ok" for r in results)
     assert {p.stem for p in (job.path / "wavs" / "default").iterdir()} == {r["id"] for r in results}
     assert not list(job.path.rglob("*.ovtmp-*"))
-    assert outcome.summary["complete"] and [r["kind"] for r in outcome.summary["runs"]] == ["resume"]
+    assert outcome.summary["complete"]
+    runs = outcome.summary["runs"]  # the killed run counts, up to its last finished shard
+    assert [(r["kind"], r["state"]) for r in runs] == [("submit", "unfinished"), ("resume", "finished")]
+    assert runs[0]["shards_finished"] == len(finished) and runs[0]["wall_seconds"] > 0
 
 
 def test_submit_never_writes_into_a_folder_that_is_not_a_job(tmp_path: Path):

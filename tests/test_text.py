@@ -10,6 +10,7 @@ from engine.frontend.text import (
     NONVERBAL_TAGS,
     OMNIVOICE_SPECIAL_TOKENS,
     TextFrontend,
+    _language_table,
     add_punctuation,
     combine_text,
     resolve_instruct,
@@ -187,7 +188,7 @@ def test_every_table_row_resolves():
     ("bad", "suggestion"),
     [
         ("Englsh", "English (en)"),
-        ("EN", "en (English)"),
+        ("EN", "English (en)"),
         ("chinse", "Chinese (zh)"),
         ("Japanes", "Japanese (ja)"),
     ],
@@ -196,6 +197,16 @@ def test_unknown_language_suggests(bad, suggestion):
     with pytest.raises(InputError) as e:
         resolve_language(bad)
     assert repr(bad) in str(e.value) and suggestion in str(e.value)
+
+
+def test_language_suggestions_all_read_name_then_id():
+    # 'eng' is close to ids (ng, en) and names alike: every suggestion is written "Name (id)"
+    _, _, names = _language_table()
+    with pytest.raises(InputError) as e:
+        resolve_language("eng")
+    suggestions = str(e.value).split("Did you mean: ")[1].split("?")[0].split(", ")
+    assert len(suggestions) > 1
+    assert all(s in {f"{name} ({code})" for code, name in names.items()} for s in suggestions), suggestions
 
 
 def test_unknown_language_without_close_match():

@@ -79,8 +79,10 @@ def decode(raw: bytes, name: str, max_seconds: float | None = None) -> tuple[np.
             )
         data, rate = sf.read(io.BytesIO(raw), dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError) as e:
+        # libsndfile's message names the in-memory buffer (<_io.BytesIO object at 0x...>), not the clip
+        detail = e.error_string.rstrip(".") if isinstance(e, sf.LibsndfileError) else str(e)
         raise AudioError(
-            f"reference clip {name} is not a readable audio file ({e}): "
+            f"reference clip {name} is not a readable audio file ({detail}): "
             "use wav, flac, ogg or mp3 and check the file is not truncated."
         ) from None
     if data.shape[0] == 0:

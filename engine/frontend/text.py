@@ -111,7 +111,7 @@ def resolve_language(name_or_code: str | None) -> str | None:
         return by_name[name_or_code.lower()]
     close = difflib.get_close_matches(name_or_code.lower(), [*by_name, *sorted(ids)], n=4, cutoff=0.6)
     suggestions = dict.fromkeys(
-        f"{c} ({names[c]})" if c in ids else f"{names[by_name[c]]} ({by_name[c]})" for c in close
+        f"{names[c]} ({c})" if c in ids else f"{names[by_name[c]]} ({by_name[c]})" for c in close
     )
     hint = f" Did you mean: {', '.join(suggestions)}?" if suggestions else ""
     raise InputError(

@@ -33,6 +33,7 @@ from engine.checkpoint import (
 from engine.config import DTYPES, EngineConfig, FastPaths, GenerationConfig, resolve_device
 from engine.errors import InputError, QuantError
 from engine.frontend.text import TextFrontend
+from engine.fsmodes import chmod_tree_as_created
 from engine.generate.batching import greedy_batches
 from engine.generate.loop import Runner
 from engine.generate.packing import GenItem, pack_items, packed_tokens
@@ -319,6 +320,7 @@ def quantize_checkpoint(
         (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
         if out.exists():
             raise QuantError(f"output {out} appeared while quantizing; the result is left unused.")
+        chmod_tree_as_created(tmp)  # mkdtemp made it owner-only: others on a shared volume read it too
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.config import LLMConfig, ModelConfig, cache_root
+from engine.fsmodes import chmod_tree_as_created
 from engine.model import OmniVoiceModel
 
 TINY_VERSION = 3
@@ -94,6 +95,7 @@ def ensure_tiny_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=root))
     try:
         write_tiny_checkpoint(staging)
+        chmod_tree_as_created(staging)  # mkdtemp and safetensors make owner-only folders and files
         # Replace a damaged copy (files deleted), never one a concurrent builder has just published.
         if target.exists() and not _complete(target):
             shutil.rmtree(target, ignore_errors=True)

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.errors import QuantError
+from engine.fsmodes import chmod_as_created
 
 FORMAT_NAME = "ovbatch-w4a4"
 # Version 2: source_hash is engine.checkpoint.checkpoint_fingerprint (sha256) of the source checkpoint.
@@ -248,6 +249,7 @@ def write_w4a4_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor]
     tmp = path.with_name(path.name + ".tmp")
     try:
         save_file(cpu, str(tmp), metadata=header)
+        chmod_as_created(tmp)  # safetensors writes owner-only files
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
