@@ -1,14 +1,14 @@
 """Where generation time goes on the GPU: one warm Runner.generate call per variant under torch.profiler.
 
 Full-size OmniVoice dimensions with random weights (bench/pipeline.py's checkpoint, no official package),
-the batches of bench/generate.py (default B8_same and B32_vary: 32 steps, 5 s references), and three
+the batches of bench/generate.py (default B8_same and B32_vary: 32 steps, 5 s references), and four
 variants: bf16 eager, bf16 with CUDA graphs, W4A4 with CUDA graphs (bench/generate.py's round-to-nearest
-copy on the CUDA kernels; skipped, with the reason, when they cannot run). Per variant: the median wall
-time of 3 unprofiled calls, then one profiled call: its wall time, device time (kernels, memcpy, memset:
-summed, and merged into busy time), GPU busy fraction (busy / wall), kernels run, host launch calls
-(kernels, graphs), device time per category and the top 25 kernels. Categories come from kernel names
-only (classify): elementwise kernels of the decoding step (log, where, masked_fill) count as elementwise,
-the model's index kernels as decoding.
+copy on the CUDA kernels; skipped, with the reason, when they cannot run) and FP8 with CUDA graphs.
+Per variant: the median wall time of 3 unprofiled calls, then one profiled call: its wall time, device
+time (kernels, memcpy, memset: summed, and merged into busy time), GPU busy fraction (busy / wall),
+kernels run, host launch calls (kernels, graphs), device time per category and the top 25 kernels.
+Categories come from kernel names only (classify): elementwise kernels of the decoding step (log, where,
+masked_fill) count as elementwise, the model's index kernels as decoding.
 
     python bench/profile_generate.py [--out PATH] [--cases B8_same,B32_vary]
 
@@ -18,6 +18,7 @@ the model's index kernels as decoding.
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import tempfile
 import time
@@ -37,7 +38,7 @@ from engine.errors import InputError  # noqa: E402
 from engine.frontend.text import TextFrontend  # noqa: E402
 from engine.generate.loop import GenItem, Runner  # noqa: E402
 from engine.generate.packing import packed_tokens  # noqa: E402
-from engine.loading import load_model  # noqa: E402
+from engine.loading import backbone_to_fp8, load_model  # noqa: E402
 
 # First match wins (case-insensitive substrings): attention and W4A4 before dense GEMM, as flash kernels
 # carry cutlass types in their names and the W4A4 GEMM is called a gemm.
@@ -45,6 +46,7 @@ RULES = (
     ("memcpy_memset", "memcpy memset".split()),
     ("w4a4_quantize", ["quantize_act"]),
     ("w4a4_gemm", ["w4a4_gemm"]),
+    ("fp8_quantize", ["fp8_quantize"]),
     ("attention", "flash fmha attention varlen".split()),
     ("dense_gemm", "gemm gemv nvjet cutlass xmma cublas splitkreduce".split()),
     (
@@ -211,6 +213,10 @@ def main(argv: list[str] | None = None) -> dict:
         Runner(w4a4_copy(model), EngineConfig(cuda_graphs=True, buckets=BUCKETS), "cuda", torch.bfloat16)
         if w4a4_ok
         else f"W4A4 CUDA kernels unavailable: {w4a4_reason}"
+    )
+    fp8 = backbone_to_fp8(copy.deepcopy(model))
+    runners["fp8_graphs"] = Runner(
+        fp8, EngineConfig(cuda_graphs=True, buckets=BUCKETS), "cuda", torch.bfloat16
     )
     gen = GenerationConfig()
     results = {}

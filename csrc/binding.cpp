@@ -240,8 +240,9 @@ std::tuple<Tensor, Tensor> fp8_quantize_rows(const Tensor& x, const Tensor* seco
 }
 
 void check_fp8_rows(const Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda() && t.dim() == 2 && t.size(1) % 8 == 0, "ovbatch_w4a4: ", name,
-              " must be a CUDA [rows, K] with K a multiple of 8, got ", t.sizes(), " on ", t.device());
+  TORCH_CHECK(t.is_cuda() && t.dim() == 2 && t.size(1) % 8 == 0 && t.size(1) <= w4a4::kFp8MaxK, "ovbatch_w4a4: ",
+              name, " must be a CUDA [rows, K] with K a multiple of 8 up to ", w4a4::kFp8MaxK, ", got ", t.sizes(),
+              " on ", t.device());
   TORCH_CHECK(t.stride(1) == 1 && (t.size(0) <= 1 || t.stride(0) % 8 == 0) &&
                   reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
               "ovbatch_w4a4: ", name, " needs unit column stride, a row stride that is a multiple of 8 and ",

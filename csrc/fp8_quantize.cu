@@ -2,11 +2,10 @@
 //   copy:     x                                   (the attention output, o_proj's input)
 //   rms_norm: T(w * T(x * rstd))                  (q/k/v and gate/up inputs; rstd as csrc/rms_norm.cu)
 //   silu_mul: T(T(silu(gate)) * up)               (down_proj's input; as csrc/silu_mul.cu)
-// Each row r gets scale[r] = max(max|v|, kMinAmax) / 448 and codes e4m3(v / scale[r]) (IEEE division, round
-// to nearest even): engine/fp8/reference.py quantize_rows applied to the same T values, bit for bit.
-// One warp per row, 16-byte reads. The row is read three times (twice for copy and silu_mul): statistics,
-// then the maximum of the produced values, then the codes; the later reads come from L1/L2, so memory sees
-// the input once and the codes and scales once.
+// Each row r gets scale[r] = a / 448 and codes e4m3(v * (448 / a)), a = max(max|v|, kFp8MinAmax) (IEEE
+// divisions, round to nearest even): engine/fp8/reference.py quantize_rows on the same T values, bit for bit.
+// One warp per row, 16-byte reads, each value produced once and kept in registers until the row's maximum
+// is known (rows of up to kFp8MaxK elements); RMSNorm reads x once more first, for its statistics.
 #include <cuda_fp8.h>
 
 #include "w4a4_common.cuh"
@@ -43,12 +42,14 @@ __device__ __forceinline__ uint4 produce(const T* x, const T* second, int c, flo
   }
 }
 
-__device__ __forceinline__ uint32_t e4m3x2(float2 v, float scale) {
-  const float2 scaled = make_float2(__fdiv_rn(v.x, scale), __fdiv_rn(v.y, scale));
-  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(scaled, __NV_SATFINITE, __NV_E4M3));
+__device__ __forceinline__ uint32_t e4m3x2(float2 v, float inv_scale) {
+  return static_cast<uint32_t>(
+      __nv_cvt_float2_to_fp8x2(make_float2(v.x * inv_scale, v.y * inv_scale), __NV_SATFINITE, __NV_E4M3));
 }
 
-template <typename T, Fp8Source S>
+// kChunks = K / 256 rounded up: each lane keeps its kChunks 16-byte pieces of the produced row in registers
+// between finding the row's maximum and writing the codes, so each value is produced once.
+template <typename T, Fp8Source S, int kChunks>
 __global__ void __launch_bounds__(kRowsPerBlock * 32) fp8_quantize_kernel(const Fp8QuantizeArgs a) {
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * kRowsPerBlock + (threadIdx.x >> 5);
@@ -75,43 +76,67 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) fp8_quantize_kernel(const 
     rstd = rsqrtf(ss * (1.0f / static_cast<float>(K)) + a.eps);
   }
 
+  uint4 values[kChunks];
   float amax = 0.f;
-  for (int c = lane * kVec; c < K; c += 32 * kVec) {
-    const uint4 v = produce<T, S>(x, second, c, rstd);
-    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = unpack2<T>(words[j]);
-      amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+  for (int i = 0; i < kChunks; ++i) {
+    const int c = (i * 32 + lane) * kVec;
+    if (c < K) {
+      values[i] = produce<T, S>(x, second, c, rstd);
+      const uint32_t words[4] = {values[i].x, values[i].y, values[i].z, values[i].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = unpack2<T>(words[j]);
+        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+      }
     }
   }
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
-  const float scale = __fdiv_rn(fmaxf(amax, kFp8MinAmax), kE4m3Max);
+  amax = fmaxf(amax, kFp8MinAmax);
+  const float inv_scale = __fdiv_rn(kE4m3Max, amax);
 
   uint8_t* q = static_cast<uint8_t*>(a.q) + static_cast<int64_t>(row) * K;
-  for (int c = lane * kVec; c < K; c += 32 * kVec) {
-    const uint4 v = produce<T, S>(x, second, c, rstd);
-    const uint32_t lo = e4m3x2(unpack2<T>(v.x), scale) | (e4m3x2(unpack2<T>(v.y), scale) << 16);
-    const uint32_t hi = e4m3x2(unpack2<T>(v.z), scale) | (e4m3x2(unpack2<T>(v.w), scale) << 16);
-    *reinterpret_cast<uint2*>(q + c) = make_uint2(lo, hi);
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int c = (i * 32 + lane) * kVec;
+    if (c < K) {
+      const uint4 v = values[i];
+      const uint32_t lo = e4m3x2(unpack2<T>(v.x), inv_scale) | (e4m3x2(unpack2<T>(v.y), inv_scale) << 16);
+      const uint32_t hi = e4m3x2(unpack2<T>(v.z), inv_scale) | (e4m3x2(unpack2<T>(v.w), inv_scale) << 16);
+      *reinterpret_cast<uint2*>(q + c) = make_uint2(lo, hi);
+    }
   }
-  if (lane == 0) a.scale[row] = scale;
+  if (lane == 0) a.scale[row] = __fdiv_rn(amax, kE4m3Max);
+}
+
+template <typename T, Fp8Source S, int kChunks>
+cudaError_t launch_typed(const Fp8QuantizeArgs& a, cudaStream_t stream) {
+  const dim3 grid((a.rows + kRowsPerBlock - 1) / kRowsPerBlock);
+  fp8_quantize_kernel<T, S, kChunks><<<grid, kRowsPerBlock * 32, 0, stream>>>(a);
+  return cudaGetLastError();
 }
 
 template <typename T, Fp8Source S>
-cudaError_t launch_typed(const Fp8QuantizeArgs& a, cudaStream_t stream) {
-  const dim3 grid((a.rows + kRowsPerBlock - 1) / kRowsPerBlock);
-  fp8_quantize_kernel<T, S><<<grid, kRowsPerBlock * 32, 0, stream>>>(a);
-  return cudaGetLastError();
+cudaError_t launch_chunks(const Fp8QuantizeArgs& a, cudaStream_t stream) {
+  switch ((a.K + 32 * kVec - 1) / (32 * kVec)) {
+    case 1: return launch_typed<T, S, 1>(a, stream);
+    case 2: return launch_typed<T, S, 2>(a, stream);
+    case 3: return launch_typed<T, S, 3>(a, stream);
+    case 4: return launch_typed<T, S, 4>(a, stream);
+    case 5: case 6: return launch_typed<T, S, 6>(a, stream);
+    case 7: case 8: return launch_typed<T, S, 8>(a, stream);
+    case 9: case 10: case 11: case 12: return launch_typed<T, S, 12>(a, stream);
+  }
+  return cudaErrorInvalidValue;  // K > kFp8MaxK
 }
 
 template <typename T>
 cudaError_t launch_source(const Fp8QuantizeArgs& a, Fp8Source source, cudaStream_t stream) {
   switch (source) {
-    case Fp8Source::kCopy: return launch_typed<T, Fp8Source::kCopy>(a, stream);
-    case Fp8Source::kRmsNorm: return launch_typed<T, Fp8Source::kRmsNorm>(a, stream);
-    case Fp8Source::kSiluMul: return launch_typed<T, Fp8Source::kSiluMul>(a, stream);
+    case Fp8Source::kCopy: return launch_chunks<T, Fp8Source::kCopy>(a, stream);
+    case Fp8Source::kRmsNorm: return launch_chunks<T, Fp8Source::kRmsNorm>(a, stream);
+    case Fp8Source::kSiluMul: return launch_chunks<T, Fp8Source::kSiluMul>(a, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -119,7 +144,7 @@ cudaError_t launch_source(const Fp8QuantizeArgs& a, Fp8Source source, cudaStream
 }  // namespace
 
 cudaError_t launch_fp8_quantize(const Fp8QuantizeArgs& a, Fp8Source source, cudaStream_t stream) {
-  if (a.K % kVec || a.K <= 0) return cudaErrorInvalidValue;
+  if (a.K % kVec || a.K <= 0 || a.K > kFp8MaxK) return cudaErrorInvalidValue;
   if (a.rows == 0) return cudaSuccess;
   return a.bf16 ? launch_source<__nv_bfloat16>(a, source, stream) : launch_source<__half>(a, source, stream);
 }

@@ -98,6 +98,7 @@ struct SiluMulArgs {
 // Row-wise e4m3 quantization of an FP8 linear's input in the kernel that produces it (csrc/fp8_quantize.cu).
 enum class Fp8Source { kCopy, kRmsNorm, kSiluMul };
 constexpr float kFp8MinAmax = 1e-12f;  // a row of zeros gets this tiny scale, not 0 (its codes are 0 either way)
+constexpr int kFp8MaxK = 3072;         // a row is held in registers: 12 16-byte pieces per lane of a warp
 struct Fp8QuantizeArgs {
   const void* x;        // [rows, K], rows x_ld elements apart (silu_mul: gate)
   int64_t x_ld;
@@ -105,7 +106,7 @@ struct Fp8QuantizeArgs {
   int64_t second_ld;
   void* q;              // [rows, K] e4m3 codes, contiguous
   float* scale;         // [rows]
-  int rows, K;          // K a multiple of 8; pointers and row strides 16-byte aligned
+  int rows, K;          // K a multiple of 8, at most kFp8MaxK; pointers and row strides 16-byte aligned
   float eps;            // rms_norm only
   bool bf16;            // else fp16; x and second have this dtype
 };

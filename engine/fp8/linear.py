@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.fp8.reference import E4M3, fp8_matmul_reference, quantize_rows
+from engine.fp8.reference import E4M3, KERNEL_MAX_K, fp8_matmul_reference, quantize_rows
 from engine.kernels.fused import fused_ops
 from engine.model.layers import silu_mul
 from engine.model.linear import DenseLinear, Linear
@@ -71,7 +71,8 @@ class Fp8Linear(Linear):
         return self
 
     def _kernels(self, x: Tensor):
-        return fused_ops(x) if self.fused and x.shape[-1] % 8 == 0 else None
+        fits = x.shape[-1] % 8 == 0 and x.shape[-1] <= KERNEL_MAX_K
+        return fused_ops(x) if self.fused and fits else None
 
     def quantize(self, x: Tensor) -> Fp8Activation:
         """x [..., K] quantized row-wise (the copy kernel on CUDA)."""
