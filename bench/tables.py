@@ -1,6 +1,6 @@
 """The README's and docs/kernels.md's benchmark tables, printed from the committed JSON results.
 
-After a benchmark rewrites bench/results/{generate,kernels,fused}-h200.json, run
+After a benchmark rewrites bench/results/{generate,profile-generate,kernels,fused}-h200.json, run
 `python bench/tables.py` and paste each table over its old rows; tests/test_bench_tables.py fails while a
 document still shows rows the JSON does not hold.
 """
@@ -58,6 +58,31 @@ def generate_rows(result: dict) -> list[str]:
                 ms["ours_w4a4_graphs_silu_mul"],
                 ms["ours_w4a4_graphs_ungrouped"],
                 ms["ours_w4a4_graphs_unfused"],
+            )
+        )
+    return rows
+
+
+def precision_rows(result: dict) -> list[str]:
+    """README: bf16, W4A4 and FP8 generation (CUDA graphs) in one profile run, with FP8's device time split."""
+    rows = []
+    for key, case in result["cases"].items():
+        v = case["variants"]
+        bf16, w4a4, fp8 = (v[f"{p}_graphs"]["wall_ms"] for p in ("bf16", "w4a4", "fp8"))
+        shares = v["fp8_graphs"]["categories"]
+        split = " / ".join(
+            f"{100 * shares[c]['share']:.0f}%"
+            for c in ("dense_gemm", "attention", "fp8_quantize", "norm_rope_elementwise")
+        )
+        rows.append(
+            row(
+                GENERATE_CASES[key],
+                case["packed_tokens"],
+                f"{bf16:.0f} ({case['audio_s'] / bf16 * 1e3:.0f}x)",
+                f"{w4a4:.0f} ({case['audio_s'] / w4a4 * 1e3:.0f}x)",
+                f"{fp8:.0f} ({case['audio_s'] / fp8 * 1e3:.0f}x)",
+                f"{bf16 / fp8:.2f}x",
+                split,
             )
         )
     return rows
@@ -202,6 +227,7 @@ def tables() -> dict[str, tuple[str, list[str]]]:
     generate, kernels, fused = load("generate-h200.json"), load("kernels-h200.json"), load("fused-h200.json")
     return {
         "generation": ("README.md", generate_rows(generate)),
+        "precisions": ("README.md", precision_rows(load("profile-generate-h200.json"))),
         "W4A4 kernels": ("README.md", kernel_summary_rows(kernels)),
         "current kernel numbers": ("docs/kernels.md", kernel_rows(kernels)),
         "floors": ("docs/kernels.md", floor_rows(kernels)),

@@ -13,12 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from engine.quant import quantize as quantize_mod
-from engine.quant.format import QuantMeta, write_w4a4_safetensors
 
 from engine.fsmodes import process_umask
 from engine.tiny import ensure_tiny_checkpoint
-from pipeline import atomic
+from engine.w4a4.format import QuantMeta, write_w4a4_safetensors
+from pipeline import atomic, quantize_command
 
 
 @pytest.fixture
@@ -83,7 +82,7 @@ def test_ovbatch_quantize_output_is_readable_by_others(tmp_path: Path, umask):
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             argv = [str(tiny), "--out", str(out), "--samples", "4", "--eval-requests", "1", "--device", "cpu"]
-            assert quantize_mod.main(argv) == 0
+            assert quantize_command.main(argv) == 0
     finally:
         torch.set_num_threads(threads)
     assert _mode(out) == 0o755 and _mode(out / "model.safetensors") == 0o644
