@@ -64,7 +64,7 @@ def generate_rows(result: dict) -> list[str]:
 
 
 def precision_rows(result: dict) -> list[str]:
-    """README: bf16, W4A4 and FP8 generation (CUDA graphs) in one profile run, with FP8's device time split."""
+    """README: bf16, W4A4 and FP8 generation (CUDA graphs) in one profile run, FP8's device time split."""
     rows = []
     for key, case in result["cases"].items():
         v = case["variants"]

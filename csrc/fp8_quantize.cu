@@ -60,21 +60,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) fp8_quantize_kernel(const 
   if constexpr (S == Fp8Source::kSiluMul) second += static_cast<int64_t>(row) * a.second_ld;
 
   float rstd = 0.f;
-  if constexpr (S == Fp8Source::kRmsNorm) {
-    float ss = 0.f;
-    for (int c = lane * kVec; c < K; c += 32 * kVec) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(x + c);
-      const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 v = unpack2<T>(words[j]);
-        ss = fmaf(v.y, v.y, fmaf(v.x, v.x, ss));
-      }
-    }
-#pragma unroll
-    for (int m = 16; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
-    rstd = rsqrtf(ss * (1.0f / static_cast<float>(K)) + a.eps);
-  }
+  if constexpr (S == Fp8Source::kRmsNorm) rstd = warp_row_rstd(x, K, lane, a.eps);
 
   uint4 values[kChunks];
   float amax = 0.f;

@@ -21,19 +21,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32)
   if (row >= rows) return;
   const T* xr = x + static_cast<int64_t>(row) * K;
   T* yr = y + static_cast<int64_t>(row) * K;
-  float ss = 0.f;
-  for (int c = lane * kVec; c < K; c += 32 * kVec) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(xr + c);
-    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 v = unpack2<T>(words[j]);
-      ss = fmaf(v.y, v.y, fmaf(v.x, v.x, ss));
-    }
-  }
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
-  const float rstd = rsqrtf(ss * (1.0f / static_cast<float>(K)) + eps);
+  const float rstd = warp_row_rstd(xr, K, lane, eps);
   for (int c = lane * kVec; c < K; c += 32 * kVec) {
     const uint4 raw = *reinterpret_cast<const uint4*>(xr + c);
     const uint4 wraw = *reinterpret_cast<const uint4*>(w + c);

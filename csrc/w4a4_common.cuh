@@ -162,4 +162,23 @@ __device__ __forceinline__ uint32_t rms_normed2(uint32_t x, uint32_t w, float rs
   return pack2<T>(wf.x * xn.x, wf.y * xn.y);
 }
 
+// rsqrt(mean(x^2) + eps) of a row of K T values (K a multiple of 8, 16-byte aligned), one warp per row:
+// each lane sums the squares of its 16-byte pieces in order, then the warp adds the lanes' sums.
+template <typename T>
+__device__ __forceinline__ float warp_row_rstd(const T* x, int K, int lane, float eps) {
+  float ss = 0.f;
+  for (int c = lane * 8; c < K; c += 32 * 8) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(x + c);
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 v = unpack2<T>(words[j]);
+      ss = fmaf(v.y, v.y, fmaf(v.x, v.x, ss));
+    }
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+  return rsqrtf(ss * (1.0f / static_cast<float>(K)) + eps);
+}
+
 }  // namespace w4a4

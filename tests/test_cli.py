@@ -256,10 +256,10 @@ def test_job_configs_load(name: str):
 
     cfg = load_job_config(ROOT / "jobs" / name)
     if name == "ab.yaml":
-        assert cfg.variant_names() == ["fp16", "w4a4"]
-        assert [cfg.engine_config(v).precision for v in cfg.variant_names()] == ["fp16", "w4a4"]
-        # the embedded tiny checkpoint and its W4A4 sibling unless overridden
-        assert [cfg.engine_config(v).checkpoint for v in cfg.variant_names()] == [None, "tiny-w4a4"]
+        assert cfg.variant_names() == ["fp16", "fp8", "w4a4"]
+        assert [cfg.engine_config(v).precision for v in cfg.variant_names()] == ["fp16", "fp8", "w4a4"]
+        # the embedded tiny checkpoint (fp8 made from it at load) and its W4A4 sibling unless overridden
+        assert [cfg.engine_config(v).checkpoint for v in cfg.variant_names()] == [None, None, "tiny-w4a4"]
     if name == "cluster.yaml":
         assert cfg.engine.prompt_cache_dir == "/data/cache/prompts" and cfg.engine.device == "cuda"
 
@@ -332,8 +332,8 @@ def test_literal_settings_sit_between_the_config_file_and_the_overrides(tmp_path
 
 
 def test_the_ab_config_runs_as_it_is_on_the_tiny_checkpoints(tmp_path: Path, capsys, fast):
-    """jobs/ab.yaml without overrides: the tiny checkpoint against its W4A4 sibling (made on first use),
-    and the output says where both are."""
+    """jobs/ab.yaml without overrides: the tiny checkpoint in fp16 and fp8 against its W4A4 sibling (made on
+    first use), and the output says where they are."""
     from engine.tiny import ensure_tiny_checkpoint
 
     tiny = ensure_tiny_checkpoint()
@@ -360,7 +360,7 @@ def test_the_ab_config_runs_as_it_is_on_the_tiny_checkpoints(tmp_path: Path, cap
     ]
     assert main([*argv, "--local", *fast, *small, "report=never"]) == 0
     out = capsys.readouterr().out
-    assert "2 ok, 0 failed, 0 rejected" in out  # one row in each variant
+    assert "3 ok, 0 failed, 0 rejected" in out  # one row in each variant
     assert f"checkpoint (fp16): the embedded tiny checkpoint, {tiny}" in out
     assert f"checkpoint (w4a4): {tiny.parent / (tiny.name + '-w4a4')}" in out
     assert (tiny.parent / f"{tiny.name}-w4a4" / "config.json").is_file()

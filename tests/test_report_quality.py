@@ -140,5 +140,5 @@ def test_compare_settings_are_checked_by_name():
     assert (
         ab.compare.asr_model is None
         and ab.compare.speaker_model is None
-        and ab.variant_names() == ["fp16", "w4a4"]
+        and ab.variant_names() == ["fp16", "fp8", "w4a4"]
     )

@@ -85,13 +85,28 @@ def silu_mul(gate: Tensor, up: Tensor, fused: bool) -> Tensor:
     return ops.silu_mul(*rows).view(gate.shape)
 
 
-class SwiGLU(nn.Module):
-    """The MLP block with its residual: x + down(silu(gate(h)) * up(h)) for h = norm(x).
+class SiblingBlock(nn.Module):
+    """A block whose Linears named in SIBLINGS read one input: at load they are merged into one Linear
+    (named MERGED) where their implementation can run them as one GEMM; the quantizer gives them one
+    smoothing so that they can."""
 
-    gate and up are merged into one Linear at load (`merge_projections`) where their implementation
-    can run them as one GEMM."""
+    SIBLINGS: tuple[str, ...]
+    MERGED: str
 
-    SIBLINGS = ("gate_proj", "up_proj")  # Linears that read one input: merged at load
+    def merge_projections(self, merge: Callable[[list], nn.Module | None]) -> None:
+        if getattr(self, self.MERGED) is not None:
+            return
+        merged = merge([getattr(self, name) for name in self.SIBLINGS])
+        if merged is not None:
+            setattr(self, self.MERGED, merged)
+            for name in self.SIBLINGS:
+                delattr(self, name)
+
+
+class SwiGLU(SiblingBlock):
+    """The MLP block with its residual: x + down(silu(gate(h)) * up(h)) for h = norm(x)."""
+
+    SIBLINGS, MERGED = ("gate_proj", "up_proj"), "gate_up_proj"
 
     def __init__(self, prefix: str, hidden: int, intermediate: int, linear_factory: LinearFactory) -> None:
         super().__init__()
@@ -100,15 +115,6 @@ class SwiGLU(nn.Module):
         self.down_proj = linear_factory(f"{prefix}.down_proj", intermediate, hidden)
         self.gate_up_proj = None
         self.fused = True
-
-    def merge_projections(self, merge: Callable[[list], nn.Module | None]) -> None:
-        if self.gate_up_proj is not None:
-            return
-        merged = merge([getattr(self, name) for name in self.SIBLINGS])
-        if merged is not None:
-            self.gate_up_proj = merged
-            for name in self.SIBLINGS:
-                delattr(self, name)
 
     def forward(self, x: Tensor, norm: RMSNorm) -> Tensor:
         if self.gate_up_proj is not None:

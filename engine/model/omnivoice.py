@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from engine.config import LLMConfig, ModelConfig
 from engine.model.attention import choose_attention
-from engine.model.layers import LinearFactory, RMSNorm, SwiGLU, qk_norm_rope, rope_cos_sin
+from engine.model.layers import LinearFactory, RMSNorm, SiblingBlock, SwiGLU, qk_norm_rope, rope_cos_sin
 from engine.model.linear import default_linear, merge_linears
 
 
@@ -38,8 +38,8 @@ class PackedBatch:
         return PackedBatch(**{k: fn(v) if isinstance(v, Tensor) else v for k, v in values.items()})
 
 
-class SelfAttention(nn.Module):
-    SIBLINGS = ("q_proj", "k_proj", "v_proj")  # Linears that read one input: merged at load
+class SelfAttention(SiblingBlock):
+    SIBLINGS, MERGED = ("q_proj", "k_proj", "v_proj"), "qkv_proj"
 
     def __init__(self, prefix: str, cfg: LLMConfig, linear_factory: LinearFactory) -> None:
         super().__init__()
@@ -53,15 +53,6 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.qkv_proj = None  # q/k/v as one Linear, where merge_projections could merge them
         self.fused = True
-
-    def merge_projections(self, merge: Callable[[list], nn.Module | None]) -> None:
-        if self.qkv_proj is not None:
-            return
-        merged = merge([getattr(self, name) for name in self.SIBLINGS])
-        if merged is not None:
-            self.qkv_proj = merged
-            for name in self.SIBLINGS:
-                delattr(self, name)
 
     def project(self, x: Tensor, norm: RMSNorm) -> list[Tensor]:
         """q, k and v of norm(x)."""
