@@ -10,7 +10,10 @@ from ab_job import CODEBOOKS, changed_mask, codes, make_ab_job
 from engine.api import SynthResult
 from pipeline.compare import compare_variants
 from pipeline.config import load_job_config
+from pipeline.manifest import ManifestRow
+from pipeline.plan import PlannedRow
 from pipeline.report import write_report
+from pipeline.rows import RequestRow
 from pipeline.runner import ShardRunner, ShardTask
 from pipeline.store import JobDir
 from pipeline.tokens import agreement, read_tokens, tokens_path, write_tokens
@@ -37,23 +40,9 @@ class CodesEngine:
         return out
 
 
-def _row(i: int) -> dict:
-    return {
-        "row_index": i,
-        "id": f"r{i}",
-        "text": f"row {i}",
-        "ref_audio": None,
-        "ref_text": None,
-        "language": None,
-        "instruct": None,
-        "duration": None,
-        "speed": None,
-        "seed": i,
-        "ref_seconds": 0.0,
-        "row_key": f"k{i}",
-        "packed_tokens": 40,
-        "target_frames": 10,
-    }
+def _row(i: int) -> RequestRow:
+    row = ManifestRow(row_index=i, id=f"r{i}", text=f"row {i}", ref_audio=None, ref_text=None, seed=i)
+    return RequestRow.of(row, PlannedRow(row.id, f"k{i}", 40, 10))
 
 
 @pytest.mark.parametrize("with_codes", [True, False])
@@ -62,7 +51,7 @@ def test_the_shard_runner_keeps_each_rows_codes_beside_its_wav(tmp_path: Path, w
     cfg = load_job_config(None, ["local=true", f"engine_factory={__name__}:CodesEngine", "progress=false"])
     results = ShardRunner(tmp_path, cfg).run_shard(ShardTask(0, "default", 64, 1, [_row(0), _row(1)]))
     job = JobDir(tmp_path)
-    assert [r["status"] for r in results] == ["ok", "ok"]
+    assert [r.status for r in results] == ["ok", "ok"]
     for i in range(2):
         kept = read_tokens(job, "default", f"r{i}")
         if not with_codes:
