@@ -5,10 +5,14 @@ module level or inside a function):
 - the run-time path (what engine.api and engine.loading import, transitively) never imports the offline
   quantizer;
 - the model (engine/model) imports no quantization module: Linear implementations are handed to it at load;
-- nothing on the forward path reads the environment: the fast-path switches are EngineConfig fields.
+- nothing on the forward path reads the environment: the fast-path switches are EngineConfig fields;
+- comments in engine/ and csrc/ carry no version tags (history lives in git).
 """
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,3 +106,31 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("import os\ndef f():\n    from pipeline.store import x\n    return os.environ.get('A')")
     assert "pipeline.store" in imports_of(probe) and reads_environment(probe) == [4]
+
+
+VERSION_TAG = re.compile(r"\bv\d+[a-z]?\b")
+
+
+def comments(path: Path) -> list[tuple[int, str]]:
+    if path.suffix == ".py":
+        tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+        return [(t.start[0], t.string) for t in tokens if t.type == tokenize.COMMENT]
+    found = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        for marker in ("//", "/*", " * "):
+            if marker in line:
+                found.append((number, line[line.index(marker) :]))
+                break
+    return found
+
+
+def test_comments_say_why_not_which_version():
+    """Version tags (v24, v45b) and such logs belong in commit messages, not in the code."""
+    files = [*ENGINE.rglob("*.py"), *(REPO / "csrc").glob("*.c*"), *(REPO / "csrc").glob("*.h")]
+    tagged = [
+        f"{p.relative_to(REPO)}:{n}: {text.strip()}"
+        for p in files
+        for n, text in comments(p)
+        if VERSION_TAG.search(text)
+    ]
+    assert not tagged, tagged

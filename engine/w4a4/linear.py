@@ -175,18 +175,15 @@ class W4A4Group(_Prepared, Linear):
         prepare = getattr(backend, "prepare_group", None)
         return None if prepare is None else prepare(list(self.members))
 
-    def _one_by_one(self, outputs: list[Tensor]) -> Tensor:
-        return torch.cat(outputs, dim=-1)
-
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         backend, packed = self._group(x)
-        y = self._one_by_one([m(x) for m in self.members]) if packed is None else backend.forward(x, packed)
+        y = torch.cat([m(x) for m in self.members], dim=-1) if packed is None else backend.forward(x, packed)
         return y if residual is None else residual + y
 
     def forward_normed(self, x: Tensor, norm) -> Tensor:
         backend, packed = self._group(x)
         if packed is None:
-            return self._one_by_one([m.forward_normed(x, norm) for m in self.members])
+            return torch.cat([m.forward_normed(x, norm) for m in self.members], dim=-1)
         return self._normed(x, norm, backend, packed)
 
     def forward_swiglu(self, x: Tensor, norm) -> Tensor:
