@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, cache_root
 from engine.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -119,19 +119,47 @@ def weight_files(ckpt_dir: Path) -> list[Path]:
     raise CheckpointError(f"{ckpt_dir} has neither {WEIGHTS} nor {WEIGHTS_INDEX}.")
 
 
-def checkpoint_fingerprint(ckpt_dir: str | os.PathLike) -> str:
+def checkpoint_fingerprint(ckpt_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
     """The identity of a checkpoint's weights: sha256 over the sha256 of config.json and of each weight
     file, in weight_files order (64 hex digits). Engine.model_id shows its first 12 digits; a W4A4
-    checkpoint records its source's fingerprint as quantization.source_hash."""
+    checkpoint records its source's fingerprint as quantization.source_hash.
+
+    Hashing reads every byte (seconds for a full-size checkpoint), so the result is kept in
+    `cache_dir` (default <cache_root>/fingerprints) under the files' paths, sizes and modification times:
+    an engine start on an unchanged checkpoint reads no weights to name it. A file rewritten in place with
+    the same size and modification time would keep its old fingerprint."""
     ckpt_dir = Path(ckpt_dir)
     config = ckpt_dir / "config.json"
     if not config.is_file():
         raise CheckpointError(f"{config} not found: a checkpoint directory needs config.json.")
+    files = [config, *weight_files(ckpt_dir)]
+    stamps = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    key = hashlib.sha256(json.dumps(stamps).encode()).hexdigest()
+    cached = Path(cache_dir or cache_root() / "fingerprints") / key
+    try:
+        known = cached.read_text().strip()
+    except OSError:
+        known = ""
+    if re.fullmatch(r"[0-9a-f]{64}", known):
+        return known
     digest = hashlib.sha256()
-    for path in [config, *weight_files(ckpt_dir)]:
+    for path in files:
         with path.open("rb") as f:
             digest.update(hashlib.file_digest(f, "sha256").digest())
-    return digest.hexdigest()
+    fingerprint = digest.hexdigest()
+    _remember(cached, fingerprint)
+    return fingerprint
+
+
+def _remember(path: Path, text: str) -> None:
+    """Write `path` whole or not at all (a read-only cache folder is not an error: the next start hashes)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("checkpoint fingerprint not cached in %s (%s)", path.parent, e)
 
 
 def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:

@@ -204,6 +204,28 @@ def test_one_fingerprint_names_a_checkpoint_by_config_and_weights(tiny, broken):
         checkpoint_fingerprint(broken)
 
 
+def test_a_fingerprint_is_hashed_once_per_unchanged_checkpoint(broken, tmp_path, monkeypatch):
+    """Issue 42: an engine start on an unchanged checkpoint reads no weights to name it; a rewritten file
+    (new size or modification time) is hashed again."""
+    from engine.checkpoint import checkpoint_fingerprint
+
+    cache = tmp_path / "fingerprints"
+    first = checkpoint_fingerprint(broken, cache)
+    assert [p.read_text().strip() for p in cache.iterdir()] == [first]
+
+    def no_reading(*args):
+        raise AssertionError("the weights were read again")
+
+    monkeypatch.setattr(hashlib, "file_digest", no_reading)
+    assert checkpoint_fingerprint(broken, cache) == first
+    monkeypatch.undo()
+    rewrite_weights(broken, lambda sd: sd["llm.norm.weight"].add_(1))
+    second = checkpoint_fingerprint(broken, cache)
+    assert second != first and len(list(cache.iterdir())) == 2
+    (cache / "not-a-folder").write_text("")
+    assert checkpoint_fingerprint(broken, cache / "not-a-folder") == second  # no cache: hashed, not an error
+
+
 def test_fingerprint_of_a_sharded_checkpoint_covers_every_shard(broken):
     from engine.checkpoint import checkpoint_fingerprint
 
