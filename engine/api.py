@@ -31,7 +31,7 @@ from engine.frontend.text import (
     resolve_instruct,
     resolve_language,
 )
-from engine.generate.batching import greedy_batches
+from engine.generate.batching import even_batches
 from engine.generate.loop import Runner
 from engine.generate.packing import GenItem, packed_tokens
 from engine.loading import load_model
@@ -365,7 +365,7 @@ class Engine:
             members = [i for i, p in enumerate(prepared) if index < len(p.chunks)]
             items = [self._gen_item(prepared[i], index, tokens[i][0] if tokens[i] else None) for i in members]
             out: list[torch.Tensor] = []
-            for chunk in greedy_batches(items, packed_tokens, self.cfg.max_batch_tokens):
+            for chunk in even_batches(items, packed_tokens, self.cfg.max_batch_tokens):
                 out += self.runner.generate(chunk, self.gen)
             for i, item, t in zip(members, items, out):
                 tokens[i].append(t)

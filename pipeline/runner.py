@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import InputError, OVBatchError
-from engine.generate.batching import greedy_batches
+from engine.generate.batching import even_batches
 from pipeline.atomic import write_wav_atomic
 from pipeline.config import JobConfig
 from pipeline.manifest import ManifestRow
@@ -89,9 +89,9 @@ def synth_request(row: ManifestRow) -> Any:
 
 
 def pack_batches(rows: list[RequestRow], max_batch_tokens: int) -> list[list[RequestRow]]:
-    """Greedy, longest first: consecutive rows while their packed tokens fit one batch."""
+    """Longest first, cut into the fewest batches that fit, of about equal tokens (even_batches)."""
     longest_first = sorted(rows, key=lambda r: -r.packed_tokens)
-    return greedy_batches(longest_first, lambda r: r.packed_tokens, max_batch_tokens)
+    return even_batches(longest_first, lambda r: r.packed_tokens, max_batch_tokens)
 
 
 class ShardRunner:

@@ -8,7 +8,7 @@ from dense_reference import dense_generate
 
 from engine.config import EngineConfig, GenerationConfig
 from engine.errors import InputError
-from engine.generate.batching import greedy_batches
+from engine.generate.batching import even_batches, greedy_batches
 from engine.generate.decoding import unmask_schedule
 from engine.generate.loop import GenItem, GraphedForward, Runner, choose_layout
 from engine.generate.packing import pack_items, packed_tokens
@@ -43,6 +43,20 @@ def test_greedy_batches_keep_order_and_budget_and_run_an_oversized_item_alone():
     assert [len(c) for c in chunks] == [2, 1, 1, 1]
     assert [item for chunk in chunks for item in chunk] == items
     assert [len(c) for c in greedy_batches(items, packed_tokens, 10_000, max_items=2)] == [2, 2, 1]
+
+
+def test_even_batches_leave_no_small_tail_and_need_no_more_batches():
+    sizes = [100] * 7  # greedy under 300: 3 + 3 + 1
+    assert [len(c) for c in greedy_batches(sizes, int, 300)] == [3, 3, 1]
+    assert sorted(len(c) for c in even_batches(sizes, int, 300)) == [2, 2, 3]
+    g = torch.Generator().manual_seed(4)
+    for _ in range(200):
+        items = torch.randint(1, 50, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        budget = int(torch.randint(50, 200, (1,), generator=g))
+        greedy, even = greedy_batches(items, int, budget), even_batches(items, int, budget)
+        assert len(even) == len(greedy) and [i for b in even for i in b] == items
+        assert all(sum(b) <= budget or len(b) == 1 for b in even)
+        assert min(map(sum, even)) >= min(map(sum, greedy))
 
 
 def test_packed_tokens_counts_cond_and_uncond():
