@@ -28,7 +28,7 @@ from pipeline.config import JobConfig, load_job_config, resolve_checkpoint_names
 from pipeline.messages import first_line
 from pipeline.plan import Plan, RowSize, Sizer, make_plan, plan_differences
 from pipeline.rows import RequestRow, ResultRow
-from pipeline.runner import ShardRunner, ShardTask, run_local
+from pipeline.runner import BatchCallback, BatchDone, ShardRunner, ShardTask, run_local
 from pipeline.store import JobDir, JobDirError
 from pipeline.summary import summarize
 
@@ -260,6 +260,31 @@ def _since(t0: float) -> float:
     return round(time.perf_counter() - t0, 3)
 
 
+class Progress:
+    """The run's bar: rows, with the seconds of audio made beside them. It moves per finished batch where
+    the executor reports batches (local mode) and per finished shard otherwise (Ray); at shard end it adds
+    only what the shard's batches did not report, so no row counts twice."""
+
+    def __init__(self, bar: Any):
+        self.bar = bar
+        self.audio_seconds = 0.0
+        self.reported: dict[int, tuple[int, float]] = {}  # shard -> (rows, audio s) its batches reported
+
+    def batch(self, done: BatchDone) -> None:
+        rows, audio = self.reported.get(done.shard, (0, 0.0))
+        self.reported[done.shard] = (rows + done.rows, audio + done.audio_seconds)
+        self._advance(done.rows, done.audio_seconds)
+
+    def shard_done(self, shard: int, rows: int, audio_seconds: float) -> None:
+        reported_rows, reported_audio = self.reported.pop(shard, (0, 0.0))
+        self._advance(rows - reported_rows, audio_seconds - reported_audio)
+
+    def _advance(self, rows: int, audio_seconds: float) -> None:
+        self.audio_seconds += audio_seconds
+        self.bar.set_postfix_str(f"{self.audio_seconds:.1f} s audio")
+        self.bar.update(rows)
+
+
 def run_tasks(
     job: JobDir,
     cfg: JobConfig,
@@ -280,15 +305,16 @@ def run_tasks(
         disable=not cfg.progress,
         dynamic_ncols=True,
     )
+    progress = Progress(bar)
     try:
-        executor, pool = make_executor(job, cfg, engines)
+        executor, pool = make_executor(job, cfg, engines, progress.batch)
         for task, results in executor(tasks):
             for r in results:  # a row that did not end ok keeps no wav from an earlier attempt
                 if r.status != "ok":
                     job.wav_path(task.variant, r.id).unlink(missing_ok=True)
             job.write_shard_results(task.index, kept.get(task.index, []) + results)
             job.append_run({"event": "shard", "run": run_id, "shard": task.index, "seconds": _since(t0)})
-            bar.update(len(task.rows))
+            progress.shard_done(task.index, len(task.rows), sum(r.audio_seconds or 0.0 for r in results))
     except BaseException as e:
         job.append_run(
             {
@@ -308,10 +334,14 @@ def run_tasks(
         job.remove_temp_files()
 
 
-def make_executor(job: JobDir, cfg: JobConfig, engines: dict[str, Any] | None = None) -> tuple[Executor, Any]:
+def make_executor(
+    job: JobDir, cfg: JobConfig, engines: dict[str, Any] | None = None, on_batch: BatchCallback | None = None
+) -> tuple[Executor, Any]:
+    """Local mode reports each finished batch to on_batch; Ray actors report whole shards only (their
+    results come back when the shard ends)."""
     if cfg.local:
         runner = ShardRunner(job.path, cfg, engines)
-        return (lambda tasks: run_local(runner, tasks)), None
+        return (lambda tasks: run_local(runner, tasks, on_batch)), None
     from pipeline.ray_runner import ActorPool, connect
 
     pool = ActorPool(str(job.path), cfg, started_ray=connect(cfg))
