@@ -261,28 +261,42 @@ def _since(t0: float) -> float:
 
 
 class Progress:
-    """The run's bar: rows, with the seconds of audio made beside them. It moves per finished batch where
-    the executor reports batches (local mode) and per finished shard otherwise (Ray); at shard end it adds
-    only what the shard's batches did not report, so no row counts twice."""
+    """The run's bar: rows, with the seconds of audio made beside them. It moves per finished batch as the
+    executor reports batches, and at shard end adds only what the shard's batches did not report. A
+    shard run again after its actor died counts its rows once: the bar shows, per shard, the most any
+    one attempt reported."""
 
     def __init__(self, bar: Any):
         self.bar = bar
         self.audio_seconds = 0.0
-        self.reported: dict[int, tuple[int, float]] = {}  # shard -> (rows, audio s) its batches reported
+        self.reported: dict[int, dict[int, tuple[int, float]]] = {}  # shard -> attempt -> (rows, audio s)
+        self.finished: set[int] = set()
 
     def batch(self, done: BatchDone) -> None:
-        rows, audio = self.reported.get(done.shard, (0, 0.0))
-        self.reported[done.shard] = (rows + done.rows, audio + done.audio_seconds)
-        self._advance(done.rows, done.audio_seconds)
+        if done.shard in self.finished:  # from an actor taken for dead whose shard has ended without it
+            return
+        attempts = self.reported.setdefault(done.shard, {})
+        before = _most(attempts)
+        rows, audio = attempts.get(done.attempt, (0, 0.0))
+        attempts[done.attempt] = (rows + done.rows, audio + done.audio_seconds)
+        after = _most(attempts)
+        self._advance(after[0] - before[0], after[1] - before[1])
 
     def shard_done(self, shard: int, rows: int, audio_seconds: float) -> None:
-        reported_rows, reported_audio = self.reported.pop(shard, (0, 0.0))
-        self._advance(rows - reported_rows, audio_seconds - reported_audio)
+        counted_rows, counted_audio = _most(self.reported.pop(shard, {}))
+        self.finished.add(shard)
+        self._advance(rows - counted_rows, audio_seconds - counted_audio)
 
     def _advance(self, rows: int, audio_seconds: float) -> None:
         self.audio_seconds += audio_seconds
         self.bar.set_postfix_str(f"{self.audio_seconds:.1f} s audio")
         self.bar.update(rows)
+
+
+def _most(attempts: dict[int, tuple[int, float]]) -> tuple[int, float]:
+    """The most rows and audio seconds any one attempt reported."""
+    reports = attempts.values()
+    return max((rows for rows, _ in reports), default=0), max((audio for _, audio in reports), default=0.0)
 
 
 def run_tasks(
@@ -307,7 +321,7 @@ def run_tasks(
     )
     progress = Progress(bar)
     try:
-        executor, pool = make_executor(job, cfg, engines, progress.batch)
+        executor, pool = make_executor(job, cfg, engines, progress.batch if cfg.progress else None)
         for task, results in executor(tasks):
             for r in results:  # a row that did not end ok keeps no wav from an earlier attempt
                 if r.status != "ok":
@@ -337,14 +351,13 @@ def run_tasks(
 def make_executor(
     job: JobDir, cfg: JobConfig, engines: dict[str, Any] | None = None, on_batch: BatchCallback | None = None
 ) -> tuple[Executor, Any]:
-    """Local mode reports each finished batch to on_batch; Ray actors report whole shards only (their
-    results come back when the shard ends)."""
+    """An executor that reports each finished batch to on_batch (in this process, or from the actors)."""
     if cfg.local:
         runner = ShardRunner(job.path, cfg, engines)
         return (lambda tasks: run_local(runner, tasks, on_batch)), None
     from pipeline.ray_runner import ActorPool, connect
 
-    pool = ActorPool(str(job.path), cfg, started_ray=connect(cfg))
+    pool = ActorPool(str(job.path), cfg, started_ray=connect(cfg), on_batch=on_batch)
     return pool.run, pool
 
 

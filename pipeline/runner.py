@@ -33,9 +33,10 @@ MAX_ERROR_CHARS = 2000
 
 @dataclass(frozen=True)
 class BatchDone:
-    """Rows of shard `shard` that one batch settled, and the seconds of audio it made."""
+    """Rows of one attempt at shard `shard` that one batch settled, and the seconds of audio it made."""
 
     shard: int
+    attempt: int
     rows: int
     audio_seconds: float
 
@@ -213,7 +214,8 @@ class ShardRunner:
 
 def _reported(results: list[ResultRow], task: ShardTask, on_batch: BatchCallback | None) -> list[ResultRow]:
     if on_batch is not None:
-        on_batch(BatchDone(task.index, len(results), sum(r.audio_seconds or 0.0 for r in results)))
+        audio_seconds = sum(r.audio_seconds or 0.0 for r in results)
+        on_batch(BatchDone(task.index, task.attempt, len(results), audio_seconds))
     return results
 
 

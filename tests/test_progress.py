@@ -123,8 +123,21 @@ def test_a_batch_split_after_out_of_memory_counts_its_rows_once(tmp_path: Path):
 def test_a_shard_end_adds_only_what_its_batches_did_not_report():
     bar = RecordingBar(total=7)
     progress = Progress(bar)
-    progress.batch(BatchDone(shard=3, rows=2, audio_seconds=1.0))
-    progress.shard_done(3, rows=4, audio_seconds=2.5)  # local mode: two rows were already counted
+    progress.batch(BatchDone(shard=3, attempt=1, rows=2, audio_seconds=1.0))
+    progress.shard_done(3, rows=4, audio_seconds=2.5)  # two rows were already counted
     assert (bar.n, bar.postfix) == (4, "2.5 s audio")
-    progress.shard_done(5, rows=3, audio_seconds=1.5)  # Ray mode: the shard reports only at its end
+    progress.shard_done(5, rows=3, audio_seconds=1.5)  # a shard that reported no batch
     assert (bar.n, bar.postfix) == (7, "4.0 s audio")
+
+
+def test_a_shard_run_again_after_its_actor_died_counts_its_rows_once():
+    bar = RecordingBar(total=4)
+    progress = Progress(bar)
+    progress.batch(BatchDone(shard=2, attempt=1, rows=2, audio_seconds=1.0))  # then the actor dies
+    progress.batch(BatchDone(shard=2, attempt=2, rows=1, audio_seconds=0.5))  # the same rows again
+    assert bar.n == 2
+    progress.batch(BatchDone(shard=2, attempt=2, rows=2, audio_seconds=1.0))
+    assert (bar.n, bar.postfix) == (3, "1.5 s audio")
+    progress.shard_done(2, rows=4, audio_seconds=2.0)
+    progress.batch(BatchDone(shard=2, attempt=1, rows=1, audio_seconds=0.5))  # a dead actor's late word
+    assert (bar.n, bar.postfix) == (4, "2.0 s audio")
