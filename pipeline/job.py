@@ -289,7 +289,7 @@ class Progress:
 
     def _advance(self, rows: int, audio_seconds: float) -> None:
         self.audio_seconds += audio_seconds
-        self.bar.set_postfix_str(f"{self.audio_seconds:.1f} s audio")
+        self.bar.set_postfix_str(f"{self.audio_seconds:.1f} s audio", refresh=False)  # update() draws it
         self.bar.update(rows)
 
 

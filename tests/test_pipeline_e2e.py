@@ -258,7 +258,7 @@ def test_the_bar_moves_per_batch_while_an_actor_runs_its_shard(ray_session, tmp_
         def __init__(self, total: int, **_):
             self.postfix = ""
 
-        def set_postfix_str(self, text: str) -> None:
+        def set_postfix_str(self, text: str, refresh: bool = True) -> None:
             self.postfix = text
 
         def update(self, n: int) -> None:

@@ -37,7 +37,7 @@ class RecordingBar:
     def update(self, n: int) -> None:
         self.n += n
 
-    def set_postfix_str(self, text: str) -> None:
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
         self.postfix = text
 
     def close(self) -> None:
