@@ -78,6 +78,10 @@ def test_chunks_are_cut_finer_until_they_fit():
     fitting = plan_chunks(text, 400, None, None, 1.0, 15.0, 25, fits=lambda cs: len(cs) >= 6)
     assert len(upstream) < 6 <= len(fitting)
     assert "".join(c.text for c in fitting).replace(" ", "") == text.replace(" ", "")
+    # a sentence stretched so far that upstream's budget is under a character is still cut to fit
+    stretched = "one two three four five six seven"
+    assert len(plan_chunks(stretched, 10000, None, None, 0.01, 15.0, 25)) == 1
+    assert len(plan_chunks(stretched, 10000, None, None, 0.01, 15.0, 25, fits=lambda cs: len(cs) > 1)) > 1
 
 
 def test_chunk_char_budget():

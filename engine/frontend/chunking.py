@@ -159,8 +159,9 @@ def plan_chunks(
     if not texts:
         raise InputError(f"text {text!r} is empty or whitespace only: give the words to speak.")
     chunks = _sized_chunks(texts, ref_text, ref_frames, speed)
-    while not fits(chunks) and chars > MIN_CHUNK_CHARS:  # shorter chunks would join their neighbours
-        chars = max(MIN_CHUNK_CHARS, chars // 2)
+    cut = False
+    while not fits(chunks) and not (cut and chars == MIN_CHUNK_CHARS):
+        chars, cut = max(MIN_CHUNK_CHARS, chars // 2), True  # shorter chunks would join their neighbours
         texts = chunk_text_punctuation(text, chars, MIN_CHUNK_CHARS, cut_long_sentences=True)
         chunks = _sized_chunks(texts, ref_text, ref_frames, speed)
     return chunks
