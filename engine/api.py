@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -186,7 +186,8 @@ class Engine:
     def _planned(
         self, req: SynthRequest, language: str | None, instruct: str | None, prompt: VoicePrompt | None
     ) -> PreparedRequest:
-        """Target frames (duration/speed applied) and, for a long text, its chunks."""
+        """Target frames (duration/speed applied) and, for a long text or one whose generation would not
+        fit the token budget, its chunks, cut so that each fits where chunks of a few characters can."""
         text = req.text
         ref_text = prompt.ref_text if prompt else None
         ref_frames = prompt.tokens.shape[1] if prompt else None
@@ -197,15 +198,31 @@ class Engine:
                 f"{target / self.frame_rate:.0f} s of audio, over the {MAX_OUTPUT_S:.0f} s limit: "
                 "use a shorter duration, a speed nearer 1, or split the text."
             )
-        chunks = [Chunk(text, target, False)]
-        if self.gen.audio_chunk_duration > 0 and needs_chunking(
-            target, self.gen.audio_chunk_threshold, self.frame_rate
-        ):
+        p = PreparedRequest(req, language, instruct, prompt, target, [Chunk(text, target, False)])
+        is_long = needs_chunking(target, self.gen.audio_chunk_threshold, self.frame_rate)
+        if self.gen.audio_chunk_duration > 0 and (is_long or not self._fits(p)):
             speed = effective_speed(text, ref_text, ref_frames, req.speed, req.duration, self.frame_rate)
-            chunks = plan_chunks(
-                text, target, ref_text, ref_frames, speed, self.gen.audio_chunk_duration, self.frame_rate
+            p.chunks = plan_chunks(
+                text,
+                target,
+                ref_text,
+                ref_frames,
+                speed,
+                self.gen.audio_chunk_duration,
+                self.frame_rate,
+                fits=lambda chunks: self._fits(replace(p, chunks=chunks)),
             )
-        return PreparedRequest(req, language, instruct, prompt, target, chunks)
+        return p
+
+    @property
+    def token_budget(self) -> int:
+        """Packed tokens one generation may take: max_batch_tokens, and the largest graph bucket."""
+        return min(self.cfg.max_batch_tokens, max(self.cfg.buckets))
+
+    def _fits(self, p: PreparedRequest) -> bool:
+        # The budget comes from run settings (not part of a row's key); it only binds where a chunk of
+        # about audio_chunk_duration would not fit, which the planner would otherwise reject.
+        return all(text + ref + 2 * target <= self.token_budget for text, ref, target in self.chunk_sizes(p))
 
     def _clip_of(self, req: SynthRequest) -> tuple[str, str] | None:
         """(clip name, reference text as prompts store it) when the request clones a clip; checks that
@@ -338,16 +355,14 @@ class Engine:
             has_ref=ref_text is not None,
         )
 
-    def packed_size(self, p: PreparedRequest) -> tuple[int, int, int]:
-        """(text tokens, reference frames, target frames) summed over a prepared request's chunks; the
-        runner packs text + reference + 2 x target tokens per chunk (what a planner buckets by)."""
-        text = ref = target = 0
+    def chunk_sizes(self, p: PreparedRequest) -> list[tuple[int, int, int]]:
+        """(text tokens, reference frames, target frames) of each chunk of a prepared request; the runner
+        packs text + reference + 2 x target tokens per chunk, one generation each."""
+        sizes = []
         for index, chunk in enumerate(p.chunks):
             ref_text, ref_frames = self._chunk_reference(p, index)
-            text += len(self._chunk_prompt_ids(p, index, ref_text))
-            ref += ref_frames
-            target += chunk.target_frames
-        return text, ref, target
+            sizes.append((len(self._chunk_prompt_ids(p, index, ref_text)), ref_frames, chunk.target_frames))
+        return sizes
 
     def _gen_item(self, p: PreparedRequest, index: int, first_tokens: torch.Tensor | None) -> GenItem:
         ref_text, _ = self._chunk_reference(p, index)

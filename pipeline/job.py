@@ -28,7 +28,7 @@ from pipeline.config import JobConfig, load_job_config, resolve_checkpoint_names
 from pipeline.messages import first_line
 from pipeline.plan import Plan, RowSize, Sizer, make_plan, plan_differences
 from pipeline.rows import RequestRow, ResultRow
-from pipeline.runner import ShardRunner, ShardTask, run_local
+from pipeline.runner import BatchCallback, BatchDone, ShardRunner, ShardTask, run_local
 from pipeline.store import JobDir, JobDirError
 from pipeline.summary import summarize
 
@@ -260,6 +260,45 @@ def _since(t0: float) -> float:
     return round(time.perf_counter() - t0, 3)
 
 
+class Progress:
+    """The run's bar: rows, with the seconds of audio made beside them. It moves per finished batch as the
+    executor reports batches, and at shard end adds only what the shard's batches did not report. A
+    shard run again after its actor died counts its rows once: the bar shows, per shard, the most any
+    one attempt reported."""
+
+    def __init__(self, bar: Any):
+        self.bar = bar
+        self.audio_seconds = 0.0
+        self.reported: dict[int, dict[int, tuple[int, float]]] = {}  # shard -> attempt -> (rows, audio s)
+        self.finished: set[int] = set()
+
+    def batch(self, done: BatchDone) -> None:
+        if done.shard in self.finished:  # from an actor taken for dead whose shard has ended without it
+            return
+        attempts = self.reported.setdefault(done.shard, {})
+        before = _most(attempts)
+        rows, audio = attempts.get(done.attempt, (0, 0.0))
+        attempts[done.attempt] = (rows + done.rows, audio + done.audio_seconds)
+        after = _most(attempts)
+        self._advance(after[0] - before[0], after[1] - before[1])
+
+    def shard_done(self, shard: int, rows: int, audio_seconds: float) -> None:
+        counted_rows, counted_audio = _most(self.reported.pop(shard, {}))
+        self.finished.add(shard)
+        self._advance(rows - counted_rows, audio_seconds - counted_audio)
+
+    def _advance(self, rows: int, audio_seconds: float) -> None:
+        self.audio_seconds += audio_seconds
+        self.bar.set_postfix_str(f"{self.audio_seconds:.1f} s audio", refresh=False)  # update() draws it
+        self.bar.update(rows)
+
+
+def _most(attempts: dict[int, tuple[int, float]]) -> tuple[int, float]:
+    """The most rows and audio seconds any one attempt reported."""
+    reports = attempts.values()
+    return max((rows for rows, _ in reports), default=0), max((audio for _, audio in reports), default=0.0)
+
+
 def run_tasks(
     job: JobDir,
     cfg: JobConfig,
@@ -280,15 +319,16 @@ def run_tasks(
         disable=not cfg.progress,
         dynamic_ncols=True,
     )
+    progress = Progress(bar)
     try:
-        executor, pool = make_executor(job, cfg, engines)
+        executor, pool = make_executor(job, cfg, engines, progress.batch if cfg.progress else None)
         for task, results in executor(tasks):
             for r in results:  # a row that did not end ok keeps no wav from an earlier attempt
                 if r.status != "ok":
                     job.wav_path(task.variant, r.id).unlink(missing_ok=True)
             job.write_shard_results(task.index, kept.get(task.index, []) + results)
             job.append_run({"event": "shard", "run": run_id, "shard": task.index, "seconds": _since(t0)})
-            bar.update(len(task.rows))
+            progress.shard_done(task.index, len(task.rows), sum(r.audio_seconds or 0.0 for r in results))
     except BaseException as e:
         job.append_run(
             {
@@ -308,13 +348,16 @@ def run_tasks(
         job.remove_temp_files()
 
 
-def make_executor(job: JobDir, cfg: JobConfig, engines: dict[str, Any] | None = None) -> tuple[Executor, Any]:
+def make_executor(
+    job: JobDir, cfg: JobConfig, engines: dict[str, Any] | None = None, on_batch: BatchCallback | None = None
+) -> tuple[Executor, Any]:
+    """An executor that reports each finished batch to on_batch (in this process, or from the actors)."""
     if cfg.local:
         runner = ShardRunner(job.path, cfg, engines)
-        return (lambda tasks: run_local(runner, tasks)), None
+        return (lambda tasks: run_local(runner, tasks, on_batch)), None
     from pipeline.ray_runner import ActorPool, connect
 
-    pool = ActorPool(str(job.path), cfg, started_ray=connect(cfg))
+    pool = ActorPool(str(job.path), cfg, started_ray=connect(cfg), on_batch=on_batch)
     return pool.run, pool
 
 

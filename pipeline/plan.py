@@ -2,8 +2,10 @@
 
 A row's packed length is what it costs the engine's forward pass: the conditional sequence (prompt text
 tokens + reference frames + target frames) plus the unconditional one (target frames), i.e.
-text + ref + 2 x target. Rows are grouped by the smallest engine bucket that holds them; a shard holds
-rows of one variant and one bucket, longest first, up to `shard_tokens` packed tokens.
+text + ref + 2 x target. A long text is generated chunk by chunk, so a row's packed length (what must fit
+one batch and one bucket) is its largest chunk's, and its work the sum over its chunks. Rows are grouped
+by the smallest engine bucket that holds them; a shard holds rows of one variant and one bucket, longest
+first, up to `shard_tokens` packed tokens of work.
 """
 
 from __future__ import annotations
@@ -19,15 +21,25 @@ from engine.generate.batching import greedy_batches
 from pipeline.manifest import ManifestRow, Rejection
 
 PLAN_VERSION = 1
+
+
 @dataclass(frozen=True)
 class RowSize:
+    """A row's largest generation (its largest chunk when its text is chunked)."""
+
     text_tokens: int
     ref_frames: int
     target_frames: int
+    chunked_tokens: int | None = None  # packed tokens summed over its chunks; None: one chunk
 
     @property
     def packed_tokens(self) -> int:
         return self.text_tokens + self.ref_frames + 2 * self.target_frames
+
+    @property
+    def work_tokens(self) -> int:
+        """Packed tokens of all its generations (its token work at one decoding step)."""
+        return self.packed_tokens if self.chunked_tokens is None else self.chunked_tokens
 
 
 Sizer = Callable[[ManifestRow], RowSize]
@@ -157,8 +169,9 @@ def make_plan(
         size = sizes[row.id]
         bucket = bucket_for(size.packed_tokens, buckets)
         if bucket is None or size.packed_tokens > max_batch_tokens:
+            what = "row" if size.chunked_tokens is None else "row's largest text chunk"
             reason = (
-                f"row needs {size.packed_tokens} packed tokens ({size.text_tokens} text + "
+                f"{what} needs {size.packed_tokens} packed tokens ({size.text_tokens} text + "
                 f"{size.ref_frames} reference frames + 2 x {size.target_frames} target frames), over the "
                 f"engine limit of {limit}: split the text, use a shorter reference clip, or raise "
                 "engine.buckets / max_batch_tokens"
@@ -171,7 +184,7 @@ def make_plan(
         members = sorted(by_bucket[bucket], key=lambda r: (-sizes[r.id].packed_tokens, r.id))
         for variant in variants:
             for chunk in greedy_batches(
-                members, lambda r: sizes[r.id].packed_tokens, shard_tokens, max_rows_per_shard
+                members, lambda r: sizes[r.id].work_tokens, shard_tokens, max_rows_per_shard
             ):
                 planned = [
                     PlannedRow(
@@ -179,10 +192,7 @@ def make_plan(
                     )
                     for r in chunk
                 ]
-                plan.shards.append(
-                    Shard(len(plan.shards), variant, bucket, sum(p.packed_tokens for p in planned), planned)
-                )
+                work = sum(sizes[r.id].work_tokens for r in chunk)
+                plan.shards.append(Shard(len(plan.shards), variant, bucket, work, planned))
     plan.rejected.sort(key=lambda r: r.row_index)
     return plan
-
-

@@ -7,6 +7,10 @@ An actor that dies (process killed, node lost) costs an attempt to the shard it 
 submission order, so that is its oldest call); shards merely queued behind it go back to the queue as
 they were. The dead actor is replaced when there is work for it. A shard out of attempts comes back with
 every row failed.
+
+Progress: with an on_batch callback, actors put each finished batch (BatchDone) on a Ray queue, which the
+driver drains between waits (every PROGRESS_POLL_S) and always before it hands on a finished shard, so
+that a shard's batches reach on_batch before its end.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from engine.errors import OVBatchError
 from pipeline.config import JobConfig
 from pipeline.messages import first_line
 from pipeline.rows import ResultRow
-from pipeline.runner import ShardRunner, ShardTask
+from pipeline.runner import BatchCallback, ShardRunner, ShardTask
 
 log = logging.getLogger(__name__)
+
+PROGRESS_POLL_S = 0.5
 
 
 class ShardActor:
@@ -38,8 +44,10 @@ class ShardActor:
             torch.set_num_threads(torch_threads)
         self.runner = ShardRunner(job_path, cfg)
 
-    def run_shard(self, task: ShardTask) -> list[ResultRow]:
-        return self.runner.run_shard(task)
+    def run_shard(self, task: ShardTask, progress: Any = None) -> list[ResultRow]:
+        """progress: the pool's ray.util.queue.Queue for BatchDone reports, or None."""
+        on_batch = progress.put_nowait if progress is not None else None  # put_nowait returns once queued
+        return self.runner.run_shard(task, on_batch)
 
 
 def connect(cfg: JobConfig) -> bool:
@@ -105,10 +113,18 @@ class _Slot:
 
 
 class ActorPool:
-    def __init__(self, job_path: str, cfg: JobConfig, started_ray: bool = False):
+    def __init__(
+        self, job_path: str, cfg: JobConfig, started_ray: bool = False, on_batch: BatchCallback | None = None
+    ):
         import ray
 
         self.started_ray = started_ray  # shut Ray down with the pool when the job started it
+        self.on_batch = on_batch
+        self.progress = None
+        if on_batch is not None:
+            from ray.util.queue import Queue
+
+            self.progress = Queue(actor_options={"num_cpus": 0})  # takes no CPU an actor needs
         self.job_path = job_path
         self.cfg = cfg
         cluster = ray.cluster_resources()
@@ -164,10 +180,12 @@ class ActorPool:
                     slot = self.slots[i] = self._spawn(slot.group)
                 while queue and len(slot.inflight) < self.cfg.ray.inflight_per_actor:
                     task = queue.popleft()
-                    ref = slot.actor.run_shard.remote(task)
+                    ref = slot.actor.run_shard.remote(task, self.progress)
                     slot.inflight.append(ref)
                     owner[ref] = (slot, task)
-            ready, _ = ray.wait(list(owner), num_returns=1)
+            poll = None if self.progress is None else PROGRESS_POLL_S
+            ready, _ = ray.wait(list(owner), num_returns=1, timeout=poll)
+            self._pass_on_progress()
             done: list[tuple[ShardTask, list[ResultRow]]] = []
             for ref in ready:
                 if ref not in owner:  # dropped with its dead actor in this same round
@@ -191,6 +209,11 @@ class ActorPool:
                 del owner[ref]
                 done.append((task, results))
             yield from done
+
+    def _pass_on_progress(self) -> None:
+        if self.progress is not None:
+            for batch in self.progress.get_nowait_batch(self.progress.qsize()):
+                self.on_batch(batch)
 
     def _replace_dead(
         self, slot: _Slot, owner: dict, queue: deque, max_attempts: int, e: BaseException
@@ -223,6 +246,8 @@ class ActorPool:
     def shutdown(self) -> None:
         import ray
 
+        if self.progress is not None:
+            self.progress.shutdown(force=True)
         for slot in self.slots:
             if slot.actor is None:
                 continue

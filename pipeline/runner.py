@@ -3,7 +3,8 @@
 The same ShardRunner serves local mode (in this process) and each Ray actor (pipeline.ray_runner).
 A batch that raises is split in halves and each half retried, down to single rows, so one bad row
 fails alone and a CUDA out-of-memory error retries smaller batches. A row's synth_seconds is its share
-of its batch's wall time in proportion to its token work (packed tokens x decoding steps).
+of its batch's wall time in proportion to its token work (packed tokens x decoding steps). Each batch that
+settles its rows (ok, failed or rejected) is reported to an optional callback, so progress moves per batch.
 """
 
 from __future__ import annotations
@@ -28,6 +29,19 @@ from pipeline.store import JobDir
 from pipeline.tokens import write_tokens
 
 MAX_ERROR_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class BatchDone:
+    """Rows of one attempt at shard `shard` that one batch settled, and the seconds of audio it made."""
+
+    shard: int
+    attempt: int
+    rows: int
+    audio_seconds: float
+
+
+BatchCallback = Callable[[BatchDone], None]
 
 
 @dataclass
@@ -110,12 +124,12 @@ class ShardRunner:
             self.engines[variant] = self.factory(self.cfg.engine_config(variant))
         return self.engines[variant]
 
-    def run_shard(self, task: ShardTask) -> list[ResultRow]:
+    def run_shard(self, task: ShardTask, on_batch: BatchCallback | None = None) -> list[ResultRow]:
         engine = self.engine(task.variant)
         max_tokens = self.cfg.engine_config(task.variant).max_batch_tokens
         results: list[ResultRow] = []
         for batch in pack_batches(task.rows, max_tokens):
-            results.extend(self._run_batch(engine, task, batch))
+            results.extend(self._run_batch(engine, task, batch, on_batch))
         return results
 
     def _result(
@@ -135,7 +149,11 @@ class ShardRunner:
             **measured,
         )
 
-    def _run_batch(self, engine: Any, task: ShardTask, rows: list[RequestRow]) -> list[ResultRow]:
+    def _run_batch(
+        self, engine: Any, task: ShardTask, rows: list[RequestRow], on_batch: BatchCallback | None
+    ) -> list[ResultRow]:
+        """The results of `rows`; the batch that settles them reports them to on_batch (a batch split
+        in halves leaves that to each half, so a row is reported once)."""
         started = _now()
         t0 = time.perf_counter()
         try:
@@ -145,17 +163,23 @@ class ShardRunner:
                 _release_cuda_cache()
             if len(rows) > 1:
                 half = len(rows) // 2
-                return self._run_batch(engine, task, rows[:half]) + self._run_batch(engine, task, rows[half:])
-            row = rows[0]
+                return self._run_batch(engine, task, rows[:half], on_batch) + self._run_batch(
+                    engine, task, rows[half:], on_batch
+                )
             # An input the engine refuses will be refused again: that row is rejected, not failed.
             status = "rejected" if isinstance(e, InputError) else "failed"
             error = _error_text(e)
-            return [
-                self._result(
-                    engine, task, row, status, error, batch_size=1, started_at=started, finished_at=_now()
-                )
-            ]
+            failed = self._result(
+                engine, task, rows[0], status, error, batch_size=1, started_at=started, finished_at=_now()
+            )
+            return _reported([failed], task, on_batch)
         wall = time.perf_counter() - t0
+        return _reported(self._written(engine, task, rows, outputs, wall, started), task, on_batch)
+
+    def _written(
+        self, engine: Any, task: ShardTask, rows: list[RequestRow], outputs: list, wall: float, started: str
+    ) -> list[ResultRow]:
+        """Write a synthesized batch's wavs (and tokens); its rows' results."""
         finished = _now()
         work = [max(int(o.token_work), 0) for o in outputs]
         total = sum(work)
@@ -188,6 +212,13 @@ class ShardRunner:
         return results
 
 
+def _reported(results: list[ResultRow], task: ShardTask, on_batch: BatchCallback | None) -> list[ResultRow]:
+    if on_batch is not None:
+        audio_seconds = sum(r.audio_seconds or 0.0 for r in results)
+        on_batch(BatchDone(task.index, task.attempt, len(results), audio_seconds))
+    return results
+
+
 def _gpu_name(engine: Any) -> str:
     device = getattr(engine, "device", None)
     if device is None or getattr(device, "type", str(device)) != "cuda":
@@ -197,7 +228,9 @@ def _gpu_name(engine: Any) -> str:
     return torch.cuda.get_device_name(device)
 
 
-def run_local(runner: ShardRunner, tasks: list[ShardTask]) -> Iterator[tuple[ShardTask, list[ResultRow]]]:
+def run_local(
+    runner: ShardRunner, tasks: list[ShardTask], on_batch: BatchCallback | None = None
+) -> Iterator[tuple[ShardTask, list[ResultRow]]]:
     """Local mode: the same shard runner, in this process, one shard after another."""
     for task in tasks:
-        yield task, runner.run_shard(task)
+        yield task, runner.run_shard(task, on_batch)

@@ -2,8 +2,9 @@
 
 The driver loads the engine on the CPU and calls `Engine.prepare` on each row: that validates the row as
 the actors will (an InputError rejects the row at planning time), builds its voice prompt through the
-shared prompt cache (so actors find every prompt ready), and `Engine.packed_size` gives the row's size
-(prompt text ids + reference frames + 2 x target frames, summed over its text chunks).
+shared prompt cache (so actors find every prompt ready), and `Engine.chunk_sizes` gives the size of each
+of its text chunks (prompt text ids + reference frames + 2 x target frames): the row is sized by its
+largest chunk, its work by all of them.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ def planning_engine(cfg: JobConfig) -> Any:
 
 
 def prepared_size(engine: Any, prepared: Any) -> RowSize:
-    """Packed tokens of a prepared request, laid out as the engine packs them (Engine.packed_size)."""
-    text, ref, target = engine.packed_size(prepared)
-    return RowSize(text_tokens=text, ref_frames=ref, target_frames=target)
+    """Packed tokens of a prepared request, laid out as the engine packs them (Engine.chunk_sizes)."""
+    sizes = [RowSize(*size) for size in engine.chunk_sizes(prepared)]
+    largest = max(sizes, key=lambda s: s.packed_tokens)
+    if len(sizes) == 1:
+        return largest
+    return replace(largest, chunked_tokens=sum(s.packed_tokens for s in sizes))
 
 
 class EngineSizer:

@@ -64,6 +64,26 @@ def test_chunks_partition_the_text():
         assert all(c == c.strip() and c for c in chunks)
 
 
+def test_long_sentences_are_cut_between_words_only_when_asked():
+    text = "one two three four five six. Seven"
+    assert chunk_text_punctuation(text, 10) == ["one two three four five six.", "Seven"]
+    cut = chunk_text_punctuation(text, 10, cut_long_sentences=True)
+    assert cut == ["one two", "three", "four five", "six. Seven"]
+    assert chunk_text_punctuation("abcdefghij", 4, cut_long_sentences=True) == ["abcd", "efgh", "ij"]
+
+
+def test_chunks_are_cut_finer_until_they_fit():
+    text = "A first sentence of some length. A second one, also long enough. And a third to end it all."
+    upstream = plan_chunks(text, 400, None, None, 1.0, 15.0, 25)
+    fitting = plan_chunks(text, 400, None, None, 1.0, 15.0, 25, fits=lambda cs: len(cs) >= 6)
+    assert len(upstream) < 6 <= len(fitting)
+    assert "".join(c.text for c in fitting).replace(" ", "") == text.replace(" ", "")
+    # a sentence stretched so far that upstream's budget is under a character is still cut to fit
+    stretched = "one two three four five six seven"
+    assert len(plan_chunks(stretched, 10000, None, None, 0.01, 15.0, 25)) == 1
+    assert len(plan_chunks(stretched, 10000, None, None, 0.01, 15.0, 25, fits=lambda cs: len(cs) > 1)) > 1
+
+
 def test_chunk_char_budget():
     # 100 chars over 500 frames is 5 frames per char; 15 s at 25 fps is 375 frames -> 75 chars.
     assert chunk_char_budget("x" * 100, 500, 15.0, 25) == 75

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -226,6 +227,66 @@ def test_a_shard_whose_actor_keeps_dying_fails_after_its_attempts(ray_session, t
         assert "died 2 time(s) (ray.max_shard_attempts=2)" in r["error"]
     assert not (outcome.job.path / "wavs").exists()
     assert outcome.summary["rows"]["failed"] == 2 and outcome.summary["complete"]
+
+
+class SlowEngine:
+    """Half a second of silence a row, after BATCH_SECONDS a batch."""
+
+    BATCH_SECONDS = 1.0
+    sample_rate = 8000
+    model_id = "slow@000000000000"
+    precision = "fp32"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def synthesize(self, reqs):
+        from engine.api import SynthResult
+
+        time.sleep(self.BATCH_SECONDS)
+        audio = np.zeros(self.sample_rate // 2, np.float32)
+        return [SynthResult(audio, self.sample_rate, 12, token_work=12, timings={}) for _ in reqs]
+
+
+def test_the_bar_moves_per_batch_while_an_actor_runs_its_shard(ray_session, tmp_path: Path, monkeypatch):
+    """Issue 44, item 6: actors report each batch through a queue the driver drains while it waits."""
+    from pipeline import job as job_mod
+
+    updates: list[tuple[float, int, str]] = []
+
+    class Bar:
+        def __init__(self, total: int, **_):
+            self.postfix = ""
+
+        def set_postfix_str(self, text: str, refresh: bool = True) -> None:
+            self.postfix = text
+
+        def update(self, n: int) -> None:
+            updates.append((time.perf_counter(), n, self.postfix))
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(job_mod, "tqdm", Bar)
+    manifest = write_manifest(tmp_path / "m.parquet", ["short"] * 6)
+    factory = f"tests.{Path(__file__).stem}:SlowEngine"
+    cfg = load_job_config(
+        None,  # every row 40 packed tokens: two rows a batch, all six in one shard
+        [
+            f"manifest={manifest}",
+            f"engine_factory={factory}",
+            "engine.buckets=[80]",
+            "engine.max_batch_tokens=80",
+            "shard_tokens=100000",
+            "ray.num_actors=1",
+        ],
+    )
+    outcome = submit(cfg, tmp_path / "job", lambda cfg: lambda row: RowSize(10, 10, 10))
+    assert outcome.summary["complete"] and outcome.shards_run == [0]
+    assert [n for _, n, _ in updates] == [2, 2, 2, 0]  # three batches, then the shard's end adds nothing
+    assert [text for _, _, text in updates] == ["1.0 s audio", "2.0 s audio", "3.0 s audio", "3.0 s audio"]
+    first_batch, shard_end = updates[0][0], updates[-1][0]
+    assert shard_end - first_batch > SlowEngine.BATCH_SECONDS  # the first batch showed before the shard ended
 
 
 class UnloadableEngine:

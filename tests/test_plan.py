@@ -93,7 +93,8 @@ def test_a_row_bigger_than_the_budget_gets_its_own_shard():
 
 def test_engine_sizer_matches_the_engine_layout_and_reuses_prompts(tmp_path_factory):
     """Sizes from the real engine equal the packed tokens the engine then spends (its token work at one
-    decoding step); rows sharing a clip reuse its prompt; a long text (chunked) sums its chunks."""
+    decoding step); rows sharing a clip reuse its prompt; a long text (chunked) is sized by its largest
+    chunk, its work by all of them."""
     import json
     from pathlib import Path
 
@@ -124,12 +125,13 @@ def test_engine_sizer_matches_the_engine_layout_and_reuses_prompts(tmp_path_fact
     sizes = [sizer(r) for r in rows]
     assert len(sizer.prompts) == 1
     spent = sizer.engine.synthesize([synth_request(r) for r in rows])
-    assert [s.packed_tokens for s in sizes] == [r.token_work for r in spent]
+    assert [s.work_tokens for s in sizes] == [r.token_work for r in spent]
     for row, size in zip(rows, sizes):
         prepared = sizer.engine.prepare(synth_request(row))
         assert size == prepared_size(sizer.engine, prepared)  # the same without the shared prompt
-        chunks = prepared.chunks
-        assert size.target_frames == sum(c.target_frames for c in chunks)
-        assert size.ref_frames == len(chunks) * prepared.prompt.tokens.shape[1]
-    assert sizes[0].packed_tokens < sizes[1].packed_tokens < sizes[2].packed_tokens
+        packed = [text + ref + 2 * target for text, ref, target in sizer.engine.chunk_sizes(prepared)]
+        assert size.packed_tokens == max(packed) and size.work_tokens == sum(packed)
+        assert size.ref_frames == prepared.prompt.tokens.shape[1]
+    assert sizes[0].packed_tokens < sizes[1].packed_tokens
     assert len(sizer.engine.prepare(synth_request(rows[2])).chunks) > 1
+    assert sizes[2].packed_tokens < sizes[2].work_tokens and sizes[1].work_tokens < sizes[2].work_tokens

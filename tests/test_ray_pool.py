@@ -22,7 +22,7 @@ class _Actor:
         self.options, self.threads = options, threads
         self.run_shard = self
 
-    def remote(self, task: ShardTask) -> _Ref:  # run_shard.remote(task)
+    def remote(self, task: ShardTask, progress=None) -> _Ref:  # run_shard.remote(task, progress)
         return _Ref(self, task)
 
 
@@ -57,7 +57,7 @@ class FakeRay:
     def remote(self, cls) -> _ActorClass:
         return _ActorClass(self)
 
-    def wait(self, refs: list, num_returns: int = 1):
+    def wait(self, refs: list, num_returns: int = 1, timeout: float | None = None):
         return refs[:num_returns], refs[num_returns:]
 
     def get(self, ref: _Ref) -> list[dict]:
