@@ -28,7 +28,7 @@ from pipeline.config import JobConfig, load_job_config, resolve_checkpoint_names
 from pipeline.messages import first_line
 from pipeline.plan import Plan, RowSize, Sizer, make_plan, plan_differences
 from pipeline.rows import RequestRow, ResultRow
-from pipeline.runner import BatchCallback, BatchDone, ShardRunner, ShardTask, run_local
+from pipeline.shard_runner import BatchCallback, BatchDone, ShardRunner, ShardTask, run_local
 from pipeline.store import JobDir, JobDirError
 from pipeline.summary import summarize
 

@@ -27,7 +27,7 @@ from engine.errors import OVBatchError
 from pipeline.config import JobConfig
 from pipeline.messages import first_line
 from pipeline.rows import ResultRow
-from pipeline.runner import BatchCallback, ShardRunner, ShardTask
+from pipeline.shard_runner import BatchCallback, ShardRunner, ShardTask
 
 log = logging.getLogger(__name__)
 

@@ -53,7 +53,12 @@ class ResultRow:
     attempt: int = 0
     wav_path: str | None = None
     audio_seconds: float | None = None
-    synth_seconds: float | None = None
+    synth_seconds: float | None = None  # the row's share of its batch's engine time (by token work)
+    prepare_seconds: float | None = None  # its share of the batch's request preparation,
+    generate_seconds: float | None = None  # of the 32-step generation,
+    decode_seconds: float | None = None  # and of the codec decode;
+    postprocess_seconds: float | None = None  # its own post-processing
+    write_seconds: float | None = None  # and wav + codes writes
     rtf: float | None = None
     target_frames: int | None = None
     token_work: int | None = None

@@ -15,7 +15,7 @@ from typing import Any
 from pipeline import manifest as manifest_mod
 from pipeline.config import JobConfig
 from pipeline.plan import RowSize, Sizer
-from pipeline.runner import load_factory, synth_request
+from pipeline.shard_runner import load_factory, synth_request
 
 
 def planning_engine(cfg: JobConfig) -> Any:

@@ -32,6 +32,15 @@ class JobDirError(OVBatchError):
     """A job directory is missing, incomplete, or holds a different job."""
 
 
+def _with_schema(table: pa.Table) -> pa.Table:
+    """A results file in RESULT_SCHEMA; columns added since it was written are null."""
+    columns = [
+        table.column(f.name) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
+        for f in RESULT_SCHEMA
+    ]
+    return pa.Table.from_arrays(columns, schema=RESULT_SCHEMA)
+
+
 class JobDir:
     def __init__(self, path: str | Path):
         self.path = Path(path).expanduser().absolute()
@@ -127,7 +136,7 @@ class JobDir:
 
     def read_results(self) -> pa.Table:
         files = sorted(self.results_dir.glob("*.parquet")) if self.results_dir.is_dir() else []
-        tables = [pq.read_table(f).select(RESULT_SCHEMA.names).cast(RESULT_SCHEMA) for f in files]
+        tables = [_with_schema(pq.read_table(f)) for f in files]
         return pa.concat_tables(tables) if tables else results_table([])
 
     # ------------------------------------------------------------ housekeeping

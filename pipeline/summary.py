@@ -74,6 +74,16 @@ def _problems(job: JobDir, results: list[dict[str, Any]], status: str) -> dict[s
     }
 
 
+PHASES = ("prepare", "generate", "decode", "postprocess", "write")
+
+
+def _time_split(runs: list[dict[str, Any]], phases: dict[str, float], wall: float) -> dict[str, float]:
+    planning = sum(run.get("planning_seconds", 0.0) for run in runs if counts_time(run))
+    split = {"planning": planning, **phases}
+    split["other"] = wall - sum(split.values())
+    return {k: round(v, 3) for k, v in split.items()}
+
+
 def summarize(job: JobDir) -> dict[str, Any]:
     plan = job.read_plan()
     results = job.read_results().to_pylist()
@@ -85,6 +95,7 @@ def summarize(job: JobDir) -> dict[str, Any]:
     by_variant: dict[str, dict[str, int]] = {v: dict.fromkeys(STATUSES, 0) for v in plan.variants}
     buckets: dict[tuple[str, int], dict[str, float]] = defaultdict(lambda: defaultdict(float))
     audio = synth = 0.0
+    phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)
     for r in results:
         by_status[r["status"]] += 1
         by_variant.setdefault(r["variant"], dict.fromkeys(STATUSES, 0))[r["status"]] += 1
@@ -92,6 +103,8 @@ def summarize(job: JobDir) -> dict[str, Any]:
             continue
         audio += r["audio_seconds"]
         synth += r["synth_seconds"]
+        for phase in PHASES:
+            phases[phase] += r[f"{phase}_seconds"] or 0.0
         b = buckets[(r["variant"], r["bucket"])]
         b["rows"] += 1
         b["audio_seconds"] += r["audio_seconds"]
@@ -125,6 +138,9 @@ def summarize(job: JobDir) -> dict[str, Any]:
         "x_realtime": _rate(audio, wall),
         # audio per second of engine time (sum of per-row shares of batch time)
         "engine_x_realtime": _rate(audio, synth),
+        # where the job's wall time went: planning, then each phase of the rows' batches (summed over the
+        # rows, so over actors when several ran at once), and the rest (start-up, idle, scheduling)
+        "time": _time_split(runs, phases, wall),
         "per_bucket": per_bucket,
         "problems": {status: _problems(job, results, status) for status in ("rejected", "failed")},
         "runs": runs,

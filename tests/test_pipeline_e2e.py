@@ -29,7 +29,7 @@ from pipeline.config import load_job_config
 from pipeline.job import submit
 from pipeline.plan import RowSize
 from pipeline.ray_runner import ActorPool
-from pipeline.runner import ShardTask
+from pipeline.shard_runner import ShardTask
 from pipeline.sizing import engine_sizer
 from pipeline.store import JobDir
 

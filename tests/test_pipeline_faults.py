@@ -29,7 +29,7 @@ from pipeline.job import rerun, submit
 from pipeline.manifest import ManifestRow
 from pipeline.plan import PlannedRow, RowSize
 from pipeline.rows import RequestRow
-from pipeline.runner import ShardRunner, ShardTask
+from pipeline.shard_runner import ShardRunner, ShardTask
 from pipeline.store import JobDir, JobDirError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +69,8 @@ class FakeEngine:
             frames = 5 + len(r.text)
             t = np.arange(frames * 320) / self.sample_rate
             audio = (0.3 * np.sin(2 * np.pi * (200 + r.seed % 300) * t)).astype(np.float32)
-            out.append(SynthResult(audio, self.sample_rate, frames, token_work=frames * 32, timings={}))
+            timings = {"prepare": 0.5, "generate": 2.0, "decode": 1.0, "postprocess": 0.01 * frames}
+            out.append(SynthResult(audio, self.sample_rate, frames, token_work=frames * 32, timings=timings))
         return out
 
 
@@ -146,6 +147,13 @@ def test_per_row_time_is_a_share_of_the_batch_by_token_work(tmp_path: Path):
         audio, sr = sf.read(tmp_path / r.wav_path)
         assert r.audio_seconds == pytest.approx(len(audio) / sr)
         assert r.rtf == pytest.approx(r.synth_seconds / r.audio_seconds)
+    # each batch-wide phase is shared by token work like synth_seconds; post-processing is the row's own
+    assert sum(r.generate_seconds for r in results) == pytest.approx(2.0)
+    assert [r.decode_seconds / r.token_work for r in results] == pytest.approx([1.0 / work.sum()] * 3)
+    assert [r.postprocess_seconds for r in results] == pytest.approx(
+        [0.01 * r.target_frames for r in results]
+    )
+    assert all(r.write_seconds > 0 for r in results)
 
 
 def _manifest(path: Path, n: int, texts: list[str] | None = None) -> Path:
@@ -211,6 +219,10 @@ def test_a_writer_killed_during_a_run_leaves_no_temp_file_behind(tmp_path: Path)
     outcome = submit(cfg, job.path, lambda cfg: _fake_sizer)
     assert FakeEngine.calls, "the engine ran"
     assert outcome.summary["rows"]["ok"] == 6
+    split = outcome.summary["time"]  # where the wall time went, adding up to it
+    assert set(split) == {"planning", "prepare", "generate", "decode", "postprocess", "write", "other"}
+    assert sum(split.values()) == pytest.approx(outcome.summary["wall_seconds"], abs=1e-2)
+    assert split["generate"] == pytest.approx(2.0 * len(FakeEngine.calls), abs=1e-2)
     assert not list(job.path.rglob("*.ovtmp-*"))
     assert {p.name for p in (job.path / "wavs" / "default").iterdir()} == {f"r{i:02d}.wav" for i in range(6)}
 

@@ -99,7 +99,7 @@ def test_engine_sizer_matches_the_engine_layout_and_reuses_prompts(tmp_path_fact
     from pathlib import Path
 
     from pipeline.config import load_job_config
-    from pipeline.runner import synth_request
+    from pipeline.shard_runner import synth_request
     from pipeline.sizing import engine_sizer, prepared_size
 
     data = Path(__file__).parent / "data"

@@ -18,7 +18,7 @@ from pipeline import job as job_mod
 from pipeline.config import load_job_config
 from pipeline.job import Progress, submit
 from pipeline.plan import RowSize
-from pipeline.runner import BatchDone
+from pipeline.shard_runner import BatchDone
 
 DATA = Path(__file__).parent / "data"
 CLIPS = json.loads((DATA / "clips.json").read_text())

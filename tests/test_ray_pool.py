@@ -9,7 +9,7 @@ import pytest
 from engine.errors import OVBatchError
 from pipeline.config import load_job_config
 from pipeline.ray_runner import ActorPool
-from pipeline.runner import ShardTask
+from pipeline.shard_runner import ShardTask
 
 
 class _Ref:

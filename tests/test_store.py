@@ -78,6 +78,17 @@ def test_results_schema_and_shard_files(tmp_path: Path):
     assert job.read_plan().to_json() == plan.to_json()
 
 
+def test_results_written_before_a_column_existed_read_with_it_null(tmp_path: Path):
+    job = JobDir(tmp_path)
+    old = results_table([ResultRow("a", "default", "ok", audio_seconds=1.5, shard=0)]).drop_columns(
+        ["write_seconds", "decode_seconds"]
+    )
+    job.results_dir.mkdir(parents=True)
+    pq.write_table(old, job.shard_result_path(0))
+    (row,) = job.read_results().to_pylist()
+    assert row["audio_seconds"] == 1.5 and row["write_seconds"] is None and row["decode_seconds"] is None
+
+
 def test_empty_results_and_rows(tmp_path: Path):
     job = JobDir(tmp_path)
     assert job.read_results().num_rows == 0

@@ -14,7 +14,7 @@ from pipeline.manifest import ManifestRow
 from pipeline.plan import PlannedRow
 from pipeline.report import write_report
 from pipeline.rows import RequestRow
-from pipeline.runner import ShardRunner, ShardTask
+from pipeline.shard_runner import ShardRunner, ShardTask
 from pipeline.store import JobDir
 from pipeline.tokens import agreement, read_tokens, tokens_path, write_tokens
 

@@ -185,13 +185,16 @@ class ShardRunner:
         total = sum(work)
         results = []
         for row, out, w in zip(rows, outputs, work, strict=True):
+            written = time.perf_counter()
             path = self.job.wav_path(task.variant, row.id)
             codes = getattr(out, "tokens", None)  # an engine_factory's own results may carry none
             if codes is not None:
                 write_tokens(self.job, task.variant, row.id, codes)
             write_wav_atomic(path, out.audio, out.sample_rate)
             audio_seconds = len(out.audio) / float(out.sample_rate)
-            share = wall * (w / total if total else 1.0 / len(rows))
+            fraction = w / total if total else 1.0 / len(rows)
+            share = wall * fraction
+            phases = _phase_seconds(getattr(out, "timings", None) or {}, fraction)
             results.append(
                 self._result(
                     engine,
@@ -202,6 +205,8 @@ class ShardRunner:
                     wav_path=self.job.relative(path),
                     audio_seconds=audio_seconds,
                     synth_seconds=share,
+                    **phases,
+                    write_seconds=time.perf_counter() - written,
                     rtf=share / audio_seconds if audio_seconds > 0 else None,
                     target_frames=int(out.target_frames),
                     token_work=w,
@@ -210,6 +215,21 @@ class ShardRunner:
                 )
             )
         return results
+
+
+def _phase_seconds(timings: dict[str, float], fraction: float) -> dict[str, float | None]:
+    """A row's seconds in each phase of its batch: its share (by token work) of the batch-wide phases,
+    its own post-processing; None where the engine did not time a phase."""
+
+    def share(phase: str) -> float | None:
+        return timings[phase] * fraction if phase in timings else None
+
+    return {
+        "prepare_seconds": share("prepare"),
+        "generate_seconds": share("generate"),
+        "decode_seconds": share("decode"),
+        "postprocess_seconds": timings.get("postprocess"),
+    }
 
 
 def _reported(results: list[ResultRow], task: ShardTask, on_batch: BatchCallback | None) -> list[ResultRow]:
