@@ -20,7 +20,7 @@ from torch import Tensor
 from engine.fp8.reference import E4M3, KERNEL_MAX_K, fp8_matmul_reference, quantize_rows
 from engine.kernels.fused import fused_ops
 from engine.model.layers import silu_mul
-from engine.model.linear import DenseLinear, Linear
+from engine.model.linear import DenseLinear, Linear, QuantizedLinear
 
 
 @dataclass
@@ -40,7 +40,7 @@ def _rows(x: Tensor) -> Tensor:
     return x2 if x2.is_contiguous() and x2.data_ptr() % 16 == 0 else x2.contiguous()
 
 
-class Fp8Linear(Linear):
+class Fp8Linear(QuantizedLinear):
     """y = FP8 linear of x per engine/fp8/reference.py; e4m3 weights [N, K] with float32 scales [N]."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -62,13 +62,6 @@ class Fp8Linear(Linear):
         layer.bias = None if linear.bias is None else linear.bias.detach().float()
         layer.splits, layer.fused = linear.splits, linear.fused
         return layer
-
-    def _apply(self, fn, recurse=True):
-        """Device moves apply; dtype casts (model.to(bf16)) do not: the codes stay e4m3, scales float32."""
-        for name, t in self._buffers.items():
-            if t is not None:
-                self._buffers[name] = t.to(fn(t.reshape(-1)[:0]).device)
-        return self
 
     def _kernels(self, x: Tensor):
         fits = x.shape[-1] % 8 == 0 and x.shape[-1] <= KERNEL_MAX_K

@@ -45,6 +45,17 @@ class Linear(nn.Module):
         return None
 
 
+class QuantizedLinear(Linear):
+    """A Linear whose buffers keep the dtypes their numerics are defined on: device moves apply to them,
+    dtype casts (model.half(), model.to(bf16)) do not."""
+
+    def _apply(self, fn, recurse=True):
+        for name, t in self._buffers.items():
+            if t is not None:
+                self._buffers[name] = t.to(fn(t.reshape(-1)[:0]).device)
+        return self
+
+
 class DenseLinear(Linear, nn.Linear):
     """The unquantized Linear: one cuBLAS GEMM (torch's F.linear). Its parameters are nn.Linear's, so
     official state dicts load into it and calibration hooks see an nn.Linear."""

@@ -14,7 +14,7 @@ import logging
 import torch
 from torch import Tensor, nn
 
-from engine.model.linear import Linear
+from engine.model.linear import Linear, QuantizedLinear
 from engine.w4a4.format import STORE_DTYPE, W4A4Tensors
 from engine.w4a4.reference import ReferenceW4A4Backend
 
@@ -72,7 +72,7 @@ class _Prepared(nn.Module):
         return backend.forward(norm(x), packed)
 
 
-class W4A4Linear(_Prepared, Linear):
+class W4A4Linear(_Prepared, QuantizedLinear):
     """y = W4A4(x) per engine/w4a4/reference.py; in/out features as the Linear it replaces."""
 
     def __init__(
@@ -108,13 +108,8 @@ class W4A4Linear(_Prepared, Linear):
         )
 
     def _apply(self, fn, recurse=True):
-        """Device moves apply; dtype casts (model.half(), .to(bf16)) do not: the canonical tensors keep
-        their stored dtypes, which the numerics contract is defined on."""
         self._reset_packed()  # packed forms belong to the old device
-        for name, t in self._buffers.items():
-            if t is not None:
-                self._buffers[name] = t.to(fn(t.reshape(-1)[:0]).device)
-        return self
+        return super()._apply(fn, recurse)
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._reset_packed()
