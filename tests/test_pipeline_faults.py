@@ -290,8 +290,11 @@ def test_killing_the_driver_then_resubmitting_redoes_only_unfinished_shards(tmp_
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
+    def logged_shards() -> int:
+        return sum(r.get("event") == "shard" for r in job.read_runs())
+
     deadline = time.monotonic() + 240
-    while not job.finished_shards() and proc.poll() is None and time.monotonic() < deadline:
+    while not logged_shards() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)  # the driver's own process group (start_new_session)
     stderr = proc.communicate()[1].decode(errors="replace")
@@ -320,9 +323,10 @@ def test_killing_the_driver_then_resubmitting_redoes_only_unfinished_shards(tmp_
     assert {p.stem for p in (job.path / "wavs" / "default").iterdir()} == {r["id"] for r in results}
     assert not list(job.path.rglob("*.ovtmp-*"))
     assert outcome.summary["complete"]
-    runs = outcome.summary["runs"]  # the killed run counts, up to its last finished shard
+    runs = outcome.summary["runs"]  # the killed run counts, up to its last logged shard
     assert [(r["kind"], r["state"]) for r in runs] == [("submit", "unfinished"), ("resume", "finished")]
-    assert runs[0]["shards_finished"] == len(finished) and runs[0]["wall_seconds"] > 0
+    # A shard's log line follows its result file, so a kill between the two loses the count, not the rows.
+    assert 1 <= runs[0]["shards_finished"] <= len(finished) and runs[0]["wall_seconds"] > 0
 
 
 def test_submit_never_writes_into_a_folder_that_is_not_a_job(tmp_path: Path):
