@@ -37,7 +37,7 @@ from engine.tiny.codec import preprocessor_config, random_codec_weights  # noqa:
 from pipeline.config import load_job_config  # noqa: E402
 from pipeline.demo import CLIPS_DIR, demo_clips  # noqa: E402
 from pipeline.job import submit  # noqa: E402
-from pipeline.sizing import engine_sizer  # noqa: E402
+from pipeline.sizing import frontend_sizer  # noqa: E402
 
 TEXTS = (
     "Hello there.",
@@ -149,7 +149,7 @@ def run_mode(mode: str, manifest: Path, job_dir: Path, overrides: list[str], gpu
     settings = [f"local={str(mode == 'local').lower()}", *overrides]
     cfg = load_job_config(None, settings, {"manifest": str(manifest)})
     with GpuSampler() as gpu:
-        outcome = submit(cfg, job_dir, engine_sizer)
+        outcome = submit(cfg, job_dir, frontend_sizer)
     s = outcome.summary
     run = s["runs"][-1]
     execution = run["wall_seconds"] - run["planning_seconds"]

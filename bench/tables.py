@@ -222,6 +222,23 @@ def residual_rows(result: dict) -> list[str]:
     return rows
 
 
+def plan_rows(result: dict) -> list[str]:
+    """README: planning manifests whose rows each bring their own clip, and the previous planner."""
+    out = []
+    for e in result["entries"]:
+        phases = e["phases_seconds"]
+        out.append(
+            row(
+                f"{e['rows']:,}",
+                f"{e['seconds']:.1f}",
+                f"{e['seconds_per_1000_rows']:.1f}",
+                f"{phases['manifest_and_cut']:.1f} / {phases['clips']:.1f} / {phases['rows']:.1f}",
+                f"~{e['baseline_seconds_estimated']:,.0f} ({e['speedup_vs_baseline']:,.0f}x)",
+            )
+        )
+    return out
+
+
 def tables() -> dict[str, tuple[str, list[str]]]:
     """Table name -> (the document it lives in, its rows)."""
     generate, kernels, fused = load("generate-h200.json"), load("kernels-h200.json"), load("fused-h200.json")
@@ -229,6 +246,7 @@ def tables() -> dict[str, tuple[str, list[str]]]:
         "generation": ("README.md", generate_rows(generate)),
         "precisions": ("README.md", precision_rows(load("profile-generate-h200.json"))),
         "W4A4 kernels": ("README.md", kernel_summary_rows(kernels)),
+        "planning": ("README.md", plan_rows(load("plan-cpu.json"))),
         "current kernel numbers": ("docs/kernels.md", kernel_rows(kernels)),
         "floors": ("docs/kernels.md", floor_rows(kernels)),
         "fused kernels": ("docs/kernels.md", fused_rows(fused)),

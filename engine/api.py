@@ -11,26 +11,18 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from engine.checkpoint import checkpoint_fingerprint, read_config, resolve_checkpoint
+from engine.checkpoint import checkpoint_fingerprint, locate_checkpoint, read_config
 from engine.codec import Codec
 from engine.config import DTYPES, EngineConfig, resolve_device
 from engine.errors import AudioError, CheckpointError, InputError
-from engine.frontend.audio import ReferenceSettings, clip_name, cross_fade_chunks, postprocess_output
-from engine.frontend.chunking import Chunk, needs_chunking, plan_chunks
-from engine.frontend.duration import effective_speed, estimate_target_frames
+from engine.frontend.audio import cross_fade_chunks, postprocess_output
 from engine.frontend.prompt import PromptCache, VoicePrompt, build_prompts
-from engine.frontend.text import (
-    TextFrontend,
-    add_punctuation,
-    has_chinese,
-    resolve_instruct,
-    resolve_language,
-)
+from engine.frontend.requests import CodecShape, PreparedRequest, RequestFrontend, SynthRequest
+from engine.frontend.text import TextFrontend
 from engine.generate.batching import even_batches
 from engine.generate.loop import Runner
 from engine.generate.packing import GenItem, packed_tokens
@@ -40,23 +32,8 @@ log = logging.getLogger(__name__)
 
 # Frames decoded per codec call (16 clips of 30 s at 25 frames/s): bounds the decoder's memory.
 DECODE_BATCH_FRAMES = 12_000
-# Longest output one request may ask for (through its text, speed or duration).
-MAX_OUTPUT_S = 600.0
 # Upstream warns that references over 20 s slow generation down and clone worse.
 LONG_REFERENCE_S = 20.0
-
-
-@dataclass
-class SynthRequest:
-    text: str
-    ref_audio: str | Path | bytes | None = None  # clip path or file content; needs ref_text
-    ref_text: str | None = None
-    prompt: VoicePrompt | None = None  # a prepared voice instead of ref_audio + ref_text
-    language: str | None = None
-    instruct: str | None = None  # voice design: a style description (no reference needed)
-    duration: float | None = None  # seconds; overrides speed
-    speed: float | None = None
-    seed: int = 0
 
 
 @dataclass
@@ -70,16 +47,6 @@ class SynthResult:
     # The generated audio codes [codebooks, frames], a long text's chunks joined in order (A/B reports
     # compare them between variants).
     tokens: np.ndarray | None = None
-
-
-@dataclass
-class PreparedRequest:
-    request: SynthRequest
-    language: str | None
-    instruct: str | None
-    prompt: VoicePrompt | None
-    target_frames: int  # of the whole text
-    chunks: list[Chunk]  # one chunk holding the whole text unless the text is long
 
 
 def resolve_precision(precision: str, device: torch.device, quantized: bool) -> tuple[str, torch.dtype]:
@@ -113,13 +80,7 @@ class Engine:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.gen = cfg.generation
-        if cfg.checkpoint is None:
-            from engine.tiny import ensure_tiny_checkpoint
-
-            ckpt_dir, name = ensure_tiny_checkpoint(), "tiny"
-        else:
-            ckpt_dir = resolve_checkpoint(cfg.checkpoint)
-            name = Path(str(cfg.checkpoint).rstrip("/")).name or str(cfg.checkpoint)
+        ckpt_dir, name = locate_checkpoint(cfg.checkpoint)
         self.checkpoint_dir = ckpt_dir
         self.device = resolve_device(cfg.device)
         _, raw_config = read_config(ckpt_dir)
@@ -144,9 +105,10 @@ class Engine:
             )
         self.sample_rate = self.codec.sample_rate
         self.frame_rate = self.codec.frame_rate
-        self.reference_settings = ReferenceSettings(
-            preprocess=self.gen.preprocess_prompt, max_seconds=cfg.max_ref_seconds
+        self.requests = RequestFrontend(
+            cfg, self.text, CodecShape(self.codec.sample_rate, self.codec.hop_length)
         )
+        self.reference_settings = self.requests.reference_settings
         self.prompts = PromptCache(
             cfg.prompt_cache_dir,
             self.codec.identity,
@@ -163,96 +125,20 @@ class Engine:
 
     def prepare_many(self, reqs: list[SynthRequest]) -> list[PreparedRequest]:
         """prepare() for many requests; the reference clips missing from the cache are encoded together."""
-        styles = [self._checked_style(r) for r in reqs]
+        styles = [self.requests.checked_style(r) for r in reqs]
         prompts = self._voice_prompts(reqs)
-        return [self._planned(r, lang, instruct, p) for r, (lang, instruct), p in zip(reqs, styles, prompts)]
-
-    def _checked_style(self, req: SynthRequest) -> tuple[str | None, str | None]:
-        """Check text and seed; resolve language and instruct."""
-        text = req.text
-        if not isinstance(text, str) or not text.strip():
-            raise InputError(f"text {text!r} is empty or whitespace only: give the words to speak.")
-        if len(text) > self.cfg.max_text_chars:
-            raise InputError(
-                f"text of {len(text)} characters ({text[:40]!r}...) is over the {self.cfg.max_text_chars}-"
-                "character limit: split it into several requests or raise EngineConfig.max_text_chars."
-            )
-        if isinstance(req.seed, bool) or not isinstance(req.seed, int | np.integer):
-            raise InputError(f"seed={req.seed!r}: give an integer.")
-        language = resolve_language(req.language)
-        instruct = resolve_instruct(req.instruct, use_zh=has_chinese(text)) if req.instruct else None
-        return language, instruct
-
-    def _planned(
-        self, req: SynthRequest, language: str | None, instruct: str | None, prompt: VoicePrompt | None
-    ) -> PreparedRequest:
-        """Target frames (duration/speed applied) and, for a long text or one whose generation would not
-        fit the token budget, its chunks, cut so that each fits where chunks of a few characters can."""
-        text = req.text
-        ref_text = prompt.ref_text if prompt else None
-        ref_frames = prompt.tokens.shape[1] if prompt else None
-        target = estimate_target_frames(text, ref_text, ref_frames, req.speed, req.duration, self.frame_rate)
-        if target > MAX_OUTPUT_S * self.frame_rate:
-            raise InputError(
-                f"request (text {text[:40]!r}, speed={req.speed}, duration={req.duration}) asks for "
-                f"{target / self.frame_rate:.0f} s of audio, over the {MAX_OUTPUT_S:.0f} s limit: "
-                "use a shorter duration, a speed nearer 1, or split the text."
-            )
-        p = PreparedRequest(req, language, instruct, prompt, target, [Chunk(text, target, False)])
-        is_long = needs_chunking(target, self.gen.audio_chunk_threshold, self.frame_rate)
-        if self.gen.audio_chunk_duration > 0 and (is_long or not self._fits(p)):
-            speed = effective_speed(text, ref_text, ref_frames, req.speed, req.duration, self.frame_rate)
-            p.chunks = plan_chunks(
-                text,
-                target,
-                ref_text,
-                ref_frames,
-                speed,
-                self.gen.audio_chunk_duration,
-                self.frame_rate,
-                fits=lambda chunks: self._fits(replace(p, chunks=chunks)),
-            )
-        return p
-
-    @property
-    def token_budget(self) -> int:
-        """Packed tokens one generation may take: max_batch_tokens, and the largest graph bucket."""
-        return min(self.cfg.max_batch_tokens, max(self.cfg.buckets))
-
-    def _fits(self, p: PreparedRequest) -> bool:
-        # The budget comes from run settings (not part of a row's key); it only binds where a chunk of
-        # about audio_chunk_duration would not fit, which the planner would otherwise reject.
-        return all(text + ref + 2 * target <= self.token_budget for text, ref, target in self.chunk_sizes(p))
-
-    def _clip_of(self, req: SynthRequest) -> tuple[str, str] | None:
-        """(clip name, reference text as prompts store it) when the request clones a clip; checks that
-        the voice fields go together."""
-        if req.prompt is not None:
-            if req.ref_audio is not None or req.ref_text is not None:
-                raise InputError(
-                    "a request gives both a voice prompt and ref_audio/ref_text: pass one of the two."
-                )
-            return None
-        if req.ref_audio is None:
-            if req.ref_text is not None:
-                raise InputError(
-                    f"ref_text {req.ref_text!r:.40} is given without ref_audio: add the reference clip, "
-                    "or drop ref_text for voice design / auto voice."
-                )
-            return None
-        name = clip_name(req.ref_audio)
-        if not isinstance(req.ref_text, str) or not req.ref_text.strip():
-            raise InputError(
-                f"reference clip {name} has no transcript (ref_text={req.ref_text!r}): give the words spoken "
-                "in the clip (automatic transcription is not part of this engine)."
-            )
-        return name, add_punctuation(req.ref_text) if self.gen.preprocess_prompt else req.ref_text
+        prepared = []
+        for req, (language, instruct), prompt in zip(reqs, styles, prompts):
+            ref_text, ref_frames = (prompt.ref_text, int(prompt.tokens.shape[1])) if prompt else (None, 0)
+            p = self.requests.planned(req, language, instruct, ref_text, ref_frames)
+            prepared.append(replace(p, prompt=prompt))
+        return prepared
 
     def _voice_prompts(self, reqs: list[SynthRequest]) -> list[VoicePrompt | None]:
         prompts: list[VoicePrompt | None] = [None] * len(reqs)
         wanted: list[tuple[int, str, str]] = []  # (request index, clip name, reference text)
         for i, req in enumerate(reqs):
-            clip = self._clip_of(req)
+            clip = self.requests.clip_of(req)
             if clip is not None:
                 wanted.append((i, *clip))
             elif req.prompt is not None:
@@ -335,41 +221,12 @@ class Engine:
             )
         return results
 
-    def _chunk_reference(self, p: PreparedRequest, index: int) -> tuple[str | None, int]:
-        """The transcript and frame count of what chunk `index` clones: the voice prompt, or (no clip)
-        the first chunk's generated audio for the later chunks of a long text; (None, 0) for none."""
-        chunk = p.chunks[index]
-        if p.prompt is not None:
-            return p.prompt.ref_text, int(p.prompt.tokens.shape[1])
-        if chunk.first_chunk_is_ref:
-            return p.chunks[0].text, p.chunks[0].target_frames
-        return None, 0
-
-    def _chunk_prompt_ids(self, p: PreparedRequest, index: int, ref_text: str | None) -> list[int]:
-        return self.text.prompt_ids(
-            p.chunks[index].text,
-            ref_text,
-            p.language,
-            p.instruct,
-            self.gen.denoise,
-            has_ref=ref_text is not None,
-        )
-
-    def chunk_sizes(self, p: PreparedRequest) -> list[tuple[int, int, int]]:
-        """(text tokens, reference frames, target frames) of each chunk of a prepared request; the runner
-        packs text + reference + 2 x target tokens per chunk, one generation each."""
-        sizes = []
-        for index, chunk in enumerate(p.chunks):
-            ref_text, ref_frames = self._chunk_reference(p, index)
-            sizes.append((len(self._chunk_prompt_ids(p, index, ref_text)), ref_frames, chunk.target_frames))
-        return sizes
-
     def _gen_item(self, p: PreparedRequest, index: int, first_tokens: torch.Tensor | None) -> GenItem:
-        ref_text, _ = self._chunk_reference(p, index)
+        ref_text, _ = self.requests.chunk_reference(p, index)
         ref_tokens = None
         if ref_text is not None:
             ref_tokens = p.prompt.tokens if p.prompt is not None else first_tokens
-        ids = self._chunk_prompt_ids(p, index, ref_text)
+        ids = self.requests.chunk_prompt_ids(p, index, ref_text)
         return GenItem(ids, ref_tokens, p.chunks[index].target_frames, _chunk_seed(p.request.seed, index))
 
     def _generate(self, prepared: list[PreparedRequest]) -> tuple[list[list[torch.Tensor]], list[int]]:

@@ -49,6 +49,15 @@ def resolve_checkpoint(path_or_repo: str | os.PathLike) -> Path:
     )
 
 
+def locate_checkpoint(checkpoint: str | os.PathLike | None) -> tuple[Path, str]:
+    """(local directory, short name) of an EngineConfig.checkpoint; None is the embedded tiny checkpoint."""
+    if checkpoint is None:
+        from engine.tiny import ensure_tiny_checkpoint
+
+        return ensure_tiny_checkpoint(), "tiny"
+    return resolve_checkpoint(checkpoint), Path(str(checkpoint).rstrip("/")).name or str(checkpoint)
+
+
 def _download(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 

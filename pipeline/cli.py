@@ -96,10 +96,10 @@ def _print_outcome(outcome: Any) -> int:
 def cmd_submit(args: argparse.Namespace) -> int:
     from pipeline.config import load_job_config
     from pipeline.job import submit
-    from pipeline.sizing import engine_sizer
+    from pipeline.sizing import frontend_sizer
 
     cfg = load_job_config(args.config, args.overrides, _flag_settings(args, manifest=args.manifest))
-    return _print_outcome(submit(cfg, args.out, engine_sizer))
+    return _print_outcome(submit(cfg, args.out, frontend_sizer))
 
 
 def cmd_rerun(args: argparse.Namespace) -> int:
@@ -185,10 +185,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_manifest_check(args: argparse.Namespace) -> int:
     from pipeline.config import load_job_config
     from pipeline.job import check_manifest
-    from pipeline.sizing import engine_sizer
+    from pipeline.sizing import frontend_sizer
 
     cfg = load_job_config(args.config, args.overrides, _flag_settings(args, manifest=args.file))
-    report = check_manifest(cfg, engine_sizer)
+    report = check_manifest(cfg, frontend_sizer)
     print(
         f"manifest {report['source']}: {report['rows']} rows, {report['accepted']} accepted, "
         f"{len(report['rejected'])} rejected; buckets {report['buckets']}"

@@ -98,7 +98,7 @@ def run_demo(out: str | Path, local: bool = False, overrides: list[str] | None =
     from engine.tiny import ensure_tiny_checkpoint
     from pipeline.config import load_job_config
     from pipeline.job import submit
-    from pipeline.sizing import engine_sizer
+    from pipeline.sizing import frontend_sizer
 
     out = Path(out).absolute()
     checkpoint = ensure_tiny_checkpoint()
@@ -110,4 +110,4 @@ def run_demo(out: str | Path, local: bool = False, overrides: list[str] | None =
         {**paths, "local": local, **(ab_settings(checkpoint) if ab else {})},
     )
     print(f"demo: tiny checkpoint {checkpoint}; manifest {manifest} ({DEMO_ROWS} rows)")
-    return submit(cfg, out, engine_sizer)
+    return submit(cfg, out, frontend_sizer)

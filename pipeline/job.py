@@ -20,13 +20,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.config import resolve_device
 from engine.errors import InputError
 from pipeline import manifest as manifest_mod
 from pipeline.atomic import write_bytes_atomic, write_json_atomic
 from pipeline.config import JobConfig, load_job_config, resolve_checkpoint_names, to_yaml
 from pipeline.messages import first_line
-from pipeline.plan import Plan, RowSize, Sizer, make_plan, plan_differences
+from pipeline.plan import Plan, RowSize, SizerFactory, make_plan, plan_differences
 from pipeline.rows import RequestRow, ResultRow
 from pipeline.shard_runner import BatchCallback, BatchDone, ShardRunner, ShardTask, run_local
 from pipeline.store import JobDir, JobDirError
@@ -56,13 +55,13 @@ def with_job_defaults(cfg: JobConfig, job: JobDir) -> JobConfig:
 
 
 def plan_job(
-    cfg: JobConfig, make_sizer: Callable[[JobConfig], Sizer], clip_dir: Path | None
-) -> tuple[Plan, list[manifest_mod.ManifestRow], Sizer | None]:
+    cfg: JobConfig, make_sizer: SizerFactory, clip_dir: Path | None
+) -> tuple[Plan, list[manifest_mod.ManifestRow]]:
     """Load and validate the manifest, size its rows, cut shards. Remote clips are copied to clip_dir.
-    The sizer (which may load an engine) is made only once the manifest has proved readable."""
+    The sizer (which prepares the rows' clips) is made only once the manifest has proved readable."""
     first = cfg.engine_config(cfg.variant_names()[0])  # the variant whose engine sizes the rows
     manifest = manifest_mod.load(cfg.manifest, clip_dir=clip_dir, max_ref_seconds=first.max_ref_seconds)
-    sizer = make_sizer(cfg) if manifest.rows else None
+    sizer = make_sizer(cfg, manifest.rows) if manifest.rows else None
     sizes: dict[str, RowSize] = {}
     rejected = list(manifest.rejected)
     rows = []
@@ -94,15 +93,15 @@ def plan_job(
         cfg.max_rows_per_shard,
     )
     plan.engine_settings = {v: manifest_mod.engine_settings(cfg.engine_config(v)) for v in keys}
-    return plan, rows, sizer
+    return plan, rows
 
 
-def check_manifest(cfg: JobConfig, make_sizer: Callable[[JobConfig], Sizer]) -> dict[str, Any]:
+def check_manifest(cfg: JobConfig, make_sizer: SizerFactory) -> dict[str, Any]:
     """What submit would plan, without writing or running anything. Remote clips go to a temporary
     folder (submit copies them into the job) so that the engine's preparation can read them."""
     cfg = resolve_checkpoint_names(cfg)
     with tempfile.TemporaryDirectory(prefix="ovbatch-check-") as clips:
-        plan, _, _ = plan_job(cfg, make_sizer, clip_dir=Path(clips))
+        plan, _ = plan_job(cfg, make_sizer, clip_dir=Path(clips))
     buckets: dict[int, int] = {}
     for shard in plan.shards:
         if shard.variant == plan.variants[0]:
@@ -118,9 +117,10 @@ def check_manifest(cfg: JobConfig, make_sizer: Callable[[JobConfig], Sizer]) -> 
     }
 
 
-def submit(cfg: JobConfig, out: str | Path, make_sizer: Callable[[JobConfig], Sizer]) -> JobOutcome:
+def submit(cfg: JobConfig, out: str | Path, make_sizer: SizerFactory) -> JobOutcome:
     """Plan MANIFEST into OUT and run it; on an existing OUT with the same plan, run what is unfinished.
-    make_sizer(cfg) gives the row sizer (pipeline.sizing.engine_sizer: the engine's own preparation)."""
+    make_sizer(cfg, rows) gives the row sizer (pipeline.sizing.frontend_sizer: the engine's own request
+    preparation, without the model or the codec)."""
     t0 = time.perf_counter()
     job = JobDir(out)
     cfg = with_job_defaults(cfg, job)
@@ -133,7 +133,7 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: Callable[[JobConfig], Si
             "give a new or empty directory for the job."
         )
     cfg = resolve_checkpoint_names(cfg)
-    plan, rows, sizer = plan_job(cfg, make_sizer, job.clip_dir)
+    plan, rows = plan_job(cfg, make_sizer, job.clip_dir)
     kind = "submit"
     if job.exists():
         stored = job.read_plan()
@@ -150,9 +150,7 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: Callable[[JobConfig], Si
         job.write_plan(plan)
     write_bytes_atomic(job.config_path, to_yaml(cfg).encode())
     todo = [s.index for s in plan.shards if s.index not in job.finished_shards()]
-    engines = reusable_engines(cfg, sizer)
-    del sizer  # the planning engine's memory goes back unless local mode runs shards on it
-    return execute(job, cfg, plan, todo, kind, engines, t0)
+    return execute(job, cfg, plan, todo, kind, t0)
 
 
 def rerun(
@@ -196,22 +194,12 @@ def _task(
     return ShardTask(shard.index, shard.variant, shard.bucket, attempt, payload)
 
 
-def reusable_engines(cfg: JobConfig, sizer: Sizer | None) -> dict[str, Any]:
-    """Local mode on the CPU can run shards on the engine that planned them (loaded on the CPU)."""
-    engine = getattr(sizer, "engine", None)
-    if not cfg.local or getattr(getattr(engine, "device", None), "type", None) != "cpu":
-        return {}
-    variant = cfg.variant_names()[0]
-    return {variant: engine} if resolve_device(cfg.engine_config(variant).device).type == "cpu" else {}
-
-
 def execute(
     job: JobDir,
     cfg: JobConfig,
     plan: Plan,
     shard_indices: list[int],
     kind: str,
-    engines: dict[str, Any] | None = None,
     t0: float | None = None,
 ) -> JobOutcome:
     """Run `shard_indices` and write their results; t0 (perf_counter) is when the run began, planning
@@ -241,7 +229,7 @@ def execute(
     if tasks:
         # Recorded before any shard runs, so that a run killed half-way still counts its time.
         job.append_run({"event": "start", "run": run_id, **run_record})
-        run_tasks(job, cfg, tasks, kept, engines, kind, run_id, t0)
+        run_tasks(job, cfg, tasks, kept, kind, run_id, t0)
         job.append_run({"event": "end", "run": run_id, "finished_at": _now(), "wall_seconds": _since(t0)})
     else:  # recorded, but a run with nothing to do adds no time to the job (summary.counts_time)
         job.append_run(
@@ -304,7 +292,6 @@ def run_tasks(
     cfg: JobConfig,
     tasks: list[ShardTask],
     kept: dict[int, list[ResultRow]],
-    engines: dict[str, Any] | None,
     kind: str,
     run_id: str,
     t0: float,
@@ -321,7 +308,7 @@ def run_tasks(
     )
     progress = Progress(bar)
     try:
-        executor, pool = make_executor(job, cfg, engines, progress.batch if cfg.progress else None)
+        executor, pool = make_executor(job, cfg, progress.batch if cfg.progress else None)
         for task, results in executor(tasks):
             for r in results:  # a row that did not end ok keeps no wav from an earlier attempt
                 if r.status != "ok":
@@ -348,12 +335,10 @@ def run_tasks(
         job.remove_temp_files()
 
 
-def make_executor(
-    job: JobDir, cfg: JobConfig, engines: dict[str, Any] | None = None, on_batch: BatchCallback | None = None
-) -> tuple[Executor, Any]:
+def make_executor(job: JobDir, cfg: JobConfig, on_batch: BatchCallback | None = None) -> tuple[Executor, Any]:
     """An executor that reports each finished batch to on_batch (in this process, or from the actors)."""
     if cfg.local:
-        runner = ShardRunner(job.path, cfg, engines)
+        runner = ShardRunner(job.path, cfg)
         return (lambda tasks: run_local(runner, tasks, on_batch)), None
     from pipeline.ray_runner import ActorPool, connect
 

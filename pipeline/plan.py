@@ -43,6 +43,8 @@ class RowSize:
 
 
 Sizer = Callable[[ManifestRow], RowSize]
+# Makes the sizer of a job's rows (given them all, so that it can prepare their clips together).
+SizerFactory = Callable[[Any, Sequence[ManifestRow]], Sizer]
 
 
 @dataclass

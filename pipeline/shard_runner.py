@@ -111,11 +111,11 @@ def pack_batches(rows: list[RequestRow], max_batch_tokens: int) -> list[list[Req
 class ShardRunner:
     """Holds one engine per variant (loaded on first use) and runs shards with it."""
 
-    def __init__(self, job_path: str | Path, cfg: JobConfig, engines: dict[str, Any] | None = None):
+    def __init__(self, job_path: str | Path, cfg: JobConfig):
         self.job = JobDir(job_path)
         self.cfg = cfg
         self.factory = load_factory(cfg.engine_factory)
-        self.engines: dict[str, Any] = dict(engines or {})  # variant -> engine already loaded
+        self.engines: dict[str, Any] = {}  # variant -> its engine
         self.host = socket.gethostname()
         self.worker = f"{self.host}:{os.getpid()}"
 

@@ -1,58 +1,90 @@
-"""Row sizes for the planner, from the engine's own request preparation.
+"""Row sizes for the planner, computed on the driver's CPU without the model or the codec.
 
-The driver loads the engine on the CPU and calls `Engine.prepare` on each row: that validates the row as
-the actors will (an InputError rejects the row at planning time), builds its voice prompt through the
-shared prompt cache (so actors find every prompt ready), and `Engine.chunk_sizes` gives the size of each
-of its text chunks (prompt text ids + reference frames + 2 x target frames): the row is sized by its
-largest chunk, its work by all of them.
+`RequestFrontend` (engine.frontend.requests) is the engine's own request preparation without the codes:
+every distinct reference clip is prepared as the engine prepares it and counted in codec frames (in a
+pool of processes: a manifest whose rows each bring their own clip spends its planning here), then each
+row is checked (an InputError rejects it at planning time, as the actors would) and sized by its text
+chunks: the row by its largest chunk (prompt text ids + reference frames + 2 x target frames), its work
+by all of them. The actors encode the clips on their GPUs, through the shared prompt cache, when they
+run the rows.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
-from typing import Any
+from multiprocessing import get_context
 
+from engine.checkpoint import locate_checkpoint
+from engine.frontend.audio import ClipSource, ReferenceSettings
+from engine.frontend.requests import CodecShape, PreparedRequest, RequestFrontend, reference_frames
 from pipeline import manifest as manifest_mod
 from pipeline.config import JobConfig
 from pipeline.plan import RowSize, Sizer
-from pipeline.shard_runner import load_factory, synth_request
+from pipeline.shard_runner import synth_request
+
+# Fewer distinct clips than this are prepared in this process (a pool's start-up would cost more).
+POOL_MIN_CLIPS = 64
 
 
-def planning_engine(cfg: JobConfig) -> Any:
-    """The first variant's engine, on the CPU (planning never runs the model)."""
-    variant = cfg.variant_names()[0]
-    return load_factory(cfg.engine_factory)(replace(cfg.engine_config(variant), device="cpu"))
-
-
-def prepared_size(engine: Any, prepared: Any) -> RowSize:
-    """Packed tokens of a prepared request, laid out as the engine packs them (Engine.chunk_sizes)."""
-    sizes = [RowSize(*size) for size in engine.chunk_sizes(prepared)]
+def prepared_size(frontend: RequestFrontend, prepared: PreparedRequest) -> RowSize:
+    """Packed tokens of a prepared request, laid out as the engine packs them (chunk_sizes)."""
+    sizes = [RowSize(*size) for size in frontend.chunk_sizes(prepared)]
     largest = max(sizes, key=lambda s: s.packed_tokens)
     if len(sizes) == 1:
         return largest
     return replace(largest, chunked_tokens=sum(s.packed_tokens for s in sizes))
 
 
-class EngineSizer:
-    """Sizer backed by an engine; local mode on the CPU reuses `engine` to run the shards.
+def clip_frames(clip: str, codec: CodecShape, settings: ReferenceSettings) -> int | Exception:
+    """reference_frames of a clip, or what stops the clip (so that it rejects its rows, not the plan)."""
+    try:
+        return reference_frames(clip, codec, settings)
+    except Exception as e:
+        return e
 
-    Rows sharing a clip and transcript reuse its voice prompt (the engine reads and hashes a clip on
-    every request that names it by path)."""
 
-    def __init__(self, engine: Any):
-        self.engine = engine
-        self.prompts: dict[tuple[str, str], Any] = {}
+def clip_frames_all(
+    frontend: RequestFrontend, clips: Sequence[str], workers: int
+) -> dict[str, int | Exception]:
+    """clip_frames of every clip, over `workers` processes when there are many clips."""
+    settings = frontend.reference_settings
+    if workers < 2 or len(clips) < POOL_MIN_CLIPS:
+        return {clip: clip_frames(clip, frontend.codec, settings) for clip in clips}
+    n = len(clips)
+    # spawn: the driver may hold threads (Ray, torch) that a forked child would inherit mid-lock.
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        frames = pool.map(clip_frames, clips, [frontend.codec] * n, [settings] * n, chunksize=16)
+        return dict(zip(clips, frames))
+
+
+class FrontendSizer:
+    """Sizes rows with the first variant's request frontend; every reference clip is prepared once."""
+
+    def __init__(self, frontend: RequestFrontend, rows: Sequence[manifest_mod.ManifestRow], workers: int):
+        self.frontend = frontend
+        clips = sorted({str(r.ref_audio) for r in rows if r.ref_audio is not None})
+        self.frames = clip_frames_all(frontend, clips, workers)
+
+    def _frames_of(self, clip: ClipSource) -> int:
+        frames = self.frames.get(str(clip))
+        if frames is None:
+            frames = self.frames[str(clip)] = self.frontend.reference_frames(clip)
+        if isinstance(frames, Exception):
+            raise frames
+        return frames
 
     def __call__(self, row: manifest_mod.ManifestRow) -> RowSize:
-        req = synth_request(row)
-        voice = (row.ref_audio, row.ref_text)
-        if row.ref_audio is not None and voice in self.prompts:
-            req = replace(req, ref_audio=None, ref_text=None, prompt=self.prompts[voice])
-        prepared = self.engine.prepare(req)
-        if row.ref_audio is not None:
-            self.prompts[voice] = prepared.prompt
-        return prepared_size(self.engine, prepared)
+        return prepared_size(self.frontend, self.frontend.size(synth_request(row), self._frames_of))
 
 
-def engine_sizer(cfg: JobConfig) -> Sizer:
-    return EngineSizer(planning_engine(cfg))
+def planning_frontend(cfg: JobConfig) -> RequestFrontend:
+    """The first variant's request frontend: its checkpoint's tokenizer and codec config, nothing more."""
+    engine_cfg = cfg.engine_config(cfg.variant_names()[0])
+    return RequestFrontend.from_checkpoint(engine_cfg, locate_checkpoint(engine_cfg.checkpoint)[0])
+
+
+def frontend_sizer(cfg: JobConfig, rows: Sequence[manifest_mod.ManifestRow]) -> Sizer:
+    return FrontendSizer(planning_frontend(cfg), rows, workers=len(os.sched_getaffinity(0)))

@@ -148,7 +148,7 @@ def test_ab_job_through_the_real_engine(tmp_path: Path, tmp_path_factory):
     from engine.tiny import ensure_tiny_checkpoint
     from pipeline.config import load_job_config
     from pipeline.job import submit
-    from pipeline.sizing import engine_sizer
+    from pipeline.sizing import frontend_sizer
 
     data = Path(__file__).parent / "data"
     clips = json.loads((data / "clips.json").read_text())
@@ -176,7 +176,7 @@ def test_ab_job_through_the_real_engine(tmp_path: Path, tmp_path_factory):
             "variants.bf16.precision=bf16",
         ],
     )
-    outcome = submit(cfg, tmp_path / "job", engine_sizer)
+    outcome = submit(cfg, tmp_path / "job", frontend_sizer)
     results = outcome.job.read_results().to_pylist()
     assert sorted((r["variant"], r["id"], r["status"], r["precision"]) for r in results) == [
         (v, i, "ok", v) for v in ("bf16", "fp32") for i in "abc"

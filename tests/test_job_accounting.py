@@ -95,7 +95,7 @@ def _cfg(manifest: Path):
     )
 
 
-def _sizer(cfg):
+def _sizer(cfg, rows):
     return lambda row: RowSize(text_tokens=10, ref_frames=10, target_frames=10)
 
 

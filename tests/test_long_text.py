@@ -15,7 +15,7 @@ from engine.config import EngineConfig, GenerationConfig
 from engine.tiny import ensure_tiny_checkpoint
 from pipeline.manifest import ManifestRow
 from pipeline.plan import make_plan
-from pipeline.sizing import EngineSizer
+from pipeline.sizing import FrontendSizer
 
 DATA = Path(__file__).parent / "data"
 CLIP = str(DATA / "en_24k_mono.wav")
@@ -58,7 +58,7 @@ def engine() -> Engine:
 
 def _plan(engine: Engine, row: ManifestRow):
     cfg = engine.cfg
-    size = EngineSizer(engine)(row)
+    size = FrontendSizer(engine.requests, [row], workers=1)(row)
     return make_plan(
         [row], [], {row.id: size}, {"v": {row.id: "key"}}, cfg.buckets, cfg.max_batch_tokens, 65536, 64
     )
@@ -72,7 +72,7 @@ def test_a_text_of_max_text_chars_is_planned_by_its_largest_chunk(engine, clip):
     assert not plan.rejected, plan.rejected[0].reason
     (planned,) = plan.shards[0].rows
     prepared = engine.prepare(SynthRequest(text=text, ref_audio=row.ref_audio, ref_text=row.ref_text))
-    packed = _packed(engine.chunk_sizes(prepared))
+    packed = _packed(engine.requests.chunk_sizes(prepared))
     assert len(packed) > 1 and planned.packed_tokens == max(packed) <= _budget(engine)
     assert plan.shards[0].tokens == sum(packed)  # a shard is still cut by the work of all its chunks
 
@@ -92,7 +92,7 @@ def test_every_chunk_fits_a_small_budget_even_a_sentence_without_punctuation(cli
     ref = {"ref_audio": CLIP, "ref_text": TRANSCRIPT} if clip else {}
     for text in (_text(1500), words):
         prepared = engine.prepare(SynthRequest(text=text, **ref))
-        assert max(_packed(engine.chunk_sizes(prepared))) <= 512
+        assert max(_packed(engine.requests.chunk_sizes(prepared))) <= 512
         assert "".join(c.text for c in prepared.chunks).replace(" ", "") == text.replace(" ", "")
 
 

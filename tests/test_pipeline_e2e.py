@@ -30,7 +30,7 @@ from pipeline.job import submit
 from pipeline.plan import RowSize
 from pipeline.ray_runner import ActorPool
 from pipeline.shard_runner import ShardTask
-from pipeline.sizing import engine_sizer
+from pipeline.sizing import frontend_sizer
 from pipeline.store import JobDir
 
 DATA = Path(__file__).parent / "data"
@@ -130,7 +130,7 @@ def check_outputs(job: JobDir, expected_ok: set[str], precision: str = "fp32") -
 def test_end_to_end_on_local_ray(ray_session, tiny, prompt_cache, tmp_path: Path, capsys):
     kinds = ["short"] * 20 + ["medium"] * 14 + ["long"] * 8
     manifest = write_manifest(tmp_path / "m.parquet", kinds, bad_rows=True)
-    outcome = submit(job_config(manifest, tiny, prompt_cache), tmp_path / "job", engine_sizer)
+    outcome = submit(job_config(manifest, tiny, prompt_cache), tmp_path / "job", frontend_sizer)
     job = outcome.job
     valid = {f"{k}-{i:02d}" for i, k in enumerate(kinds)}
     results = check_outputs(job, valid)
@@ -171,7 +171,7 @@ def test_killing_an_actor_mid_job_loses_nothing(ray_session, tiny, prompt_cache,
     cfg = job_config(manifest, tiny, prompt_cache, "shard_tokens=500")
     job = JobDir(tmp_path / "job")
     outcome: dict = {}
-    runner = threading.Thread(target=lambda: outcome.setdefault("o", submit(cfg, job.path, engine_sizer)))
+    runner = threading.Thread(target=lambda: outcome.setdefault("o", submit(cfg, job.path, frontend_sizer)))
     runner.start()
     deadline = time.monotonic() + 240
     while not job.finished_shards() and time.monotonic() < deadline and runner.is_alive():
@@ -219,7 +219,7 @@ def test_a_shard_whose_actor_keeps_dying_fails_after_its_attempts(ray_session, t
             "progress=false",
         ],
     )
-    outcome = submit(cfg, tmp_path / "job", lambda cfg: lambda row: RowSize(10, 20, 30))
+    outcome = submit(cfg, tmp_path / "job", lambda cfg, rows: lambda row: RowSize(10, 20, 30))
     results = outcome.job.read_results().to_pylist()
     assert sorted(r["id"] for r in results) == ["medium-01", "short-00"]
     for r in results:
@@ -281,7 +281,7 @@ def test_the_bar_moves_per_batch_while_an_actor_runs_its_shard(ray_session, tmp_
             "ray.num_actors=1",
         ],
     )
-    outcome = submit(cfg, tmp_path / "job", lambda cfg: lambda row: RowSize(10, 10, 10))
+    outcome = submit(cfg, tmp_path / "job", lambda cfg, rows: lambda row: RowSize(10, 10, 10))
     assert outcome.summary["complete"] and outcome.shards_run == [0]
     assert [n for _, n, _ in updates] == [2, 2, 2, 0]  # three batches, then the shard's end adds nothing
     assert [text for _, _, text in updates] == ["1.0 s audio", "2.0 s audio", "3.0 s audio", "3.0 s audio"]
@@ -303,7 +303,7 @@ def test_an_error_inside_an_actor_is_reported_by_its_own_message(ray_session, tm
         None, [f"manifest={manifest}", f"engine_factory={factory}", "ray.num_actors=1", "progress=false"]
     )
     with pytest.raises(OVBatchError, match=r"could not run: OVBatchError: checkpoint '/nowhere' not found"):
-        submit(cfg, tmp_path / "job", lambda cfg: lambda row: RowSize(10, 20, 30))
+        submit(cfg, tmp_path / "job", lambda cfg, rows: lambda row: RowSize(10, 20, 30))
 
 
 def test_an_actor_that_cannot_start_stops_the_job_with_the_cause(ray_session, tmp_path: Path):
@@ -329,7 +329,7 @@ def test_gpu_actor_end_to_end(ray_session, tiny, prompt_cache, tmp_path: Path):
     kinds = ["short"] * 6 + ["medium"] * 4 + ["long"] * 2
     manifest = write_manifest(tmp_path / "m.parquet", kinds)
     cfg = job_config(manifest, tiny, prompt_cache, "engine.device=cuda", "ray.num_actors=1")
-    outcome = submit(cfg, tmp_path / "job", engine_sizer)
+    outcome = submit(cfg, tmp_path / "job", frontend_sizer)
     results = check_outputs(outcome.job, {f"{k}-{i:02d}" for i, k in enumerate(kinds)}, precision="bf16")
     assert all(r["gpu"] for r in results) and len({r["worker"] for r in results}) == 1
     assert len({r["bucket"] for r in results}) >= 3

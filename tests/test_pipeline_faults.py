@@ -183,7 +183,7 @@ def test_rerun_runs_only_the_failed_rows_and_never_rewrites_an_ok_row(tmp_path: 
     stale = job.wav_path("default", "r04")  # as left by an earlier attempt whose worker died
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"RIFF from a dead attempt")
-    first = submit(cfg, job.path, lambda cfg: _fake_sizer)
+    first = submit(cfg, job.path, lambda cfg, rows: _fake_sizer)
     assert first.summary["rows"]["failed"] == 2 and first.summary["rows"]["ok"] == 16
     assert not stale.exists(), "a failed row keeps no wav"
     plan = job.read_plan()
@@ -216,7 +216,7 @@ def test_a_writer_killed_during_a_run_leaves_no_temp_file_behind(tmp_path: Path)
     cfg = _fake_cfg(_manifest(tmp_path / "m.parquet", 6))
     job = JobDir(tmp_path / "job")
     FakeEngine.dead_writer_temp = job.wav_path("default", "r03").with_name(".r03.wav.ovtmp-dead")
-    outcome = submit(cfg, job.path, lambda cfg: _fake_sizer)
+    outcome = submit(cfg, job.path, lambda cfg, rows: _fake_sizer)
     assert FakeEngine.calls, "the engine ran"
     assert outcome.summary["rows"]["ok"] == 6
     split = outcome.summary["time"]  # where the wall time went, adding up to it
@@ -234,7 +234,9 @@ def test_a_row_whose_preparation_crashes_is_rejected_and_the_others_run(tmp_path
         return _fake_sizer(row)
 
     FakeEngine.fail_ids = set()
-    outcome = submit(_fake_cfg(_manifest(tmp_path / "m.parquet", 5)), tmp_path / "job", lambda cfg: sizer)
+    outcome = submit(
+        _fake_cfg(_manifest(tmp_path / "m.parquet", 5)), tmp_path / "job", lambda cfg, rows: sizer
+    )
     results = {r["id"]: r for r in outcome.job.read_results().to_pylist()}
     assert [results[f"r{i:02d}"]["status"] for i in range(5)] == ["ok", "ok", "rejected", "ok", "ok"]
     assert "RuntimeError: codec exploded" in results["r02"]["error"]
@@ -242,23 +244,23 @@ def test_a_row_whose_preparation_crashes_is_rejected_and_the_others_run(tmp_path
 
 def test_a_resubmitted_job_must_be_the_same_job(tmp_path: Path):
     m = _manifest(tmp_path / "m.parquet", 4)
-    submit(_fake_cfg(m), tmp_path / "job", lambda cfg: _fake_sizer)
-    resumed = submit(_fake_cfg(m), tmp_path / "job", lambda cfg: _fake_sizer)
+    submit(_fake_cfg(m), tmp_path / "job", lambda cfg, rows: _fake_sizer)
+    resumed = submit(_fake_cfg(m), tmp_path / "job", lambda cfg, rows: _fake_sizer)
     assert resumed.shards_run == []
     with pytest.raises(JobDirError, match=r"holds a different job: .*generation.num_step: 32 -> 8"):
-        submit(_fake_cfg(m, "engine.generation.num_step=8"), tmp_path / "job", lambda cfg: _fake_sizer)
+        submit(_fake_cfg(m, "engine.generation.num_step=8"), tmp_path / "job", lambda cfg, rows: _fake_sizer)
     with pytest.raises(JobDirError, match=r"1 row\(s\) have other inputs \(e.g. id 'r01'\)"):
         submit(
             _fake_cfg(_manifest(m, 4, ["row r00", "changed", "row r02", "row r03"])),
             tmp_path / "job",
-            lambda cfg: _fake_sizer,
+            lambda cfg, rows: _fake_sizer,
         )
 
 
 def test_killing_the_driver_then_resubmitting_redoes_only_unfinished_shards(tmp_path: Path, tmp_path_factory):
     """The real engine on the tiny checkpoint, local mode, in a subprocess killed with SIGKILL mid-job."""
     from engine.tiny import ensure_tiny_checkpoint
-    from pipeline.sizing import engine_sizer
+    from pipeline.sizing import frontend_sizer
 
     texts = ["Hi there.", "Thank you.", "Good night, see you soon.", "Yes, please."] * 2
     manifest = _manifest(tmp_path / "m.parquet", len(texts), texts)
@@ -290,6 +292,7 @@ def test_killing_the_driver_then_resubmitting_redoes_only_unfinished_shards(tmp_
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
+
     def logged_shards() -> int:
         return sum(r.get("event") == "shard" for r in job.read_runs())
 
@@ -311,7 +314,7 @@ def test_killing_the_driver_then_resubmitting_redoes_only_unfinished_shards(tmp_
     }
 
     cfg = load_job_config(None, [f"manifest={manifest}", "local=true", *overrides])
-    outcome = submit(cfg, job.path, engine_sizer)
+    outcome = submit(cfg, job.path, frontend_sizer)
     assert sorted(outcome.shards_run) == sorted(planned - finished)
     for i, data in kept.items():
         assert job.shard_result_path(i).read_bytes() == data
@@ -334,18 +337,5 @@ def test_submit_never_writes_into_a_folder_that_is_not_a_job(tmp_path: Path):
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("keep me")
     with pytest.raises(JobDirError, match=r"already holds other files \(notes.txt\)"):
-        submit(_fake_cfg(m), tmp_path / "busy", lambda cfg: _fake_sizer)
+        submit(_fake_cfg(m), tmp_path / "busy", lambda cfg, rows: _fake_sizer)
     assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == ["notes.txt"]
-
-
-def test_local_cpu_mode_runs_shards_on_the_planning_engine():
-    from types import SimpleNamespace
-
-    from pipeline.job import reusable_engines
-
-    sizer = SimpleNamespace(engine=FakeEngine(None))  # FakeEngine sits on the CPU
-    assert reusable_engines(_fake_cfg(None, "engine.device=cpu"), sizer) == {"default": sizer.engine}
-    assert reusable_engines(_fake_cfg(None, "engine.device=cpu", "local=false"), sizer) == {}
-    assert reusable_engines(_fake_cfg(None, "engine.device=cpu"), lambda row: None) == {}
-    auto = reusable_engines(_fake_cfg(None, "engine.device=auto"), sizer)
-    assert auto == ({} if torch.cuda.is_available() else {"default": sizer.engine})

@@ -91,21 +91,10 @@ def test_a_row_bigger_than_the_budget_gets_its_own_shard():
     assert [len(s.rows) for s in plan.shards] == [1, 1, 1]
 
 
-def test_engine_sizer_matches_the_engine_layout_and_reuses_prompts(tmp_path_factory):
-    """Sizes from the real engine equal the packed tokens the engine then spends (its token work at one
-    decoding step); rows sharing a clip reuse its prompt; a long text (chunked) is sized by its largest
-    chunk, its work by all of them."""
-    import json
-    from pathlib import Path
-
+def _sizing_config(prompts):
     from pipeline.config import load_job_config
-    from pipeline.shard_runner import synth_request
-    from pipeline.sizing import engine_sizer, prepared_size
 
-    data = Path(__file__).parent / "data"
-    clips = json.loads((data / "clips.json").read_text())
-    prompts = tmp_path_factory.getbasetemp() / "ovbatch-prompts"
-    cfg = load_job_config(
+    return load_job_config(
         None,
         [  # texts over 4 s come in chunks of about 2 s
             "engine.device=cpu",
@@ -115,23 +104,72 @@ def test_engine_sizer_matches_the_engine_layout_and_reuses_prompts(tmp_path_fact
             f"engine.prompt_cache_dir={prompts}",
         ],
     )
-    sizer = engine_sizer(cfg)
+
+
+def test_planning_sizes_rows_as_the_engine_spends_them_without_the_codec(tmp_path_factory, monkeypatch):
+    """Sizes from the frontend (tokenizer and codec config only; the clip prepared and counted in hops)
+    equal what the engine then builds and spends: reference frames from the codec, packed tokens per
+    chunk, token work at one decoding step. A long text (chunked) is sized by its largest chunk, its
+    work by all of them. Clips at every rate and format of tests/data."""
+    import json
+    from pathlib import Path
+
+    from engine.api import Engine
+    from engine.codec import Codec
+    from pipeline.shard_runner import synth_request
+    from pipeline.sizing import frontend_sizer, prepared_size
+
+    data = Path(__file__).parent / "data"
+    clips = json.loads((data / "clips.json").read_text())
+    cfg = _sizing_config(tmp_path_factory.getbasetemp() / "ovbatch-prompts")
     long_text = "This sentence goes on to make a text that needs chunks. And here is another one, too."
-    clip, transcript = str(data / "en_24k_mono.wav"), clips["en_24k_mono.wav"]["transcript"]
+    texts = ["Hello.", "A longer line of text to speak.", long_text]
     rows = [
-        ManifestRow(i, f"r{i}", text, clip, transcript)
-        for i, text in enumerate(["Hello.", "A longer line of text to speak.", long_text])
+        ManifestRow(i, f"r{i}", texts[i % 3], str(data / name), clip["transcript"])
+        for i, (name, clip) in enumerate(sorted(clips.items()))
     ]
-    sizes = [sizer(r) for r in rows]
-    assert len(sizer.prompts) == 1
-    spent = sizer.engine.synthesize([synth_request(r) for r in rows])
+    rows.append(ManifestRow(len(rows), "design", long_text, None, None))
+
+    def no_codec(*args, **kwargs):
+        raise AssertionError("planning loaded the codec")
+
+    with monkeypatch.context() as m:
+        m.setattr(Codec, "from_dir", no_codec)
+        sizer = frontend_sizer(cfg, rows)
+        sizes = [sizer(r) for r in rows]
+    engine = Engine(cfg.engine_config("default"))
+    spent = engine.synthesize([synth_request(r) for r in rows])
     assert [s.work_tokens for s in sizes] == [r.token_work for r in spent]
     for row, size in zip(rows, sizes):
-        prepared = sizer.engine.prepare(synth_request(row))
-        assert size == prepared_size(sizer.engine, prepared)  # the same without the shared prompt
-        packed = [text + ref + 2 * target for text, ref, target in sizer.engine.chunk_sizes(prepared)]
+        prepared = engine.prepare(synth_request(row))
+        assert size == prepared_size(engine.requests, prepared)
+        packed = [text + ref + 2 * target for text, ref, target in engine.requests.chunk_sizes(prepared)]
         assert size.packed_tokens == max(packed) and size.work_tokens == sum(packed)
-        assert size.ref_frames == prepared.prompt.tokens.shape[1]
+    for row, size in zip(rows[:-1], sizes):  # the codec's frames of each clip, counted without it
+        assert size.ref_frames == engine.prepare(synth_request(row)).prompt.tokens.shape[1]
     assert sizes[0].packed_tokens < sizes[1].packed_tokens
-    assert len(sizer.engine.prepare(synth_request(rows[2])).chunks) > 1
+    assert len(engine.prepare(synth_request(rows[2])).chunks) > 1
     assert sizes[2].packed_tokens < sizes[2].work_tokens and sizes[1].work_tokens < sizes[2].work_tokens
+
+
+def test_many_clips_are_prepared_in_worker_processes_alike(tmp_path, monkeypatch):
+    """The process pool gives each clip the frames this process gives it; a clip that cannot be used
+    comes back as its error (its rows are rejected, the others planned)."""
+    import shutil
+    from pathlib import Path
+
+    from engine.errors import AudioError
+    from pipeline import sizing
+
+    data = Path(__file__).parent / "data"
+    clips = []
+    for i, source in enumerate(sorted(data.glob("en_*"))):
+        clips.append(str(shutil.copy(source, tmp_path / f"{i}{source.suffix}")))
+    (tmp_path / "broken.wav").write_bytes(b"RIFF....WAVE")  # not decodable
+    clips.append(str(tmp_path / "broken.wav"))
+    frontend = sizing.planning_frontend(_sizing_config(tmp_path / "prompts"))
+    serial = sizing.clip_frames_all(frontend, clips, workers=1)
+    monkeypatch.setattr(sizing, "POOL_MIN_CLIPS", 1)
+    pooled = sizing.clip_frames_all(frontend, clips, workers=2)
+    assert isinstance(serial.pop(clips[-1]), AudioError) and isinstance(pooled.pop(clips[-1]), AudioError)
+    assert pooled == serial and all(isinstance(f, int) and f > 0 for f in serial.values())

@@ -98,7 +98,7 @@ def _submit(tmp_path: Path, rows: int):
             "shard_tokens=100000",
         ],
     )
-    return submit(cfg, tmp_path / "job", lambda cfg: lambda row: RowSize(10, 10, 10))
+    return submit(cfg, tmp_path / "job", lambda cfg, rows: lambda row: RowSize(10, 10, 10))
 
 
 def test_the_bar_moves_per_batch_with_audio_seconds_and_counts_each_row_once(tmp_path: Path):

@@ -62,7 +62,7 @@ def _tiny_ab_job(root: Path):
     from pipeline.config import load_job_config
     from pipeline.demo import DEMO_OVERRIDES, ab_settings, write_demo_manifest
     from pipeline.job import submit
-    from pipeline.sizing import engine_sizer
+    from pipeline.sizing import frontend_sizer
 
     checkpoint = ensure_tiny_checkpoint()
     literal = {
@@ -77,7 +77,7 @@ def _tiny_ab_job(root: Path):
     }
     overrides = [*DEMO_OVERRIDES, "engine.generation.num_step=4", "progress=false", "compare.device=cpu"]
     cfg = load_job_config(None, overrides, literal)
-    return submit(cfg, root / "job", engine_sizer).job, cfg
+    return submit(cfg, root / "job", frontend_sizer).job, cfg
 
 
 def _render(browser, page_path: Path) -> dict:
