@@ -17,7 +17,7 @@ import torch
 
 from engine.checkpoint import checkpoint_fingerprint, locate_checkpoint, read_config
 from engine.codec import Codec
-from engine.config import DTYPES, EngineConfig, resolve_device
+from engine.config import DTYPES, EngineConfig, GenerationConfig, resolve_device
 from engine.errors import AudioError, CheckpointError, InputError
 from engine.frontend.audio import cross_fade_chunks, postprocess_output
 from engine.frontend.prompt import PromptCache, VoicePrompt, build_prompts
@@ -47,6 +47,34 @@ class SynthResult:
     # The generated audio codes [codebooks, frames], a long text's chunks joined in order (A/B reports
     # compare them between variants).
     tokens: np.ndarray | None = None
+
+
+@dataclass
+class Generated:
+    """A request generated and decoded, before post-processing (host work only: finish() may run on any
+    thread while the device goes on with the next batch)."""
+
+    pieces: list[np.ndarray]  # decoded audio of each text chunk
+    tokens: np.ndarray  # [codebooks, frames], the chunks joined
+    target_frames: int
+    token_work: int
+    ref_rms: float | None
+    sample_rate: int
+    gen: GenerationConfig
+    timings: dict[str, float]
+
+    def finish(self) -> SynthResult:
+        start = time.perf_counter()
+        wav = cross_fade_chunks(self.pieces, self.sample_rate)
+        wav = postprocess_output(wav, self.sample_rate, self.ref_rms, self.gen)
+        return SynthResult(
+            audio=np.ascontiguousarray(wav, dtype=np.float32),
+            sample_rate=self.sample_rate,
+            target_frames=self.target_frames,
+            token_work=self.token_work,
+            timings={**self.timings, "postprocess": time.perf_counter() - start},
+            tokens=self.tokens,
+        )
 
 
 def resolve_precision(precision: str, device: torch.device, quantized: bool) -> tuple[str, torch.dtype]:
@@ -187,39 +215,34 @@ class Engine:
     # ---------------------------------------------------------------------------------- synthesize
 
     def synthesize(self, reqs: list[SynthRequest]) -> list[SynthResult]:
+        return [g.finish() for g in self.generate(reqs)]
+
+    def generate(self, reqs: list[SynthRequest]) -> list[Generated]:
+        """synthesize() up to the decoded audio; each Generated's finish() does the rest on the host."""
         if not reqs:
             return []
         start = time.perf_counter()
         prepared = self.prepare_many(reqs)
         t0 = time.perf_counter()
-        tokens, work = self._generate(prepared)
+        tokens, work = self._generate_tokens(prepared)
         t1 = time.perf_counter()
         audio = self._decode([t for per_request in tokens for t in per_request])
         t2 = time.perf_counter()
-        results = []
+        timings = {"prepare": t0 - start, "generate": t1 - t0, "decode": t2 - t1}
         decoded = iter(audio)
-        for p, per_request, w in zip(prepared, tokens, work):
-            pieces = [next(decoded) for _ in per_request]
-            post_start = time.perf_counter()
-            wav = cross_fade_chunks(pieces, self.sample_rate)
-            wav = postprocess_output(wav, self.sample_rate, p.prompt.ref_rms if p.prompt else None, self.gen)
-            timings = {
-                "prepare": t0 - start,
-                "generate": t1 - t0,
-                "decode": t2 - t1,
-                "postprocess": time.perf_counter() - post_start,
-            }
-            results.append(
-                SynthResult(
-                    audio=np.ascontiguousarray(wav, dtype=np.float32),
-                    sample_rate=self.sample_rate,
-                    target_frames=sum(c.target_frames for c in p.chunks),
-                    token_work=w,
-                    timings=timings,
-                    tokens=torch.cat(per_request, dim=1).cpu().numpy(),
-                )
+        return [
+            Generated(
+                pieces=[next(decoded) for _ in per_request],
+                tokens=torch.cat(per_request, dim=1).cpu().numpy(),
+                target_frames=sum(c.target_frames for c in p.chunks),
+                token_work=w,
+                ref_rms=p.prompt.ref_rms if p.prompt else None,
+                sample_rate=self.sample_rate,
+                gen=self.gen,
+                timings=dict(timings),
             )
-        return results
+            for p, per_request, w in zip(prepared, tokens, work)
+        ]
 
     def _gen_item(self, p: PreparedRequest, index: int, first_tokens: torch.Tensor | None) -> GenItem:
         ref_text, _ = self.requests.chunk_reference(p, index)
@@ -229,7 +252,7 @@ class Engine:
         ids = self.requests.chunk_prompt_ids(p, index, ref_text)
         return GenItem(ids, ref_tokens, p.chunks[index].target_frames, _chunk_seed(p.request.seed, index))
 
-    def _generate(self, prepared: list[PreparedRequest]) -> tuple[list[list[torch.Tensor]], list[int]]:
+    def _generate_tokens(self, prepared: list[PreparedRequest]) -> tuple[list[list[torch.Tensor]], list[int]]:
         """Tokens of every chunk of every request, and each request's token work."""
         tokens: list[list[torch.Tensor]] = [[] for _ in prepared]
         work = [0] * len(prepared)

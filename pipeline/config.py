@@ -70,6 +70,9 @@ class JobConfig:
     shard_tokens: int = 65536
     max_rows_per_shard: int = 512
     local: bool = False  # run shards in this process instead of on Ray actors
+    # Threads that post-process and write a batch's rows while the engine generates the next batch; at
+    # most twice as many batches wait for them (a slow disk slows the job, it never queues without bound).
+    writer_threads: int = 2
     ray: RayConfig = field(default_factory=RayConfig)
     engine_factory: str = "engine.api:Engine"  # "module:callable" taking an EngineConfig
     progress: bool = True
@@ -144,6 +147,8 @@ def validate(cfg: JobConfig) -> None:
                 f"variant name {name!r} is unusable as a folder name: use letters, digits, '_', '-', '.'."
             )
         cfg.engine_config(name)
+    if cfg.writer_threads < 1:
+        raise InputError(f"writer_threads={cfg.writer_threads}: it must be at least 1.")
     if cfg.shard_tokens < 1 or cfg.max_rows_per_shard < 1:
         raise InputError(
             f"shard_tokens={cfg.shard_tokens}, max_rows_per_shard={cfg.max_rows_per_shard}: "

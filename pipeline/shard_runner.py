@@ -1,6 +1,8 @@
 """Run shards: pack a shard's rows into batches, synthesize, write wavs atomically, return per-row results.
 
-The same ShardRunner serves local mode (in this process) and each Ray actor (pipeline.ray_runner).
+The same ShardRunner serves local mode (in this process) and each Ray actor (pipeline.ray_runner). The
+engine's device never waits for the host's post-processing and writes: those run on writer threads while
+the next batch generates (Engine.generate, then each output's finish() on a writer thread).
 A batch that raises is split in halves and each half retried, down to single rows, so one bad row
 fails alone and a CUDA out-of-memory error retries smaller batches. A row's synth_seconds is its share
 of its batch's wall time in proportion to its token work (packed tokens x decoding steps). Each batch that
@@ -13,8 +15,10 @@ import importlib
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -108,8 +112,32 @@ def pack_batches(rows: list[RequestRow], max_batch_tokens: int) -> list[list[Req
     return even_batches(longest_first, lambda r: r.packed_tokens, max_batch_tokens)
 
 
+@dataclass
+class _Part:
+    """Rows one engine call settled: its outputs (to finish and write), or results made already."""
+
+    rows: list[RequestRow]
+    outputs: list[Any] = field(default_factory=list)  # one per row: Generated (to finish) or SynthResult
+    wall: float = 0.0
+    started: str = ""
+    finished: str = ""
+    settled: list[ResultRow] | None = None
+
+
+def _engine_outputs(engine: Any, reqs: list[Any]) -> list[Any]:
+    """engine.generate where the engine has it (outputs whose finish() post-processes them, run on a writer
+    thread), else engine.synthesize (an engine_factory's engine may offer only that)."""
+    generate = getattr(engine, "generate", None)
+    return generate(reqs) if generate is not None else engine.synthesize(reqs)
+
+
 class ShardRunner:
-    """Holds one engine per variant (loaded on first use) and runs shards with it."""
+    """Holds one engine per variant (loaded on first use) and runs shards with it.
+
+    The engine generates batch after batch on the calling thread; each batch's rows are post-processed and
+    written on writer threads meanwhile, at most 2 x writer_threads batches behind. A batch is reported
+    (on_batch) once its rows are written and the engine has finished the batch after it; a shard returns
+    once every one of its rows is written (or settled as failed or rejected)."""
 
     def __init__(self, job_path: str | Path, cfg: JobConfig):
         self.job = JobDir(job_path)
@@ -118,6 +146,7 @@ class ShardRunner:
         self.engines: dict[str, Any] = {}  # variant -> its engine
         self.host = socket.gethostname()
         self.worker = f"{self.host}:{os.getpid()}"
+        self.writers = ThreadPoolExecutor(cfg.writer_threads, thread_name_prefix="ovbatch-writer")
 
     def engine(self, variant: str) -> Any:
         if variant not in self.engines:
@@ -128,8 +157,23 @@ class ShardRunner:
         engine = self.engine(task.variant)
         max_tokens = self.cfg.engine_config(task.variant).max_batch_tokens
         results: list[ResultRow] = []
-        for batch in pack_batches(task.rows, max_tokens):
-            results.extend(self._run_batch(engine, task, batch, on_batch))
+        pending: deque[Future] = deque()  # writer jobs, oldest first
+
+        def take_oldest() -> None:  # reported here, on the thread that called run_shard
+            results.extend(_reported(pending.popleft().result(), task, on_batch))
+
+        try:
+            for batch in pack_batches(task.rows, max_tokens):
+                for part in self._generate(engine, task, batch):
+                    pending.append(self.writers.submit(self._settle, engine, task, part))
+                while pending and pending[0].done():
+                    take_oldest()
+                while len(pending) > 2 * self.cfg.writer_threads:
+                    take_oldest()
+            while pending:
+                take_oldest()
+        finally:
+            wait(pending)  # no writer outlives its shard, even one that stopped on an error
         return results
 
     def _result(
@@ -149,42 +193,50 @@ class ShardRunner:
             **measured,
         )
 
-    def _run_batch(
-        self, engine: Any, task: ShardTask, rows: list[RequestRow], on_batch: BatchCallback | None
-    ) -> list[ResultRow]:
-        """The results of `rows`; the batch that settles them reports them to on_batch (a batch split
-        in halves leaves that to each half, so a row is reported once)."""
+    def _generate(self, engine: Any, task: ShardTask, rows: list[RequestRow]) -> list[_Part]:
+        """The engine's outputs for `rows`. A call that raises is split in halves, each half tried again,
+        down to single rows: one bad row fails alone, and an out-of-memory error retries smaller batches."""
         started = _now()
         t0 = time.perf_counter()
         try:
-            outputs = engine.synthesize([synth_request(r) for r in rows])
+            outputs = _engine_outputs(engine, [synth_request(r) for r in rows])
         except Exception as e:  # noqa: BLE001 - any engine failure is isolated to the rows that cause it
             if is_out_of_memory(e):
                 _release_cuda_cache()
             if len(rows) > 1:
                 half = len(rows) // 2
-                return self._run_batch(engine, task, rows[:half], on_batch) + self._run_batch(
-                    engine, task, rows[half:], on_batch
-                )
+                return self._generate(engine, task, rows[:half]) + self._generate(engine, task, rows[half:])
             # An input the engine refuses will be refused again: that row is rejected, not failed.
             status = "rejected" if isinstance(e, InputError) else "failed"
-            error = _error_text(e)
             failed = self._result(
-                engine, task, rows[0], status, error, batch_size=1, started_at=started, finished_at=_now()
+                engine,
+                task,
+                rows[0],
+                status,
+                _error_text(e),
+                batch_size=1,
+                started_at=started,
+                finished_at=_now(),
             )
-            return _reported([failed], task, on_batch)
-        wall = time.perf_counter() - t0
-        return _reported(self._written(engine, task, rows, outputs, wall, started), task, on_batch)
+            return [_Part(rows, settled=[failed])]
+        return [_Part(rows, outputs, time.perf_counter() - t0, started, _now())]
 
-    def _written(
-        self, engine: Any, task: ShardTask, rows: list[RequestRow], outputs: list, wall: float, started: str
-    ) -> list[ResultRow]:
-        """Write a synthesized batch's wavs (and tokens); its rows' results."""
-        finished = _now()
-        work = [max(int(o.token_work), 0) for o in outputs]
+    def _settle(self, engine: Any, task: ShardTask, part: _Part) -> list[ResultRow]:
+        """On a writer thread: post-process the part's outputs and write their wavs (and tokens)."""
+        if part.settled is not None:
+            return part.settled
+        rows, batch = part.rows, len(part.rows)
+        work = [max(int(o.token_work), 0) for o in part.outputs]
         total = sum(work)
         results = []
-        for row, out, w in zip(rows, outputs, work, strict=True):
+        for row, out, w in zip(rows, part.outputs, work, strict=True):
+            times = {"batch_size": batch, "started_at": part.started, "finished_at": part.finished}
+            if hasattr(out, "finish"):
+                try:
+                    out = out.finish()
+                except Exception as e:  # noqa: BLE001 - post-processing one row's audio fails that row only
+                    results.append(self._result(engine, task, row, "failed", _error_text(e), **times))
+                    continue
             written = time.perf_counter()
             path = self.job.wav_path(task.variant, row.id)
             codes = getattr(out, "tokens", None)  # an engine_factory's own results may carry none
@@ -192,26 +244,23 @@ class ShardRunner:
                 write_tokens(self.job, task.variant, row.id, codes)
             write_wav_atomic(path, out.audio, out.sample_rate)
             audio_seconds = len(out.audio) / float(out.sample_rate)
-            fraction = w / total if total else 1.0 / len(rows)
-            share = wall * fraction
-            phases = _phase_seconds(getattr(out, "timings", None) or {}, fraction)
+            fraction = w / total if total else 1.0 / batch
+            share = part.wall * fraction
             results.append(
                 self._result(
                     engine,
                     task,
                     row,
                     "ok",
-                    batch_size=len(rows),
                     wav_path=self.job.relative(path),
                     audio_seconds=audio_seconds,
                     synth_seconds=share,
-                    **phases,
+                    **_phase_seconds(getattr(out, "timings", None) or {}, fraction),
                     write_seconds=time.perf_counter() - written,
                     rtf=share / audio_seconds if audio_seconds > 0 else None,
                     target_frames=int(out.target_frames),
                     token_work=w,
-                    started_at=started,
-                    finished_at=finished,
+                    **times,
                 )
             )
         return results

@@ -268,10 +268,10 @@ def test_the_bar_moves_per_batch_while_an_actor_runs_its_shard(ray_session, tmp_
             pass
 
     monkeypatch.setattr(job_mod, "tqdm", Bar)
-    manifest = write_manifest(tmp_path / "m.parquet", ["short"] * 6)
+    manifest = write_manifest(tmp_path / "m.parquet", ["short"] * 8)
     factory = f"tests.{Path(__file__).stem}:SlowEngine"
     cfg = load_job_config(
-        None,  # every row 40 packed tokens: two rows a batch, all six in one shard
+        None,  # every row 40 packed tokens: two rows a batch, all eight in one shard
         [
             f"manifest={manifest}",
             f"engine_factory={factory}",
@@ -283,8 +283,10 @@ def test_the_bar_moves_per_batch_while_an_actor_runs_its_shard(ray_session, tmp_
     )
     outcome = submit(cfg, tmp_path / "job", lambda cfg, rows: lambda row: RowSize(10, 10, 10))
     assert outcome.summary["complete"] and outcome.shards_run == [0]
-    assert [n for _, n, _ in updates] == [2, 2, 2, 0]  # three batches, then the shard's end adds nothing
-    assert [text for _, _, text in updates] == ["1.0 s audio", "2.0 s audio", "3.0 s audio", "3.0 s audio"]
+    assert [n for _, n, _ in updates] == [2, 2, 2, 2, 0]  # four batches, then the shard's end adds nothing
+    audio = ["1.0 s audio", "2.0 s audio", "3.0 s audio", "4.0 s audio", "4.0 s audio"]
+    assert [text for _, _, text in updates] == audio
+    # A batch shows once the engine has finished the next one (its rows are written meanwhile).
     first_batch, shard_end = updates[0][0], updates[-1][0]
     assert shard_end - first_batch > SlowEngine.BATCH_SECONDS  # the first batch showed before the shard ended
 

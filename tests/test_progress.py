@@ -32,10 +32,12 @@ class RecordingBar:
 
     def __init__(self, total: int, **_):
         self.total, self.n, self.postfix = total, 0, ""
+        self.steps: list[int] = []  # every update's rows
         RecordingBar.made.append(self)
 
     def update(self, n: int) -> None:
         self.n += n
+        self.steps.append(n)
 
     def set_postfix_str(self, text: str, refresh: bool = True) -> None:
         self.postfix = text
@@ -45,15 +47,14 @@ class RecordingBar:
 
 
 class CountingEngine:
-    """Half a second of silence a row; records where the bar stood when each batch began. With
-    `oom`, a batch of more than one row raises CUDA's out-of-memory error (the runner splits it)."""
+    """Half a second of silence a row. With `oom`, a batch of more than one row raises CUDA's
+    out-of-memory error (the runner splits it)."""
 
     sample_rate = 8000
     model_id = "counting@000000000000"
     precision = "fp32"
     device = torch.device("cpu")
     oom = False
-    bar_at_batch: list[int] = []
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -61,7 +62,6 @@ class CountingEngine:
     def synthesize(self, reqs):
         if CountingEngine.oom and len(reqs) > 1:
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        CountingEngine.bar_at_batch.append(RecordingBar.made[-1].n)
         audio = np.zeros(int(ROW_SECONDS * self.sample_rate), np.float32)
         return [SynthResult(audio, self.sample_rate, 12, token_work=12, timings={}) for _ in reqs]
 
@@ -69,7 +69,7 @@ class CountingEngine:
 @pytest.fixture(autouse=True)
 def recording(monkeypatch):
     monkeypatch.setattr(job_mod, "tqdm", RecordingBar)
-    RecordingBar.made, CountingEngine.bar_at_batch, CountingEngine.oom = [], [], False
+    RecordingBar.made, CountingEngine.oom = [], False
 
 
 def _submit(tmp_path: Path, rows: int):
@@ -104,8 +104,8 @@ def _submit(tmp_path: Path, rows: int):
 def test_the_bar_moves_per_batch_with_audio_seconds_and_counts_each_row_once(tmp_path: Path):
     outcome = _submit(tmp_path, 6)
     assert outcome.shards_run == [0]  # one shard of three batches
-    assert CountingEngine.bar_at_batch == [0, 2, 4]
     (bar,) = RecordingBar.made
+    assert [n for n in bar.steps if n] == [2, 2, 2]  # as each batch's rows are written; none at shard end
     assert bar.n == bar.total == 6
     assert bar.postfix == f"{6 * ROW_SECONDS:.1f} s audio"
 
@@ -114,8 +114,8 @@ def test_a_batch_split_after_out_of_memory_counts_its_rows_once(tmp_path: Path):
     CountingEngine.oom = True
     outcome = _submit(tmp_path, 5)
     assert outcome.summary["complete"]
-    assert CountingEngine.bar_at_batch == [0, 1, 2, 3, 4]  # every row alone, each counted as it ends
     (bar,) = RecordingBar.made
+    assert [n for n in bar.steps if n] == [1, 1, 1, 1, 1]  # every row alone, each counted as it ends
     assert bar.n == bar.total == 5
     assert bar.postfix == f"{5 * ROW_SECONDS:.1f} s audio"
 

@@ -1,0 +1,142 @@
+"""The shard runner's writer stage: the engine generates the next batch while writer threads post-process
+and write the last ones, at most 2 x writer_threads batches behind; nothing is lost or written twice."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from engine.api import SynthResult
+from pipeline.config import load_job_config
+from pipeline.manifest import ManifestRow
+from pipeline.plan import PlannedRow
+from pipeline.rows import RequestRow
+from pipeline.shard_runner import ShardRunner, ShardTask
+
+
+class Output:
+    """What StagedEngine.generate returns: finish() waits for the gate, then makes the row's audio."""
+
+    def __init__(self, engine: StagedEngine, text: str, seed: int):
+        self.engine, self.text, self.seed = engine, text, seed
+        self.token_work = 10 * len(text)
+
+    def finish(self) -> SynthResult:
+        assert StagedEngine.gate.wait(30), "the test never opened the gate"
+        if "BADAUDIO" in self.text:
+            raise ValueError(f"post-processing {self.text!r} failed")
+        StagedEngine.finished.append(self.text)
+        audio = np.full(800 + 8 * len(self.text), 0.01 * (self.seed % 50), np.float32)
+        return SynthResult(
+            audio, 8000, len(self.text), self.token_work, {"generate": 1.0, "postprocess": 0.1}
+        )
+
+
+class StagedEngine:
+    sample_rate = 8000
+    model_id = "staged@000000000000"
+    precision = "fp32"
+    device = None
+    gate = threading.Event()
+    batches: list[list[str]] = []
+    finished: list[str] = []
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def generate(self, reqs):
+        StagedEngine.batches.append([r.text for r in reqs])
+        return [Output(self, r.text, r.seed) for r in reqs]
+
+
+@pytest.fixture(autouse=True)
+def reset():
+    StagedEngine.gate, StagedEngine.batches, StagedEngine.finished = threading.Event(), [], []
+    yield
+    StagedEngine.gate.set()
+
+
+def _cfg(writers: int):
+    return load_job_config(
+        None,
+        [
+            "local=true",
+            f"engine_factory={__name__}:StagedEngine",
+            "progress=false",
+            "engine.buckets=[64,128]",
+            "engine.max_batch_tokens=100",  # rows of 60 tokens: one row per batch
+            f"writer_threads={writers}",
+        ],
+    )
+
+
+def _rows(texts: list[str]) -> list[RequestRow]:
+    rows = [ManifestRow(i, f"r{i:02d}", t, None, None, seed=i) for i, t in enumerate(texts)]
+    return [RequestRow.of(r, PlannedRow(r.id, f"k{r.row_index}", 60, 10)) for r in rows]
+
+
+def test_generation_runs_ahead_of_the_writers_by_a_bounded_number_of_batches(tmp_path: Path):
+    runner = ShardRunner(tmp_path, _cfg(writers=1))
+    rows = _rows([f"row number {i}" for i in range(8)])
+    outcome: dict = {}
+    thread = threading.Thread(
+        target=lambda: outcome.setdefault("r", runner.run_shard(ShardTask(0, "default", 128, 1, rows)))
+    )
+    thread.start()
+    thread.join(timeout=2.0)  # the gate is shut: the writer is stuck on the first batch
+    assert thread.is_alive() and not StagedEngine.finished
+    # 1 batch with the writer + 2 x writer_threads waiting; the engine waits before the next one
+    assert len(StagedEngine.batches) == 3
+    StagedEngine.gate.set()
+    thread.join(timeout=30)
+    results = outcome["r"]
+    assert [r.id for r in results] == [r.id for r in rows]  # each row once, in batch order
+    assert all(r.status == "ok" for r in results) and sorted(StagedEngine.finished) == sorted(
+        r.text for r in rows
+    )
+    assert {p.stem for p in (tmp_path / "wavs" / "default").iterdir()} == {r.id for r in rows}
+
+
+@pytest.mark.parametrize("writers", [1, 3])
+def test_every_row_is_written_once_and_whole_whatever_the_writer_count(tmp_path: Path, writers: int):
+    StagedEngine.gate.set()
+    rows = _rows([f"text {i} " * (1 + i % 3) for i in range(9)])
+    results = ShardRunner(tmp_path, _cfg(writers)).run_shard(ShardTask(0, "default", 128, 1, rows))
+    assert [r.id for r in results] == [r.id for r in rows] and all(r.status == "ok" for r in results)
+    for row, result in zip(rows, results):
+        audio, rate = sf.read(tmp_path / result.wav_path, dtype="float32")
+        assert rate == 8000 and len(audio) == 800 + 8 * len(row.text)
+        assert result.postprocess_seconds == pytest.approx(0.1) and result.write_seconds > 0
+    assert not list(tmp_path.rglob("*.ovtmp-*"))
+
+
+def test_a_row_whose_post_processing_fails_fails_alone(tmp_path: Path):
+    StagedEngine.gate.set()
+    rows = _rows(["fine one", "BADAUDIO two", "fine three"])
+    results = ShardRunner(tmp_path, _cfg(2)).run_shard(ShardTask(0, "default", 128, 1, rows))
+    assert [r.status for r in results] == ["ok", "failed", "ok"]
+    assert "post-processing 'BADAUDIO two' failed" in results[1].error and results[1].wav_path is None
+    assert not (tmp_path / "wavs" / "default" / "r01.wav").exists()
+
+
+def test_a_write_that_fails_fails_the_shard_after_every_writer_stopped(tmp_path: Path, monkeypatch):
+    from pipeline import shard_runner
+
+    StagedEngine.gate.set()
+    written = []
+
+    def write(path, audio, rate):
+        if path.stem == "r02":
+            raise OSError(28, "No space left on device")
+        written.append(path.stem)
+
+    monkeypatch.setattr(shard_runner, "write_wav_atomic", write)
+    runner = ShardRunner(tmp_path, _cfg(3))
+    with pytest.raises(OSError, match="No space left"):
+        runner.run_shard(ShardTask(0, "default", 128, 1, _rows([f"row {i}" for i in range(6)])))
+    assert runner.writers._work_queue.empty()  # nothing left queued behind the error
+    assert "r02" not in written
