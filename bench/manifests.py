@@ -5,7 +5,7 @@ from 1-3 of them: every piece starts at a random offset, the pieces are joined, 
 gain, cut to 3-10 s, and written as 16-bit wav at one of the common rates, so every file is distinct
 (its own content hash) and planning or encoding can reuse nothing. The transcript joins the pieces'
 transcripts (a cut clip ends mid-sentence: good enough to size a row, not to judge cloning). Texts to
-speak have log-normal target lengths around 4 s (1-20 s) at about 14 characters a second.
+speak (manifest_texts, also bench/scaling.py's) have log-normal speech lengths around 4 s (1-20 s).
 """
 
 from __future__ import annotations
@@ -24,13 +24,6 @@ from pipeline.demo import CLIPS_DIR, demo_clips
 
 RATES = (16000, 22050, 24000, 44100, 48000)
 SOURCE_RATE = 24000
-CHARS_PER_SECOND = 14.0
-WORDS = (
-    "the harbour was quiet before dawn and the boats rocked gently against the old stone pier while "
-    "a fisherman counted his nets twice because the weather had turned twice in one night nobody on the "
-    "island remembered a winter as mild as this one not even the oldest baker by noon the market filled "
-    "with voices bargaining over apples wool and freshly smoked fish"
-).split()
 
 
 def source_clips() -> list[tuple[np.ndarray, str]]:
@@ -55,12 +48,51 @@ def distinct_clip(sources: list[tuple[np.ndarray, str]], rng: random.Random) -> 
     return np.clip(resample(clip.astype(np.float32), SOURCE_RATE, rate), -1.0, 1.0), rate, " ".join(words)
 
 
-def target_text(rng: random.Random) -> str:
-    seconds = min(20.0, max(1.0, rng.lognormvariate(math.log(4.0), 0.6)))
-    words: list[str] = []
-    while len(" ".join(words)) < seconds * CHARS_PER_SECOND:
-        words.append(rng.choice(WORDS))
-    return " ".join(words).capitalize() + "."
+# Speech length of a row: log-normal around a 4 s median, clipped to [1, 20] s (about 1% of the draws
+# below, 0.4% above); a text gets chars_per_second characters per second of it, which the engine's
+# duration rule turns back into about the same seconds with the repo's clips (the JSON shows both).
+LENGTHS = {"median_s": 4.0, "sigma": 0.6, "min_s": 1.0, "max_s": 20.0, "chars_per_second": 15}
+PASSAGE = (
+    "The morning ferry was late again, so we waited on the pier with our coffee and watched the gulls. "
+    "Nobody minded much. A boy counted the boats out loud, and his sister corrected him every time he "
+    "skipped a number. When the ferry finally came round the headland, the whole queue cheered as if it "
+    "had won a race. On the crossing the wind picked up, the windows fogged, and an old man told us how "
+    "the harbour looked before the new bridge was built. His stories were long, but the trip was longer. "
+    "By noon we had reached the island, found the little bakery near the church, and bought more bread "
+    "than four people could ever eat. Thank you, we said, and the baker laughed. Please come back soon."
+)
+
+
+def speech_seconds(rows: int, seed: int) -> list[float]:
+    """The drawn speech length of every row (seconds), seeded."""
+    rng = random.Random(seed)
+    median, sigma = LENGTHS["median_s"], LENGTHS["sigma"]
+    draws = (rng.lognormvariate(math.log(median), sigma) for _ in range(rows))
+    return [min(max(s, LENGTHS["min_s"]), LENGTHS["max_s"]) for s in draws]
+
+
+def text_of_length(chars: int, start: int) -> str:
+    """Consecutive words of PASSAGE from word `start` (cycling) until `chars` characters, as one line
+    that starts with a capital and ends with a full stop."""
+    words = PASSAGE.split()
+    picked: list[str] = []
+    i = start
+    while sum(len(w) + 1 for w in picked) <= chars:
+        picked.append(words[i % len(words)])
+        i += 1
+    text = " ".join(picked).rstrip(",.")
+    return text[0].upper() + text[1:] + "."
+
+
+def manifest_texts(rows: int, seed: int) -> tuple[list[str], list[float]]:
+    """Texts for `rows` rows and the speech seconds each was drawn for."""
+    seconds = speech_seconds(rows, seed)
+    starts = random.Random(seed + 1)
+    n_words = len(PASSAGE.split())
+    texts = [
+        text_of_length(round(s * LENGTHS["chars_per_second"]), starts.randrange(n_words)) for s in seconds
+    ]
+    return texts, seconds
 
 
 def write_distinct_clip_manifest(path: Path, clip_dir: Path, rows: int, seed: int = 0) -> Path:
@@ -68,14 +100,14 @@ def write_distinct_clip_manifest(path: Path, clip_dir: Path, rows: int, seed: in
     rng = random.Random(seed)
     sources = source_clips()
     clip_dir.mkdir(parents=True, exist_ok=True)
-    clips, transcripts, texts = [], [], []
+    clips, transcripts = [], []
     for i in range(rows):
         audio, rate, transcript = distinct_clip(sources, rng)
         clip = clip_dir / f"clip-{seed}-{i:06d}.wav"
         sf.write(clip, audio, rate, subtype="PCM_16")
         clips.append(str(clip))
         transcripts.append(transcript)
-        texts.append(target_text(rng))
+    texts, _ = manifest_texts(rows, seed)
     table = pa.table(
         {
             "id": [f"row-{i:06d}" for i in range(rows)],

@@ -9,7 +9,7 @@ its speed does not depend on their values); its cost per clip is the median over
 baseline for N rows is N times that (an estimate, printed as such). Target (issue 42): 10,000 rows in
 at most 60 s on a 2-core driver, linear in rows.
 
-    python bench/plan.py [--rows 1000 10000] [--baseline-clips 5] [--out bench/results/plan-cpu.json]
+    python bench/plan.py [--rows 1000 10000] [--baseline-clips 9] [--out bench/results/plan-cpu.json]
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rows", type=int, nargs="+", default=[1000, 10000])
-    parser.add_argument("--baseline-clips", type=int, default=5)
+    parser.add_argument("--baseline-clips", type=int, default=9)
     parser.add_argument("--out", default="bench/results/plan-cpu.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="ovbatch-plan-bench-") as folder:

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import random
 import shutil
 import statistics
 import sys
@@ -44,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.environment import environment  # noqa: E402
 from bench.generate import w4a4_copy  # noqa: E402
+from bench.manifests import LENGTHS, manifest_texts  # noqa: E402
 from bench.pipeline import full_size_checkpoint, run_mode, write_clip_manifest  # noqa: E402
 from engine.checkpoint import checkpoint_fingerprint, read_config  # noqa: E402
 from engine.config import FastPaths  # noqa: E402
@@ -56,19 +55,6 @@ from engine.w4a4.linear import W4A4Linear  # noqa: E402
 from pipeline.store import JobDir  # noqa: E402
 
 RANK = 16
-# Speech length of a row: log-normal around a 4 s median, clipped to [1, 20] s (about 1% of the draws
-# below, 0.4% above); a text gets chars_per_second characters per second of it, which the engine's
-# duration rule turns back into about the same seconds with the repo's clips (the JSON shows both).
-LENGTHS = {"median_s": 4.0, "sigma": 0.6, "min_s": 1.0, "max_s": 20.0, "chars_per_second": 15}
-PASSAGE = (
-    "The morning ferry was late again, so we waited on the pier with our coffee and watched the gulls. "
-    "Nobody minded much. A boy counted the boats out loud, and his sister corrected him every time he "
-    "skipped a number. When the ferry finally came round the headland, the whole queue cheered as if it "
-    "had won a race. On the crossing the wind picked up, the windows fogged, and an old man told us how "
-    "the harbour looked before the new bridge was built. His stories were long, but the trip was longer. "
-    "By noon we had reached the island, found the little bakery near the church, and bought more bread "
-    "than four people could ever eat. Thank you, we said, and the baker laughed. Please come back soon."
-)
 # Shards of half the default packed tokens: the 2,000 rows make 25 shards (two full 16,384-token
 # batches each), so that up to 8 GPUs get several shards each and the job's tail stays short.
 FULL_OVERRIDES = ("engine.device=cuda", "engine.fast_paths.w4a4_backend=cuda-sm90", "shard_tokens=32768")
@@ -79,38 +65,6 @@ TINY_OVERRIDES = (
     "engine.max_batch_tokens=4096",
     "shard_tokens=4096",
 )
-
-
-def speech_seconds(rows: int, seed: int) -> list[float]:
-    """The drawn speech length of every row (seconds), seeded."""
-    rng = random.Random(seed)
-    median, sigma = LENGTHS["median_s"], LENGTHS["sigma"]
-    draws = (rng.lognormvariate(math.log(median), sigma) for _ in range(rows))
-    return [min(max(s, LENGTHS["min_s"]), LENGTHS["max_s"]) for s in draws]
-
-
-def text_of_length(chars: int, start: int) -> str:
-    """Consecutive words of PASSAGE from word `start` (cycling) until `chars` characters, as one line
-    that starts with a capital and ends with a full stop."""
-    words = PASSAGE.split()
-    picked: list[str] = []
-    i = start
-    while sum(len(w) + 1 for w in picked) <= chars:
-        picked.append(words[i % len(words)])
-        i += 1
-    text = " ".join(picked).rstrip(",.")
-    return text[0].upper() + text[1:] + "."
-
-
-def manifest_texts(rows: int, seed: int) -> tuple[list[str], list[float]]:
-    """Texts for `rows` rows and the speech seconds each was drawn for."""
-    seconds = speech_seconds(rows, seed)
-    starts = random.Random(seed + 1)
-    n_words = len(PASSAGE.split())
-    texts = [
-        text_of_length(round(s * LENGTHS["chars_per_second"]), starts.randrange(n_words)) for s in seconds
-    ]
-    return texts, seconds
 
 
 def spread(values: list[float]) -> dict[str, float]:

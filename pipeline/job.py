@@ -12,7 +12,8 @@ import logging
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -32,8 +33,6 @@ from pipeline.store import JobDir, JobDirError
 from pipeline.summary import summarize
 
 log = logging.getLogger(__name__)
-
-Executor = Callable[[list[ShardTask]], Iterator[tuple[ShardTask, list[ResultRow]]]]
 
 
 @dataclass
@@ -57,10 +56,19 @@ def with_job_defaults(cfg: JobConfig, job: JobDir) -> JobConfig:
 def plan_job(
     cfg: JobConfig, make_sizer: SizerFactory, clip_dir: Path | None
 ) -> tuple[Plan, list[manifest_mod.ManifestRow]]:
-    """Load and validate the manifest, size its rows, cut shards. Remote clips are copied to clip_dir.
-    The sizer (which prepares the rows' clips) is made only once the manifest has proved readable."""
+    """Load and validate the manifest (remote clips are copied to clip_dir), size its rows, cut shards."""
+    return plan_rows(cfg, read_manifest(cfg, clip_dir), make_sizer)
+
+
+def read_manifest(cfg: JobConfig, clip_dir: Path | None) -> manifest_mod.Manifest:
     first = cfg.engine_config(cfg.variant_names()[0])  # the variant whose engine sizes the rows
-    manifest = manifest_mod.load(cfg.manifest, clip_dir=clip_dir, max_ref_seconds=first.max_ref_seconds)
+    return manifest_mod.load(cfg.manifest, clip_dir=clip_dir, max_ref_seconds=first.max_ref_seconds)
+
+
+def plan_rows(
+    cfg: JobConfig, manifest: manifest_mod.Manifest, make_sizer: SizerFactory
+) -> tuple[Plan, list[manifest_mod.ManifestRow]]:
+    """Size a read manifest's rows and cut shards."""
     sizer = make_sizer(cfg, manifest.rows) if manifest.rows else None
     sizes: dict[str, RowSize] = {}
     rejected = list(manifest.rejected)
@@ -133,11 +141,20 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: SizerFactory) -> JobOutc
             "give a new or empty directory for the job."
         )
     cfg = resolve_checkpoint_names(cfg)
-    plan, rows = plan_job(cfg, make_sizer, job.clip_dir)
+    manifest = read_manifest(cfg, job.clip_dir)
+    workers = None if _complete(job) else Workers(job, cfg)  # they start up while the rows are sized
+    try:
+        plan, rows = plan_rows(cfg, manifest, make_sizer)
+    except BaseException:
+        if workers is not None:
+            workers.shutdown()
+        raise
     kind = "submit"
     if job.exists():
         stored = job.read_plan()
         if stored.fingerprint != plan.fingerprint:
+            if workers is not None:
+                workers.shutdown()
             raise JobDirError(
                 f"{job.path} holds a different job: {'; '.join(plan_differences(stored, plan))}. Submit to a "
                 "new --out, or `ovbatch rerun` the existing job with its own settings."
@@ -150,7 +167,12 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: SizerFactory) -> JobOutc
         job.write_plan(plan)
     write_bytes_atomic(job.config_path, to_yaml(cfg).encode())
     todo = [s.index for s in plan.shards if s.index not in job.finished_shards()]
-    return execute(job, cfg, plan, todo, kind, t0)
+    return execute(job, cfg, plan, todo, kind, t0, workers)
+
+
+def _complete(job: JobDir) -> bool:
+    """Whether every shard of the job in this directory (if any) has its results."""
+    return job.exists() and {s.index for s in job.read_plan().shards} <= job.finished_shards()
 
 
 def rerun(
@@ -201,9 +223,10 @@ def execute(
     shard_indices: list[int],
     kind: str,
     t0: float | None = None,
+    workers: Workers | None = None,
 ) -> JobOutcome:
     """Run `shard_indices` and write their results; t0 (perf_counter) is when the run began, planning
-    included (default: now)."""
+    included (default: now); workers: started already (default: started here)."""
     job.remove_temp_files()
     rows = job.read_rows()
     finished = job.finished_shards()
@@ -215,13 +238,17 @@ def execute(
     }
     tasks = [_task(plan, i, rows, kept) for i in shard_indices]
     t0 = time.perf_counter() if t0 is None else t0
-    planning = time.perf_counter() - t0
+    if tasks and workers is None:
+        workers = Workers(job, cfg)
+    worker_start = workers.start_seconds if workers is not None else 0.0
+    planning = time.perf_counter() - t0 - worker_start
     started = (datetime.now(UTC) - timedelta(seconds=planning)).isoformat(timespec="seconds")
     run_id = uuid.uuid4().hex[:12]
     run_record = {
         "kind": kind,
         "started_at": started,
         "planning_seconds": round(planning, 3),
+        "worker_start_seconds": round(worker_start, 3),  # what starting the workers held the driver up
         "mode": "local" if cfg.local else "ray",
         "shards": len(tasks),
         "rows": sum(len(t.rows) for t in tasks),
@@ -229,9 +256,11 @@ def execute(
     if tasks:
         # Recorded before any shard runs, so that a run killed half-way still counts its time.
         job.append_run({"event": "start", "run": run_id, **run_record})
-        run_tasks(job, cfg, tasks, kept, kind, run_id, t0)
+        run_tasks(job, cfg, tasks, kept, kind, run_id, t0, workers)
         job.append_run({"event": "end", "run": run_id, "finished_at": _now(), "wall_seconds": _since(t0)})
     else:  # recorded, but a run with nothing to do adds no time to the job (summary.counts_time)
+        if workers is not None:
+            workers.shutdown()
         job.append_run(
             {"event": "end", "run": run_id, **run_record, "finished_at": _now(), "wall_seconds": _since(t0)}
         )
@@ -295,10 +324,10 @@ def run_tasks(
     kind: str,
     run_id: str,
     t0: float,
+    workers: Workers,
 ) -> None:
     """Run the shards and write each one's results as it finishes, with a `shard` event in runs.jsonl.
     A run that stops on an exception (Ctrl-C included) records its end and what stopped it."""
-    pool = None
     bar = tqdm(
         total=sum(len(t.rows) for t in tasks),
         unit="row",
@@ -308,8 +337,7 @@ def run_tasks(
     )
     progress = Progress(bar)
     try:
-        executor, pool = make_executor(job, cfg, progress.batch if cfg.progress else None)
-        for task, results in executor(tasks):
+        for task, results in workers.run(tasks, progress.batch if cfg.progress else None):
             for r in results:  # a row that did not end ok keeps no wav from an earlier attempt
                 if r.status != "ok":
                     job.wav_path(task.variant, r.id).unlink(missing_ok=True)
@@ -329,21 +357,54 @@ def run_tasks(
         raise
     finally:
         bar.close()
-        if pool is not None:
-            pool.shutdown()
+        workers.shutdown()
         # A worker lost during this run (a killed actor) may have left a temp file; no writer is left.
         job.remove_temp_files()
 
 
-def make_executor(job: JobDir, cfg: JobConfig, on_batch: BatchCallback | None = None) -> tuple[Executor, Any]:
-    """An executor that reports each finished batch to on_batch (in this process, or from the actors)."""
-    if cfg.local:
-        runner = ShardRunner(job.path, cfg)
-        return (lambda tasks: run_local(runner, tasks, on_batch)), None
-    from pipeline.ray_runner import ActorPool, connect
+class BatchRelay:
+    """An on_batch callback whose target is set later: workers start before the progress bar exists."""
 
-    pool = ActorPool(str(job.path), cfg, started_ray=connect(cfg), on_batch=on_batch)
-    return pool.run, pool
+    def __init__(self) -> None:
+        self.target: BatchCallback | None = None
+
+    def __call__(self, done: BatchDone) -> None:
+        if self.target is not None:
+            self.target(done)
+
+
+class Workers:
+    """Where shards run: this process (local mode) or Ray actors. Started before planning, so that the
+    engines load (and the actors start) while the driver plans; run() then feeds them the shards."""
+
+    def __init__(self, job: JobDir, cfg: JobConfig):
+        start = time.perf_counter()
+        self.relay = BatchRelay()
+        self.pool = self.runner = self.loading = None
+        if cfg.local:
+            self.runner = ShardRunner(job.path, cfg)
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="ovbatch-engine-load")
+            self.loading = self._loader.submit(self.runner.load_engines, cfg.variant_names())
+        else:
+            from pipeline.ray_runner import ActorPool, connect
+
+            on_batch = self.relay if cfg.progress else None
+            self.pool = ActorPool(str(job.path), cfg, started_ray=connect(cfg), on_batch=on_batch)
+        self.start_seconds = time.perf_counter() - start  # Ray's start; the engines load meanwhile
+
+    def run(self, tasks: list[ShardTask], on_batch: BatchCallback | None) -> Iterator[tuple[ShardTask, list]]:
+        self.relay.target = on_batch
+        if self.pool is not None:
+            yield from self.pool.run(tasks)
+            return
+        self.loading.result()  # an engine that could not load stops the run here, with its own error
+        yield from run_local(self.runner, tasks, self.relay)
+
+    def shutdown(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+        else:
+            self._loader.shutdown(wait=True)
 
 
 def status(job_path: str | Path) -> dict[str, Any]:

@@ -35,14 +35,16 @@ PROGRESS_POLL_S = 0.5
 
 
 class ShardActor:
-    """The Ray actor body: one ShardRunner per process."""
+    """The Ray actor body: one ShardRunner per process, its variants' engines loaded as it starts (an engine
+    that cannot load fails the actor's start, which stops the job with its message)."""
 
-    def __init__(self, job_path: str, cfg: JobConfig, torch_threads: int | None):
+    def __init__(self, job_path: str, cfg: JobConfig, torch_threads: int | None, variants: list[str]):
         if torch_threads:
             import torch
 
             torch.set_num_threads(torch_threads)
         self.runner = ShardRunner(job_path, cfg)
+        self.runner.load_engines(variants)
 
     def run_shard(self, task: ShardTask, progress: Any = None) -> list[ResultRow]:
         """progress: the pool's ray.util.queue.Queue for BatchDone reports, or None."""
@@ -160,7 +162,9 @@ class ActorPool:
         name = f"{self.prefix}-actor-{self.spawned}"
         self.spawned += 1
         threads = None if group.gpu else max(1, int(self.cfg.ray.cpus_per_actor))
-        actor = self.actor_cls.options(name=name, **group.resources).remote(self.job_path, self.cfg, threads)
+        actor = self.actor_cls.options(name=name, **group.resources).remote(
+            self.job_path, self.cfg, threads, group.variants
+        )
         return _Slot(actor, name, group)
 
     def run(self, tasks: list[ShardTask]) -> Iterator[tuple[ShardTask, list[ResultRow]]]:

@@ -153,6 +153,11 @@ class ShardRunner:
             self.engines[variant] = self.factory(self.cfg.engine_config(variant))
         return self.engines[variant]
 
+    def load_engines(self, variants: list[str]) -> None:
+        """Load the variants' engines now (before the first shard comes)."""
+        for variant in variants:
+            self.engine(variant)
+
     def run_shard(self, task: ShardTask, on_batch: BatchCallback | None = None) -> list[ResultRow]:
         engine = self.engine(task.variant)
         max_tokens = self.cfg.engine_config(task.variant).max_batch_tokens

@@ -78,8 +78,10 @@ PHASES = ("prepare", "generate", "decode", "postprocess", "write")
 
 
 def _time_split(runs: list[dict[str, Any]], phases: dict[str, float], wall: float) -> dict[str, float]:
-    planning = sum(run.get("planning_seconds", 0.0) for run in runs if counts_time(run))
-    split = {"planning": planning, **phases}
+    timed = [run for run in runs if counts_time(run)]
+    planning = sum(run.get("planning_seconds", 0.0) for run in timed)
+    worker_start = sum(run.get("worker_start_seconds", 0.0) for run in timed)
+    split = {"planning": planning, "worker_start": worker_start, **phases}
     split["other"] = wall - sum(split.values())
     return {k: round(v, 3) for k, v in split.items()}
 

@@ -10,16 +10,13 @@ import statistics
 
 import pytest
 
+from bench.manifests import LENGTHS, manifest_texts, speech_seconds, text_of_length
 from bench.pipeline import gpu_utilization, parse_gpu_utilization
 from bench.scaling import (
-    LENGTHS,
     main,
-    manifest_texts,
     merge_reports,
     parse_gpus,
     shard_timings,
-    speech_seconds,
-    text_of_length,
     with_efficiency,
     worker_load,
 )

@@ -35,7 +35,7 @@ class _ActorClass:
 
         class Bound:
             @staticmethod
-            def remote(job_path: str, cfg, threads: int | None) -> _Actor:
+            def remote(job_path: str, cfg, threads: int | None, variants: list[str]) -> _Actor:
                 actor = _Actor(options, threads)
                 fake.actors.append(actor)
                 return actor

@@ -1,0 +1,291 @@
+"""End to end on one GPU: the official package, our engine alone, and `ovbatch submit` (local and Ray)
+over the same manifest, every row with its own reference clip.
+
+Full-size OmniVoice dimensions with random weights (bench/pipeline.py's checkpoint; W4A4 by bench/scaling.py's
+round-to-nearest speed copy), 32 steps. The manifest (bench/manifests.py): --rows rows, each with its own
+3-10 s clip at 16-48 kHz, speech lengths log-normal around 4 s (1-20 s). Entries, one per part and precision:
+
+- official_fp16_b{16,32,64}: the official package's `_generate_iterative` (fp16, eager) on the rows' sizes
+  (their text, reference frames and target frames; random reference codes), in batches of 16, 32 or 64:
+  token generation only, as the anchors measured it (needs the `omnivoice` package);
+- engine_<p>: our Engine.synthesize over the same rows (clips encoded, tokens generated, audio decoded and
+  post-processed; nothing written), in the batches the job makes, after a warm-up on other clips;
+- job_local_<p>, job_ray_<p>: `submit` from the manifest to the last row (planning, clip encoding, writes
+  included; Ray with one GPU actor).
+
+Each entry: variant, rows, audio_seconds, wall_seconds, x_realtime (audio / wall), gpu_busy (mean
+nvidia-smi utilization over the entry), padding_fraction (token-weighted share of each batch's graph
+bucket that holds no row), mean_sm_clock_mhz, startup_seconds (jobs: from the end of planning to the first
+batch), planning_seconds. A device command is limited to 10 minutes: run some parts or precisions per call;
+entries merge into --out by variant name.
+
+    python bench/e2e.py [--parts official,engine,job_local,job_ray] [--precisions bf16,w4a4,fp8]
+                        [--rows 2000] [--size full|tiny] [--device auto] [--out bench/results/e2e-h200.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.environment import environment, write_result  # noqa: E402
+from bench.manifests import write_distinct_clip_manifest  # noqa: E402
+from bench.pipeline import full_size_checkpoint  # noqa: E402
+from bench.scaling import rtn_w4a4_checkpoint  # noqa: E402
+from engine.tiny import ensure_tiny_checkpoint  # noqa: E402
+from pipeline.config import load_job_config  # noqa: E402
+from pipeline.job import submit  # noqa: E402
+from pipeline.plan import bucket_for  # noqa: E402
+from pipeline.sizing import frontend_sizer  # noqa: E402
+
+PARTS = ("official", "engine", "job_local", "job_ray")
+OFFICIAL_BATCHES = (16, 32, 64)
+# Graph buckets up to 32,768 packed tokens (the engine's defaults and two above): batches of ~30 rows.
+BUCKETS = "[512,1024,2048,4096,8192,16384,24576,32768]"
+SETTINGS = {
+    "full": ["engine.device=cuda", f"engine.buckets={BUCKETS}", "engine.max_batch_tokens=32768"],
+    "tiny": ["engine.buckets=[256,512,1024,2048,4096]", "engine.max_batch_tokens=4096"],
+}
+
+
+class GpuMonitor:
+    """nvidia-smi utilization.gpu and clocks.sm of GPU 0 every 0.5 s while an entry runs (none without it)."""
+
+    def __init__(self):
+        self.util: list[float] = []
+        self.sm_mhz: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        query = [
+            "nvidia-smi",
+            "-i",
+            "0",
+            "--query-gpu=utilization.gpu,clocks.sm",
+            "--format=csv,noheader,nounits",
+        ]
+        while not self._stop.wait(0.5):
+            try:
+                util, mhz = subprocess.run(query, capture_output=True, text=True, timeout=5).stdout.split(",")
+                self.util.append(float(util))
+                self.sm_mhz.append(float(mhz))
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                return
+
+    def __enter__(self) -> GpuMonitor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def fields(self) -> dict:
+        mean = lambda xs: round(statistics.fmean(xs), 1) if xs else None  # noqa: E731
+        busy = mean(self.util)
+        return {
+            "gpu_busy": None if busy is None else round(busy / 100, 3),
+            "mean_sm_clock_mhz": mean(self.sm_mhz),
+        }
+
+
+def padding_fraction(batches: list[int], buckets: list[int]) -> float | None:
+    """Share of the graph buckets the batches ran in (packed tokens each) that no row filled."""
+    padded = sum(bucket_for(tokens, buckets) or tokens for tokens in batches)
+    return round(1 - sum(batches) / padded, 4) if padded else None
+
+
+def entry(variant: str, rows: int, audio: float, wall: float, monitor: GpuMonitor, **extra) -> dict:
+    return {
+        "variant": variant,
+        "rows": rows,
+        "audio_seconds": round(audio, 2),
+        "wall_seconds": round(wall, 2),
+        "x_realtime": round(audio / wall, 2) if wall > 0 else None,
+        **monitor.fields(),
+        **extra,
+    }
+
+
+def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: list[str]) -> dict:
+    cfg = load_job_config(None, [f"local={str(mode == 'local').lower()}", "ray.num_actors=1", *settings])
+    cfg.manifest = str(manifest)
+    start = time.perf_counter()
+    started_at = datetime.now().astimezone()
+    with GpuMonitor() as monitor:
+        outcome = submit(cfg, work / f"job-{variant}", frontend_sizer)
+    wall = time.perf_counter() - start
+    results = outcome.job.read_results().to_pylist()
+    ok = [r for r in results if r["status"] == "ok"]
+    run = outcome.summary["runs"][-1]
+    first_batch = min(datetime.fromisoformat(r["started_at"]) for r in ok) if ok else None
+    since_start = (first_batch - started_at).total_seconds() if first_batch else None
+    batches: dict[tuple, int] = {}
+    for r in ok:  # a batch: the rows of one shard that started together
+        key = (r["shard"], r["started_at"])
+        batches[key] = batches.get(key, 0) + r["packed_tokens"]
+    return entry(
+        variant,
+        len(ok),
+        sum(r["audio_seconds"] for r in ok),
+        wall,
+        monitor,
+        padding_fraction=padding_fraction(list(batches.values()), list(cfg.engine.buckets)),
+        planning_seconds=run["planning_seconds"],
+        startup_seconds=None
+        if since_start is None
+        else round(max(0.0, since_start - run["planning_seconds"]), 2),
+        rows_not_ok=len(results) - len(ok),
+        engine_x_realtime=outcome.summary["engine_x_realtime"],
+    )
+
+
+def engine_entry(precision: str, manifest: Path, warmup: Path, settings: list[str]) -> dict:
+    """Our engine over the manifest's rows in the job's batches, after a warm-up over warmup's rows."""
+    from engine.api import Engine
+    from pipeline.job import plan_job
+    from pipeline.rows import RequestRow
+    from pipeline.shard_runner import pack_batches, synth_request
+
+    cfg = load_job_config(None, settings)
+    engine = Engine(cfg.engine_config(cfg.variant_names()[0]))
+
+    def batches_of(path: Path):
+        cfg.manifest = str(path)
+        plan, rows = plan_job(cfg, frontend_sizer, clip_dir=None)
+        by_id = {r.id: r for r in rows}
+        for shard in plan.shards:
+            requests = [RequestRow.of(by_id[p.id], p) for p in shard.rows]
+            yield from pack_batches(requests, cfg.engine.max_batch_tokens)
+
+    for batch in batches_of(warmup):
+        engine.synthesize([synth_request(r) for r in batch])
+    timed = list(batches_of(manifest))
+    audio = 0.0
+    with GpuMonitor() as monitor:
+        start = time.perf_counter()
+        for batch in timed:
+            audio += sum(
+                len(o.audio) / o.sample_rate for o in engine.synthesize([synth_request(r) for r in batch])
+            )
+        wall = time.perf_counter() - start
+    tokens = [sum(r.packed_tokens for r in batch) for batch in timed]
+    return entry(
+        f"engine_{precision}",
+        sum(len(b) for b in timed),
+        audio,
+        wall,
+        monitor,
+        padding_fraction=padding_fraction(tokens, list(cfg.engine.buckets)),
+        batches=len(timed),
+    )
+
+
+def official_entries(manifest: Path, settings: list[str]) -> list[dict]:
+    """The official package's token generation on the rows' sizes, at each batch of OFFICIAL_BATCHES."""
+    import torch
+
+    from bench.parity import Request, build_official, official_inputs
+    from pipeline.manifest import load
+
+    try:
+        official = build_official("full", seed=0, device="cuda").half()
+        from omnivoice.models.omnivoice import OmniVoiceGenerationConfig
+    except ImportError as e:
+        return [{"variant": "official_fp16", "skipped": f"the official package is not importable: {e}"}]
+    rows = load(manifest).rows
+    sizer = frontend_sizer(load_job_config(None, settings), rows)
+    requests = []
+    for row in rows:
+        size = sizer(row)
+        requests.append(Request(row.text, size.ref_frames, size.target_frames))
+    audio = sum(r.target_len for r in requests) / 25.0  # the codec's 25 frames a second
+    out = []
+    for batch in OFFICIAL_BATCHES:
+        chunks = [requests[i : i + batch] for i in range(0, len(requests), batch)]
+        official._generate_iterative(
+            official_inputs(official, chunks[0], seed=0)[0], OmniVoiceGenerationConfig()
+        )
+        with GpuMonitor() as monitor:
+            start = time.perf_counter()
+            for i, chunk in enumerate(chunks):
+                task = official_inputs(official, chunk, seed=i)[0]
+                official._generate_iterative(task, OmniVoiceGenerationConfig())
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+        out.append(entry(f"official_fp16_b{batch}", len(requests), audio, wall, monitor, tokens_only=True))
+    return out
+
+
+def merge(out: Path, new: list[dict], meta: dict) -> dict:
+    report = json.loads(out.read_text()) if out.is_file() else {"bench": "e2e", "entries": []}
+    names = {e["variant"] for e in new}
+    report["entries"] = [e for e in report["entries"] if e["variant"] not in names] + new
+    report.update(meta)
+    return report
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default=",".join(PARTS))
+    p.add_argument("--precisions", default="bf16,w4a4,fp8")
+    p.add_argument("--rows", type=int, default=2000)
+    p.add_argument("--size", choices=("full", "tiny"), default="full")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default="bench/results/e2e-h200.json")
+    p.add_argument("--work", help="scratch folder (default: a temp dir, removed at the end)")
+    args = p.parse_args()
+    parts = args.parts.split(",")
+    work = Path(args.work or tempfile.mkdtemp(prefix="ovbatch-e2e-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        ckpt = full_size_checkpoint(work / "ckpt") if args.size == "full" else ensure_tiny_checkpoint()
+        manifest = write_distinct_clip_manifest(work / "m.parquet", work / "clips", args.rows, seed=1)
+        warmup = write_distinct_clip_manifest(work / "warmup.parquet", work / "warmup-clips", 64, seed=2)
+        base = [*SETTINGS[args.size], f"engine.device={args.device}", "progress=false"]
+        entries = []
+        if "official" in parts:
+            entries += official_entries(manifest, [f"engine.checkpoint={ckpt}", *base])
+        for precision in args.precisions.split(","):
+            if precision == "w4a4":
+                source = work / "ckpt-w4a4"
+                checkpoint = source if source.is_dir() else rtn_w4a4_checkpoint(ckpt, source)
+            else:
+                checkpoint = ckpt
+            settings = [
+                f"engine.checkpoint={checkpoint}",
+                f"engine.precision={precision}",
+                f"engine.prompt_cache_dir={work / f'prompts-{precision}'}",
+                *base,
+            ]
+            if "engine" in parts:
+                entries.append(engine_entry(precision, manifest, warmup, settings))
+            for mode in ("local", "ray"):
+                if f"job_{mode}" in parts:
+                    shutil.rmtree(
+                        work / f"prompts-{precision}", ignore_errors=True
+                    )  # each job encodes its clips
+                    entries.append(job_entry(f"job_{mode}_{precision}", mode, manifest, work, settings))
+            for e in entries[-3:]:
+                print(json.dumps(e), flush=True)
+        meta = {"size": args.size, "rows": args.rows, "environment": environment("ray", "omnivoice")}
+        write_result(args.out, merge(Path(args.out), entries, meta))
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

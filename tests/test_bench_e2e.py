@@ -1,0 +1,23 @@
+"""bench/e2e.py on the CPU: padding arithmetic and merging entries from several device calls."""
+
+import json
+
+from bench.e2e import merge, padding_fraction
+
+
+def test_padding_is_the_token_weighted_empty_share_of_the_buckets():
+    buckets = [1024, 2048, 4096]
+    assert padding_fraction([1024, 2048], buckets) == 0.0
+    assert padding_fraction([1000, 1500], buckets) == round(1 - 2500 / (1024 + 2048), 4)
+    assert padding_fraction([5000], buckets) == 0.0  # over every bucket: ran eagerly, unpadded
+    assert padding_fraction([], buckets) is None
+
+
+def test_entries_merge_by_variant_across_calls(tmp_path):
+    out = tmp_path / "e2e.json"
+    out.write_text(json.dumps({"bench": "e2e", "entries": [{"variant": "engine_bf16", "x_realtime": 1.0}]}))
+    report = merge(
+        out, [{"variant": "engine_bf16", "x_realtime": 2.0}, {"variant": "job_ray_bf16"}], {"rows": 9}
+    )
+    assert report["entries"] == [{"variant": "engine_bf16", "x_realtime": 2.0}, {"variant": "job_ray_bf16"}]
+    assert report["rows"] == 9 and merge(tmp_path / "none.json", [], {})["entries"] == []
