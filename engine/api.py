@@ -3,7 +3,9 @@
 One `synthesize` call prepares every request (validation, voice prompt from the cache), generates all
 of them together through the Runner (a long text is cut into chunks; chunk k of every long request
 runs in round k, and round 0 also carries every short request), decodes all token sequences in
-batches, then post-processes each waveform as upstream does.
+batches, then post-processes each waveform as upstream does. `generate` stops before the post-processing,
+which each of its results' `finish()` does (a caller may run it on another thread). A request's checks,
+target length and chunks come from engine.frontend.requests, which a job's planner runs alone.
 """
 
 from __future__ import annotations

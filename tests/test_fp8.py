@@ -156,6 +156,13 @@ def test_quantize_kernels_equal_the_reference_bit_for_bit(dtype, m, k):
     want = quantize_rows(ops.silu_mul(gate, up))
     assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
 
+    real = [ops.fp8_quantize(x), ops.rms_norm_fp8(x, w, 1e-6), got]
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:  # the fakes give the kernels' shapes
+        fx, fw, fgate, fup = (mode.from_tensor(t) for t in (x, w, gate, up))
+        fake = [ops.fp8_quantize(fx), ops.rms_norm_fp8(fx, fw, 1e-6), ops.silu_mul_fp8(fgate, fup)]
+    for f, r in zip(fake, real, strict=True):
+        assert [(t.shape, t.dtype) for t in f] == [(t.shape, t.dtype) for t in r]
+
 
 @gpu
 @pytest.mark.parametrize("m", (1, 7, 333, 2049))

@@ -1,4 +1,5 @@
-"""The W4A4 custom ops (torch.ops.ovbatch_w4a4.*) with fake implementations.
+"""The custom ops (torch.ops.ovbatch_w4a4.*: W4A4, the fused norms, FP8 quantization) with fake
+implementations.
 
 The CUDA implementations are registered by the extension (csrc/binding.cpp) when `load()` succeeds; the
 fake (meta) implementations here give shapes and dtypes without running anything, which is what CUDA-graph
@@ -67,6 +68,11 @@ def _fake_linear(x, smooth, pd_t, qweight, wscales, proj_up, bias, n):
     return x.new_empty((x.shape[0], n))
 
 
+def _fake_fp8_rows(x):
+    """e4m3 codes shaped like x and one float32 scale per row (csrc/binding.cpp fp8_quantize_rows)."""
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> object:
     """Load the extension and register the fakes once; returns torch.ops.ovbatch_w4a4."""
@@ -80,4 +86,7 @@ def load() -> object:
     torch.library.register_fake("ovbatch_w4a4::silu_mul")(lambda gate, up: gate.new_empty(gate.shape))
     torch.library.register_fake("ovbatch_w4a4::gemm_lora_up")(_fake_gemm)
     torch.library.register_fake("ovbatch_w4a4::w4a4_linear")(_fake_linear)
+    torch.library.register_fake("ovbatch_w4a4::fp8_quantize")(_fake_fp8_rows)
+    torch.library.register_fake("ovbatch_w4a4::rms_norm_fp8")(lambda x, weight, eps: _fake_fp8_rows(x))
+    torch.library.register_fake("ovbatch_w4a4::silu_mul_fp8")(lambda gate, up: _fake_fp8_rows(gate))
     return torch.ops.ovbatch_w4a4
