@@ -1,31 +1,37 @@
 """Row sizes for the planner, computed on the driver's CPU without the model or the codec.
 
 `RequestFrontend` (engine.frontend.requests) is the engine's own request preparation without the codes:
-every distinct reference clip is prepared as the engine prepares it and counted in codec frames (in a
-pool of processes: a manifest whose rows each bring their own clip spends its planning here), then each
-row is checked (an InputError rejects it at planning time, as the actors would) and sized by its text
-chunks: the row by its largest chunk (prompt text ids + reference frames + 2 x target frames), its work
-by all of them. The actors encode the clips on their GPUs, through the shared prompt cache, when they
-run the rows.
+every distinct reference clip is prepared as the engine prepares it and counted in codec frames (in
+worker processes, one per core: a manifest whose rows each bring their own clip spends its planning
+here), then each row is checked (an InputError rejects it at planning time, as the actors would) and
+sized by its text chunks: the row by its largest chunk (prompt text ids + reference frames + 2 x target
+frames), its work by all of them. The actors encode the clips on their GPUs, through the shared prompt
+cache, when they run the rows.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import subprocess
+import sys
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
-from multiprocessing import get_context
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, replace
 
 from engine.checkpoint import locate_checkpoint
-from engine.frontend.audio import ClipSource, ReferenceSettings
-from engine.frontend.requests import CodecShape, PreparedRequest, RequestFrontend, reference_frames
+from engine.errors import AudioError
+from engine.frontend.audio import ClipSource
+from engine.frontend.requests import PreparedRequest, RequestFrontend
 from pipeline import manifest as manifest_mod
 from pipeline.config import JobConfig
 from pipeline.plan import RowSize, Sizer
 from pipeline.shard_runner import synth_request
 
-# Fewer distinct clips than this are prepared in this process (a pool's start-up would cost more).
+log = logging.getLogger(__name__)
+
+# Fewer distinct clips than this are prepared in this process (the workers' start-up would cost more).
 POOL_MIN_CLIPS = 64
 
 
@@ -38,26 +44,49 @@ def prepared_size(frontend: RequestFrontend, prepared: PreparedRequest) -> RowSi
     return replace(largest, chunked_tokens=sum(s.packed_tokens for s in sizes))
 
 
-def clip_frames(clip: str, codec: CodecShape, settings: ReferenceSettings) -> int | Exception:
-    """reference_frames of a clip, or what stops the clip (so that it rejects its rows, not the plan)."""
-    try:
-        return reference_frames(clip, codec, settings)
-    except Exception as e:
-        return e
-
-
 def clip_frames_all(
     frontend: RequestFrontend, clips: Sequence[str], workers: int
 ) -> dict[str, int | Exception]:
-    """clip_frames of every clip, over `workers` processes when there are many clips."""
-    settings = frontend.reference_settings
-    if workers < 2 or len(clips) < POOL_MIN_CLIPS:
-        return {clip: clip_frames(clip, frontend.codec, settings) for clip in clips}
-    n = len(clips)
-    # spawn: the driver may hold threads (Ray, torch) that a forked child would inherit mid-lock.
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-        frames = pool.map(clip_frames, clips, [frontend.codec] * n, [settings] * n, chunksize=16)
-        return dict(zip(clips, frames))
+    """Codec frames of every clip's prompt, or what stops the clip (so that it rejects its rows, not the
+    plan): over `workers` worker processes (pipeline.clip_worker) when there are many clips. Clips a
+    worker did not answer (it died) are counted in this process."""
+    frames: dict[str, int | Exception] = {}
+    if workers >= 2 and len(clips) >= POOL_MIN_CLIPS:
+        spec = json.dumps(
+            {
+                "sample_rate": frontend.codec.sample_rate,
+                "hop_length": frontend.codec.hop_length,
+                "settings": asdict(frontend.reference_settings),
+            }
+        )
+        shares = [list(clips[i::workers]) for i in range(workers)]
+        with ThreadPoolExecutor(workers) as pool:
+            for share, answers in zip(shares, pool.map(lambda share: _ask_worker(spec, share), shares)):
+                frames.update({clip: _answer(a) for clip, a in zip(share, answers)})
+    for clip in clips:
+        if clip not in frames:
+            try:
+                frames[clip] = frontend.reference_frames(clip)
+            except Exception as e:
+                frames[clip] = e
+    return frames
+
+
+def _ask_worker(spec: str, clips: list[str]) -> list[dict]:
+    command = [sys.executable, "-m", "pipeline.clip_worker", spec]
+    stdin = "".join(json.dumps(clip) + "\n" for clip in clips)
+    done = subprocess.run(command, input=stdin, capture_output=True, text=True)
+    if done.returncode:
+        log.warning("a clip worker stopped (exit %d): %s", done.returncode, done.stderr.strip()[-500:])
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def _answer(answer: dict) -> int | Exception:
+    if "frames" in answer:
+        return answer["frames"]
+    if "audio_error" in answer:
+        return AudioError(answer["audio_error"])
+    return RuntimeError(answer["error"])
 
 
 class FrontendSizer:

@@ -153,8 +153,9 @@ def test_planning_sizes_rows_as_the_engine_spends_them_without_the_codec(tmp_pat
 
 
 def test_many_clips_are_prepared_in_worker_processes_alike(tmp_path, monkeypatch):
-    """The process pool gives each clip the frames this process gives it; a clip that cannot be used
-    comes back as its error (its rows are rejected, the others planned)."""
+    """The worker processes give each clip the frames this process gives it; a clip that cannot be used
+    comes back as its error (its rows are rejected, the others planned); clips a worker that died left
+    unanswered are counted here."""
     import shutil
     from pathlib import Path
 
@@ -171,5 +172,10 @@ def test_many_clips_are_prepared_in_worker_processes_alike(tmp_path, monkeypatch
     serial = sizing.clip_frames_all(frontend, clips, workers=1)
     monkeypatch.setattr(sizing, "POOL_MIN_CLIPS", 1)
     pooled = sizing.clip_frames_all(frontend, clips, workers=2)
-    assert isinstance(serial.pop(clips[-1]), AudioError) and isinstance(pooled.pop(clips[-1]), AudioError)
+    errors = serial.pop(clips[-1]), pooled.pop(clips[-1])
+    assert all(isinstance(e, AudioError) for e in errors) and str(errors[0]) == str(errors[1])
     assert pooled == serial and all(isinstance(f, int) and f > 0 for f in serial.values())
+
+    real_ask = sizing._ask_worker
+    monkeypatch.setattr(sizing, "_ask_worker", lambda spec, share: real_ask(spec, share)[:1])  # then died
+    assert sizing.clip_frames_all(frontend, clips[:-1], workers=2) == serial
