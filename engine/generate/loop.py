@@ -1,8 +1,9 @@
 """The generation loop: pack a batch, run num_step forward passes, unmask target tokens step by step.
 
-On CUDA the forward pass of each packed layout is captured once as a CUDA graph (the batch padded up
-to a token bucket) and replayed; elsewhere, or when the attention backend loops on the host, it runs
-eagerly. Both give the same tokens.
+On CUDA the backbone of each packed layout is captured once as a CUDA graph (the batch padded up to a
+token bucket) and replayed; the audio heads then run on exactly the batch's target rows (a few kernels a
+step, so no graph is sized by a target count). Elsewhere, or when the attention backend loops on the host,
+the model runs eagerly. Both give the same tokens.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -30,7 +32,7 @@ def _pow2_at_least(n: int, floor: int) -> int:
 
 def choose_layout(items: list[GenItem], buckets: tuple[int, ...]) -> PackLayout | None:
     """The padded layout (graph key) for a batch: the smallest token bucket that holds it, with sequence
-    slots, target rows and max sequence length rounded up to powers of two; None if no bucket fits."""
+    slots and max sequence length rounded up to powers of two; None if no bucket fits."""
     tokens = sum(packed_tokens(item) for item in items)
     fitting = [b for b in sorted(buckets) if b >= tokens]
     if not fitting:
@@ -38,38 +40,38 @@ def choose_layout(items: list[GenItem], buckets: tuple[int, ...]) -> PackLayout 
     bucket = fitting[0]
     max_seqlen = min(bucket, _pow2_at_least(max(cond_len(item) for item in items), 64))
     pad_sequences = math.ceil((bucket - tokens) / max_seqlen)
-    targets = 2 * sum(item.target_len for item in items)
     return PackLayout(
         tokens=bucket,
         sequences=_pow2_at_least(2 * len(items) + pad_sequences, 8),
-        targets=min(bucket, _pow2_at_least(targets, 64)),  # targets are a subset of the tokens
         max_seqlen=max_seqlen,
     )
 
 
 class GraphedForward:
-    """A model forward pass captured as a CUDA graph over static input buffers of one PackLayout."""
+    """The model's backbone (hidden_states) captured as a CUDA graph over static input buffers of one
+    PackLayout; the heads run outside it, on each batch's own target rows."""
 
     def __init__(self, model: OmniVoiceModel, batch: PackedBatch, pool) -> None:
         self.batch = batch
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            model(batch)  # warm-up: lazy initialisation and autotuning happen outside the capture
+            model.hidden_states(batch)  # warm-up: lazy initialisation and autotuning outside the capture
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = model(batch)
+            self.hidden = model.hidden_states(batch)
 
     def load(self, batch: PackedBatch) -> PackedBatch:
         """Copy a batch of this layout into the static buffers; returns the static batch to update."""
-        for name in ("input_ids", "audio_mask", "position_ids", "cu_seqlens", "target_index"):
+        for name in ("input_ids", "audio_mask", "position_ids", "cu_seqlens"):
             getattr(self.batch, name).copy_(getattr(batch, name))
         return self.batch
 
     def __call__(self, batch: PackedBatch) -> Tensor:
+        """hidden_states of the loaded batch."""
         self.graph.replay()
-        return self.logits
+        return self.hidden
 
 
 class Runner:
@@ -98,7 +100,8 @@ class Runner:
         return packed_tokens(item)
 
     def _prepare(self, items: list[GenItem]) -> tuple[PackedBatch, Callable[[PackedBatch], Tensor]]:
-        """The device batch the loop updates in place, and the forward pass to run on it.
+        """The device batch the loop updates in place, and the forward pass to run on it (logits at the
+        batch's target rows).
 
         On CUDA the batch is padded to its bucket layout whether or not graphs are on, so eager and
         graph runs compute on the same shapes and give the same tokens.
@@ -118,7 +121,9 @@ class Runner:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graphed = self.graphs[layout] = GraphedForward(self.model, batch, self._pool)
-        return graphed.load(batch), graphed
+        # The static buffers with this batch's own target rows (which the graph does not read).
+        static = replace(graphed.load(batch), target_index=batch.target_index)
+        return static, lambda b: self.model.logits(graphed(b), b.target_index)
 
     @torch.inference_mode()
     def generate(self, items: list[GenItem], gen: GenerationConfig) -> list[Tensor]:

@@ -4,8 +4,8 @@ Every request contributes two sequences: the conditional one [prompt text ids on
 audio tokens, MASK x target_len] and the unconditional one [MASK x target_len] (classifier-free
 guidance). Order on the token axis: cond_0 .. cond_{B-1}, uncond_0 .. uncond_{B-1}, then optionally one
 padding sequence up to a fixed token count (CUDA-graph buckets). `target_index` lists the cond target
-positions of all requests (request-major), then the uncond ones, so logits[:N] are conditional and
-logits[N:2N] unconditional, N = sum of target lengths.
+positions of all requests (request-major), then the uncond ones, exactly (never padded), so logits[:N]
+are conditional and logits[N:2N] unconditional, N = sum of target lengths.
 """
 
 from __future__ import annotations
@@ -81,7 +81,6 @@ class PackLayout:
 
     tokens: int
     sequences: int  # entries of cu_seqlens minus one
-    targets: int
     max_seqlen: int
 
 
@@ -111,12 +110,7 @@ def pack_items(
         pad = layout.tokens - start
         # Padding sequences no longer than max_seqlen, so attention kernels sized by it cover them.
         pad_lens = [min(layout.max_seqlen, pad - i) for i in range(0, pad, layout.max_seqlen)]
-        if (
-            pad < 0
-            or max_seqlen > layout.max_seqlen
-            or len(lengths) + len(pad_lens) > layout.sequences
-            or len(target_index) > layout.targets
-        ):
+        if pad < 0 or max_seqlen > layout.max_seqlen or len(lengths) + len(pad_lens) > layout.sequences:
             raise InputError(
                 f"batch ({start} tokens, {len(lengths)} sequences) does not fit {layout}: "
                 "take the layout from engine.generate.loop.choose_layout(items, buckets)."
@@ -125,11 +119,7 @@ def pack_items(
             ids.append(torch.zeros((num_codebooks, pad), dtype=torch.long))
             masks.append(torch.zeros(pad, dtype=torch.bool))
             lengths += pad_lens
-        # Unused slots are empty sequences; unused target rows read token 0 and are never looked at.
-        lengths += [0] * (layout.sequences - len(lengths))
-        target_index = torch.cat(
-            [target_index, torch.zeros(layout.targets - len(target_index), dtype=torch.long)]
-        )
+        lengths += [0] * (layout.sequences - len(lengths))  # unused slots are empty sequences
         max_seqlen = layout.max_seqlen
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
     return PackedBatch(

@@ -154,9 +154,15 @@ class OmniVoiceModel(nn.Module):
 
     def forward(self, batch: PackedBatch) -> Tensor:
         """Logits [n_target, C, audio_vocab] in float32 at `batch.target_index`."""
+        return self.logits(self.hidden_states(batch), batch.target_index)
+
+    def hidden_states(self, batch: PackedBatch) -> Tensor:
+        """[T, H]: every position after the last layer (before the final norm); no use of target_index."""
         x = self.embed(batch.input_ids, batch.audio_mask)
-        attend = self.attention_backend(x.device, x.dtype)
-        x = self.llm(x, batch, attend)
-        x = self.llm.norm(x.index_select(0, batch.target_index))
+        return self.llm(x, batch, self.attention_backend(x.device, x.dtype))
+
+    def logits(self, hidden: Tensor, index: Tensor) -> Tensor:
+        """Logits [len(index), C, audio_vocab] in float32 of the rows `index` of hidden_states' output."""
+        x = self.llm.norm(hidden.index_select(0, index))
         logits = self.audio_heads(x)
         return logits.view(-1, self.cfg.num_audio_codebook, self.cfg.audio_vocab_size).float()
