@@ -15,9 +15,10 @@ round-to-nearest speed copy), 32 steps. The manifest (bench/manifests.py): --row
 
 Each entry: variant, rows, audio_seconds, wall_seconds, x_realtime (audio / wall), gpu_busy (mean
 nvidia-smi utilization over the entry), padding_fraction (token-weighted share of each batch's graph
-bucket that holds no row), mean_sm_clock_mhz, startup_seconds (jobs: from the end of planning to the first
-batch), planning_seconds. A device command is limited to 10 minutes: run some parts or precisions per call;
-entries merge into --out by variant name.
+bucket that holds no row), mean_sm_clock_mhz, startup_seconds (jobs: from the end of planning until the
+engines are loaded and their CUDA graphs captured; capture_seconds of it), planning_seconds. A device
+command is limited to 10 minutes: run some parts or precisions per call; entries merge into --out by
+variant name.
 
     python bench/e2e.py [--parts official,engine,job_local,job_ray] [--precisions bf16,w4a4,fp8]
                         [--rows 2000] [--size full|tiny] [--device auto] [--out bench/results/e2e-h200.json]
@@ -34,7 +35,6 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -123,15 +123,12 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
     cfg = load_job_config(None, [f"local={str(mode == 'local').lower()}", "ray.num_actors=1", *settings])
     cfg.manifest = str(manifest)
     start = time.perf_counter()
-    started_at = datetime.now().astimezone()
     with GpuMonitor() as monitor:
         outcome = submit(cfg, work / f"job-{variant}", frontend_sizer)
     wall = time.perf_counter() - start
     results = outcome.job.read_results().to_pylist()
     ok = [r for r in results if r["status"] == "ok"]
     run = outcome.summary["runs"][-1]
-    first_batch = min(datetime.fromisoformat(r["started_at"]) for r in ok) if ok else None
-    since_start = (first_batch - started_at).total_seconds() if first_batch else None
     batches: dict[tuple, int] = {}
     for r in ok:  # a batch: the rows of one shard that started together
         key = (r["shard"], r["started_at"])
@@ -144,9 +141,10 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
         monitor,
         padding_fraction=padding_fraction(list(batches.values()), list(cfg.engine.buckets)),
         planning_seconds=run["planning_seconds"],
-        startup_seconds=None
-        if since_start is None
-        else round(max(0.0, since_start - run["planning_seconds"]), 2),
+        # from the end of planning until the engines were loaded and their graphs captured
+        startup_seconds=round(run["ready_seconds"] - run["planning_seconds"], 2),
+        capture_seconds=run["capture_seconds"],
+        graphs=run["graphs"],
         rows_not_ok=len(results) - len(ok),
         engine_x_realtime=outcome.summary["engine_x_realtime"],
     )

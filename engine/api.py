@@ -219,6 +219,11 @@ class Engine:
     def synthesize(self, reqs: list[SynthRequest]) -> list[SynthResult]:
         return [g.finish() for g in self.generate(reqs)]
 
+    def capture(self, batches: list[list[tuple[int, int]]]) -> int:
+        """Capture the CUDA graphs that batches of these shapes will replay ((packed tokens, target frames)
+        per request, as a plan sizes them); returns how many were new (0 where graphs are off)."""
+        return self.runner.capture([[(packed - target, target) for packed, target in b] for b in batches])
+
     def generate(self, reqs: list[SynthRequest]) -> list[Generated]:
         """synthesize() up to the decoded audio; each Generated's finish() does the rest on the host."""
         if not reqs:

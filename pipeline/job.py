@@ -337,6 +337,8 @@ def run_tasks(
     )
     progress = Progress(bar)
     try:
+        ready = workers.ready(tasks)
+        job.append_run({"event": "ready", "run": run_id, "seconds": _since(t0), **ready})
         for task, results in workers.run(tasks, progress.batch if cfg.progress else None):
             for r in results:  # a row that did not end ok keeps no wav from an earlier attempt
                 if r.status != "ok":
@@ -392,12 +394,20 @@ class Workers:
             self.pool = ActorPool(str(job.path), cfg, started_ray=connect(cfg), on_batch=on_batch)
         self.start_seconds = time.perf_counter() - start  # Ray's start; the engines load meanwhile
 
+    def ready(self, tasks: list[ShardTask]) -> dict[str, float]:
+        """Wait for the engines, then have them capture the CUDA graphs the tasks will replay: graphs
+        captured and the seconds capture took."""
+        if self.pool is not None:
+            return self.pool.capture(tasks)
+        self.loading.result()  # an engine that could not load stops the run here, with its own error
+        return self.runner.capture(tasks)
+
     def run(self, tasks: list[ShardTask], on_batch: BatchCallback | None) -> Iterator[tuple[ShardTask, list]]:
         self.relay.target = on_batch
         if self.pool is not None:
             yield from self.pool.run(tasks)
             return
-        self.loading.result()  # an engine that could not load stops the run here, with its own error
+        self.loading.result()
         yield from run_local(self.runner, tasks, self.relay)
 
     def shutdown(self) -> None:

@@ -46,6 +46,9 @@ class ShardActor:
         self.runner = ShardRunner(job_path, cfg)
         self.runner.load_engines(variants)
 
+    def capture(self, tasks: list[ShardTask]) -> dict[str, float]:
+        return self.runner.capture(tasks)
+
     def run_shard(self, task: ShardTask, progress: Any = None) -> list[ResultRow]:
         """progress: the pool's ray.util.queue.Queue for BatchDone reports, or None."""
         on_batch = progress.put_nowait if progress is not None else None  # put_nowait returns once queued
@@ -166,6 +169,28 @@ class ActorPool:
             self.job_path, self.cfg, threads, group.variants
         )
         return _Slot(actor, name, group)
+
+    def capture(self, tasks: list[ShardTask]) -> dict[str, float]:
+        """Every actor captures the graphs its variants' shards will replay, before any shard runs: graphs
+        captured (all actors) and the slowest actor's seconds. An actor that cannot start or dies here is
+        left to run(), which reports or replaces it."""
+        import ray
+
+        refs = []
+        for slot in self.slots:
+            mine = [t for t in tasks if t.variant in slot.group.variants]
+            if mine and slot.actor is not None:
+                refs.append(slot.actor.capture.remote(mine))
+        reports = []
+        for ref in refs:
+            try:
+                reports.append(ray.get(ref))
+            except Exception as e:  # noqa: BLE001 - run() deals with the actor
+                log.warning("an actor did not capture its graphs ahead: %s", first_line(e))
+        return {
+            "graphs": sum(r["graphs"] for r in reports),
+            "capture_seconds": max((r["capture_seconds"] for r in reports), default=0.0),
+        }
 
     def run(self, tasks: list[ShardTask]) -> Iterator[tuple[ShardTask, list[ResultRow]]]:
         import ray

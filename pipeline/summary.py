@@ -25,7 +25,7 @@ def fold_runs(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per run from runs.jsonl's events; a record without `event` (written before events
     existed) is one whole run. `state`: finished; stopped (by an exception or Ctrl-C, named in
     `stopped_by`); or unfinished (no end recorded: killed, or still running), whose `wall_seconds` reach
-    its last finished shard."""
+    its last event (ready, or a finished shard)."""
     runs: dict[str, dict[str, Any]] = {}
     for rec in records:
         event = rec.get("event")
@@ -36,6 +36,9 @@ def fold_runs(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         fields = {k: v for k, v in rec.items() if k not in ("event", "shard", "seconds")}
         if event == "start":
             run.update(fields, wall_seconds=rec.get("planning_seconds", 0.0))
+        elif event == "ready":  # engines loaded and graphs captured: shards may start
+            run.update(fields, ready_seconds=rec["seconds"])
+            run["wall_seconds"] = max(run.get("wall_seconds", 0.0), rec["seconds"])
         elif event == "shard":
             run["shards_finished"] += 1
             run["wall_seconds"] = max(run.get("wall_seconds", 0.0), rec["seconds"])
@@ -81,7 +84,8 @@ def _time_split(runs: list[dict[str, Any]], phases: dict[str, float], wall: floa
     timed = [run for run in runs if counts_time(run)]
     planning = sum(run.get("planning_seconds", 0.0) for run in timed)
     worker_start = sum(run.get("worker_start_seconds", 0.0) for run in timed)
-    split = {"planning": planning, "worker_start": worker_start, **phases}
+    capture = sum(run.get("capture_seconds", 0.0) for run in timed)
+    split = {"planning": planning, "worker_start": worker_start, "capture": capture, **phases}
     split["other"] = wall - sum(split.values())
     return {k: round(v, 3) for k, v in split.items()}
 

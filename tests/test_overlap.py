@@ -140,3 +140,47 @@ def test_a_write_that_fails_fails_the_shard_after_every_writer_stopped(tmp_path:
         runner.run_shard(ShardTask(0, "default", 128, 1, _rows([f"row {i}" for i in range(6)])))
     assert runner.writers._work_queue.empty()  # nothing left queued behind the error
     assert "r02" not in written
+
+
+class CapturingEngine(StagedEngine):
+    """StagedEngine that records the batch shapes it is asked to capture graphs for."""
+
+    shapes: list[list[tuple[int, int]]] = []
+
+    def capture(self, batches):
+        CapturingEngine.shapes += batches
+        return len({tuple(b) for b in batches})
+
+
+def test_the_engines_capture_the_batches_of_the_run_before_its_first_shard(tmp_path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.job import submit
+    from pipeline.plan import RowSize
+
+    StagedEngine.gate.set()
+    CapturingEngine.shapes = []
+    manifest = tmp_path / "m.parquet"
+    texts = [f"row {i}" for i in range(5)]
+    none = pa.array([None] * 5, pa.string())
+    table = pa.table({"id": [f"r{i}" for i in range(5)], "text": texts, "ref_audio": none, "ref_text": none})
+    pq.write_table(table, manifest)
+    cfg = load_job_config(
+        None,
+        [
+            f"manifest={manifest}",
+            "local=true",
+            f"engine_factory={__name__}:CapturingEngine",
+            "progress=false",
+            "engine.buckets=[64,128]",
+            "engine.max_batch_tokens=100",
+        ],
+    )
+    outcome = submit(cfg, tmp_path / "job", lambda cfg, rows: lambda row: RowSize(10, 10, 20))  # 60 tokens
+    # one row a batch, as run_shard packs them: (packed tokens, target frames) each
+    assert CapturingEngine.shapes == [[(60, 20)]] * 5
+    assert sorted(StagedEngine.batches) == [[t] for t in texts]
+    (run,) = outcome.summary["runs"]
+    assert run["graphs"] == 1 and run["capture_seconds"] >= 0 and run["ready_seconds"] > 0
+    assert "capture" in outcome.summary["time"]

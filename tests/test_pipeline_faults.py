@@ -221,7 +221,7 @@ def test_a_writer_killed_during_a_run_leaves_no_temp_file_behind(tmp_path: Path)
     assert outcome.summary["rows"]["ok"] == 6
     split = outcome.summary["time"]  # where the wall time went, adding up to it
     phases = {"prepare", "generate", "decode", "postprocess", "write"}
-    assert set(split) == {"planning", "worker_start", *phases, "other"}
+    assert set(split) == {"planning", "worker_start", "capture", *phases, "other"}
     assert sum(split.values()) == pytest.approx(outcome.summary["wall_seconds"], abs=1e-2)
     assert split["generate"] == pytest.approx(2.0 * len(FakeEngine.calls), abs=1e-2)
     assert not list(job.path.rglob("*.ovtmp-*"))

@@ -162,3 +162,17 @@ def test_cuda_graph_generation_equals_eager(tiny, dtype):
         for a, b in zip(graphed.generate(items, gen), eager.generate(items, gen)):
             assert torch.equal(a, b)
     assert len(graphed.graphs) == 2
+
+
+@pytest.mark.gpu
+def test_graphs_captured_ahead_serve_the_batches_of_those_shapes(tiny):
+    _, model = load_model(tiny, device="cuda", dtype=torch.bfloat16)
+    items = make_items([(9, 14, 12), (5, 0, 7)], seed=4)
+    runner = Runner(model, EngineConfig(cuda_graphs=True, buckets=(256, 1024)), "cuda", torch.bfloat16)
+    shapes = [[(Runner.packed_tokens(i) - i.target_len, i.target_len) for i in items]]
+    assert runner.capture(shapes) == 1 and runner.capture(shapes) == 0
+    eager = Runner(model, EngineConfig(cuda_graphs=False, buckets=(256, 1024)), "cuda", torch.bfloat16)
+    gen = GenerationConfig(num_step=4)
+    for a, b in zip(runner.generate(items, gen), eager.generate(items, gen)):
+        assert torch.equal(a, b)
+    assert len(runner.graphs) == 1  # the batch replayed the graph captured ahead

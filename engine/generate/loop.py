@@ -126,6 +126,19 @@ class Runner:
         return static, lambda b: self.model.logits(graphed(b), b.target_index)
 
     @torch.inference_mode()
+    def capture(self, batches: list[list[tuple[int, int]]]) -> int:
+        """Capture now the graphs of batches of these shapes ((cond length, target length) per request),
+        so that no batch of theirs captures one; returns how many graphs were captured."""
+        if not self.use_graphs:
+            return 0
+        before = len(self.graphs)
+        for shapes in batches:
+            items = [GenItem([0] * (cond - target), None, target, 0) for cond, target in shapes]
+            if choose_layout(items, self.cfg.buckets) not in self.graphs:
+                self._prepare(items)
+        return len(self.graphs) - before
+
+    @torch.inference_mode()
     def generate(self, items: list[GenItem], gen: GenerationConfig) -> list[Tensor]:
         """Audio tokens [C, target_len] per item, in order."""
         if not items:
