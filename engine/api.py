@@ -10,6 +10,7 @@ target length and chunks come from engine.frontend.requests, which a job's plann
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -21,7 +22,13 @@ from engine.checkpoint import checkpoint_fingerprint, locate_checkpoint, read_co
 from engine.codec import Codec
 from engine.config import DTYPES, EngineConfig, GenerationConfig, resolve_device
 from engine.errors import AudioError, CheckpointError, InputError
-from engine.frontend.audio import cross_fade_chunks, postprocess_output
+from engine.frontend.audio import (
+    PreparedReference,
+    cross_fade_chunks,
+    postprocess_output,
+    prepare_reference,
+    read_clip_bytes,
+)
 from engine.frontend.prompt import PromptCache, VoicePrompt, build_prompts
 from engine.frontend.requests import CodecShape, PreparedRequest, RequestFrontend, SynthRequest
 from engine.frontend.text import TextFrontend
@@ -36,6 +43,8 @@ log = logging.getLogger(__name__)
 DECODE_BATCH_FRAMES = 12_000
 # Upstream warns that references over 20 s slow generation down and clone worse.
 LONG_REFERENCE_S = 20.0
+# Clips preload() keeps prepared at most (a batch's worth is taken by its generate()).
+PRELOADED_CLIPS = 512
 
 
 @dataclass
@@ -145,6 +154,7 @@ class Engine:
             self.reference_settings.fingerprint(self.codec.sample_rate, self.codec.hop_length),
         )
         self.runner = Runner(self.model, cfg, self.device, self.dtype)
+        self._references: dict[str, PreparedReference | AudioError] = {}  # preload(): clip sha256 -> ready
         log.info("engine ready: %s, %s on %s", self.model_id, self.precision, self.device)
 
     # ------------------------------------------------------------------------------------- prepare
@@ -178,7 +188,7 @@ class Engine:
 
         def make_many(misses: list[tuple[int, bytes]]) -> list[VoicePrompt | AudioError]:
             clips = [(raw, wanted[j][1], wanted[j][2]) for j, raw in misses]
-            return build_prompts(clips, self.codec, self.reference_settings)
+            return build_prompts(clips, self.codec, self.reference_settings, self._preloaded)
 
         made = self.prompts.get_or_create_many(
             [reqs[i].ref_audio for i, _, _ in wanted], [text for _, _, text in wanted], make_many
@@ -189,6 +199,33 @@ class Engine:
                 log.warning("reference %s is %.1f s long: 3-10 s clones faster and better", name, seconds)
             prompts[i] = prompt
         return prompts
+
+    def preload(self, reqs: list[SynthRequest]) -> None:
+        """Prepare on the host (decode, resample, trim) the reference clips of requests about to be
+        generated that the prompt cache lacks, so that their generate() only encodes them. Safe on another
+        thread while this engine generates (no device work); a request it cannot read is left for
+        generate() to report."""
+        for req in reqs:
+            try:
+                clip = self.requests.clip_of(req)
+                if clip is None:
+                    continue
+                raw = read_clip_bytes(req.ref_audio)
+                digest = hashlib.sha256(raw).hexdigest()
+                if digest in self._references or self.prompts.has(self.prompts.key(raw, clip[1])):
+                    continue
+                rate, hop = self.codec.sample_rate, self.codec.hop_length
+                ref = prepare_reference(clip[0], rate, hop, self.reference_settings, raw=raw)
+            except AudioError as e:
+                ref = e
+            except InputError:
+                continue
+            self._references[digest] = ref
+            while len(self._references) > PRELOADED_CLIPS:  # entries a failed batch never used
+                self._references.pop(next(iter(self._references)))
+
+    def _preloaded(self, raw: bytes) -> PreparedReference | AudioError | None:
+        return self._references.pop(hashlib.sha256(raw).hexdigest(), None)
 
     def _checked_prompt(self, prompt: VoicePrompt) -> VoicePrompt:
         tokens = prompt.tokens

@@ -1,8 +1,9 @@
 """Run shards: pack a shard's rows into batches, synthesize, write wavs atomically, return per-row results.
 
 The same ShardRunner serves local mode (in this process) and each Ray actor (pipeline.ray_runner). The
-engine's device never waits for the host's post-processing and writes: those run on writer threads while
-the next batch generates (Engine.generate, then each output's finish() on a writer thread).
+engine's device waits for as little host work as it can: while a batch generates, a preload thread
+prepares the next batch's reference clips (Engine.preload) and writer threads post-process and write the
+batches before it (each Engine.generate output's finish()).
 A batch that raises is split in halves and each half retried, down to single rows, so one bad row
 fails alone and a CUDA out-of-memory error retries smaller batches. A row's synth_seconds is its share
 of its batch's wall time in proportion to its token work (packed tokens x decoding steps). Each batch that
@@ -12,6 +13,7 @@ settles its rows (ok, failed or rejected) is reported to an optional callback, s
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import socket
 import time
@@ -31,6 +33,8 @@ from pipeline.manifest import ManifestRow
 from pipeline.rows import RequestRow, ResultRow
 from pipeline.store import JobDir
 from pipeline.tokens import write_tokens
+
+log = logging.getLogger(__name__)
 
 MAX_ERROR_CHARS = 2000
 
@@ -147,6 +151,7 @@ class ShardRunner:
         self.host = socket.gethostname()
         self.worker = f"{self.host}:{os.getpid()}"
         self.writers = ThreadPoolExecutor(cfg.writer_threads, thread_name_prefix="ovbatch-writer")
+        self.preloader = ThreadPoolExecutor(1, thread_name_prefix="ovbatch-preload")
 
     def engine(self, variant: str) -> Any:
         if variant not in self.engines:
@@ -186,8 +191,12 @@ class ShardRunner:
         def take_oldest() -> None:  # reported here, on the thread that called run_shard
             results.extend(_reported(pending.popleft().result(), task, on_batch))
 
+        batches = pack_batches(task.rows, max_tokens)
+        preloading = self._preload(engine, batches[:1])
         try:
-            for batch in pack_batches(task.rows, max_tokens):
+            for i, batch in enumerate(batches):
+                wait([preloading])  # this batch's clips are prepared: the next batch's, while it generates
+                preloading = self._preload(engine, batches[i + 1 : i + 2])
                 for part in self._generate(engine, task, batch):
                     pending.append(self.writers.submit(self._settle, engine, task, part))
                 while pending and pending[0].done():
@@ -197,8 +206,23 @@ class ShardRunner:
             while pending:
                 take_oldest()
         finally:
-            wait(pending)  # no writer outlives its shard, even one that stopped on an error
+            wait([*pending, preloading])  # no writer outlives its shard, even one that stopped on an error
         return results
+
+    def _preload(self, engine: Any, batches: list[list[RequestRow]]) -> Future:
+        """engine.preload (host-side clip preparation) of the batches' requests on the preload thread; a
+        no-op for engines without it. Its errors are the batch's to report, when it runs."""
+        preload = getattr(engine, "preload", None)
+        reqs = [synth_request(r) for batch in batches for r in batch]
+
+        def run() -> None:
+            try:
+                if preload is not None and reqs:
+                    preload(reqs)
+            except Exception as e:  # noqa: BLE001 - generate() prepares what preload could not
+                log.debug("preload failed: %s", e)
+
+        return self.preloader.submit(run)
 
     def _result(
         self, engine: Any, task: ShardTask, row: RequestRow, status: str, error: str | None = None, **measured

@@ -255,3 +255,37 @@ def test_cuda_engine_runs_bf16_with_cuda_graphs():
         assert out.audio.dtype == np.float32 and np.isfinite(out.audio).all()
         assert len(out.audio) == out.target_frames * engine.codec.hop_length + _pad(engine)
         assert out.token_work > 0 and out.timings["generate"] > 0
+
+
+def test_preloaded_clips_give_the_prompts_and_audio_an_unprepared_engine_makes(tmp_path, monkeypatch):
+    """preload() prepares on the host the clips the prompt cache lacks (a clip it cannot use keeps its
+    error for generate to report); synthesize then takes them instead of preparing them again, with the
+    same result as without preload (the same code runs, so the audio is bit-equal)."""
+    from engine.frontend import prompt as prompt_mod
+
+    broken = tmp_path / "broken.wav"
+    broken.write_bytes(b"RIFF....WAVE")
+    clips = sorted(n for n in CLIPS if n.endswith((".wav", ".flac")))
+    reqs = [
+        SynthRequest(text=f"Line {i}.", ref_audio=DATA / n, ref_text=CLIPS[n]["transcript"])
+        for i, n in enumerate(clips)
+    ]
+    cold = lambda: Engine(EngineConfig(prompt_cache_dir=None, generation=FAST))  # noqa: E731
+    want = cold().synthesize(reqs)
+
+    engine = cold()
+    engine.preload([*reqs, SynthRequest(text="x", ref_audio=broken, ref_text="words")])
+    assert len(engine._references) == len(clips) + 1
+    prepared_inline = []
+    real = prompt_mod.prepare_reference
+    monkeypatch.setattr(
+        prompt_mod, "prepare_reference", lambda *a, **k: prepared_inline.append(1) or real(*a, **k)
+    )
+    got = engine.synthesize(reqs)
+    assert not prepared_inline and len(engine._references) == 1  # only the broken clip's error is left
+    for a, b in zip(got, want, strict=True):
+        assert np.array_equal(a.audio, b.audio) and np.array_equal(a.tokens, b.tokens)
+    with pytest.raises(AudioError, match="broken.wav"):
+        engine.synthesize([SynthRequest(text="x", ref_audio=broken, ref_text="words")])
+    engine.preload(reqs)  # every clip is in the prompt cache now: nothing to prepare
+    assert not engine._references

@@ -4,6 +4,7 @@ and write the last ones, at most 2 x writer_threads batches behind; nothing is l
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -184,3 +185,33 @@ def test_the_engines_capture_the_batches_of_the_run_before_its_first_shard(tmp_p
     (run,) = outcome.summary["runs"]
     assert run["graphs"] == 1 and run["capture_seconds"] >= 0 and run["ready_seconds"] > 0
     assert "capture" in outcome.summary["time"]
+
+
+class PreloadingEngine(StagedEngine):
+    """StagedEngine that records when each batch's clips were preloaded and when it was generated."""
+
+    events: list[tuple[str, tuple[str, ...]]] = []
+
+    def preload(self, reqs):
+        time.sleep(0.05)
+        PreloadingEngine.events.append(("preloaded", tuple(r.text for r in reqs)))
+
+    def generate(self, reqs):
+        PreloadingEngine.events.append(("generate", tuple(r.text for r in reqs)))
+        return super().generate(reqs)
+
+
+def test_each_batch_is_preloaded_once_before_it_generates(tmp_path: Path):
+    StagedEngine.gate.set()
+    PreloadingEngine.events = []
+    cfg = _cfg(writers=1)
+    cfg.engine_factory = f"{__name__}:PreloadingEngine"
+    rows = _rows([f"row {i}" for i in range(4)])  # one row a batch
+    ShardRunner(tmp_path, cfg).run_shard(ShardTask(0, "default", 128, 1, rows))
+    preloaded = [batch for kind, batch in PreloadingEngine.events if kind == "preloaded"]
+    generated = [batch for kind, batch in PreloadingEngine.events if kind == "generate"]
+    assert preloaded == generated == [(r.text,) for r in rows]
+    for batch in generated:
+        assert PreloadingEngine.events.index(("preloaded", batch)) < PreloadingEngine.events.index(
+            ("generate", batch)
+        )

@@ -100,13 +100,20 @@ ENCODE_BATCH_SECONDS = 300.0
 
 
 def build_prompts(
-    clips: list[tuple[bytes, str, str]], codec, settings: ReferenceSettings
+    clips: list[tuple[bytes, str, str]],
+    codec,
+    settings: ReferenceSettings,
+    prepared: Callable[[bytes], PreparedReference | AudioError | None] = lambda raw: None,
 ) -> list[VoicePrompt | AudioError]:
-    """(clip bytes, clip name, reference text) -> prompts: each clip prepared (engine.frontend.audio),
-    the usable ones encoded together in batches. A clip that cannot be used yields its AudioError in
-    place, so the others still get their prompts."""
+    """(clip bytes, clip name, reference text) -> prompts: each clip prepared (engine.frontend.audio; or
+    `prepared(bytes)` when it holds the clip prepared already), the usable ones encoded together in batches.
+    A clip that cannot be used yields its AudioError in place, so the others still get their prompts."""
     refs: list[PreparedReference | AudioError] = []
     for raw, name, _ in clips:
+        ready = prepared(raw)
+        if ready is not None:
+            refs.append(ready)
+            continue
         try:
             refs.append(
                 prepare_reference(
@@ -159,6 +166,9 @@ class PromptCache:
             **self._context,
         }
         return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+    def has(self, key: str) -> bool:
+        return key in self._memory if self.directory is None else self.entry_dir(key).exists()
 
     def entry_dir(self, key: str) -> Path:
         assert self.directory is not None
