@@ -134,7 +134,8 @@ class Runner:
         before = len(self.graphs)
         for shapes in batches:
             items = [GenItem([0] * (cond - target), None, target, 0) for cond, target in shapes]
-            if choose_layout(items, self.cfg.buckets) not in self.graphs:
+            layout = choose_layout(items, self.cfg.buckets)
+            if layout is not None and layout not in self.graphs:  # None: such a batch runs eagerly
                 self._prepare(items)
         return len(self.graphs) - before
 
