@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
+from pathlib import Path
 
 from engine.checkpoint import locate_checkpoint
 from engine.errors import AudioError
@@ -75,7 +76,10 @@ def clip_frames_all(
 def _ask_worker(spec: str, clips: list[str]) -> list[dict]:
     command = [sys.executable, "-m", "pipeline.clip_worker", spec]
     stdin = "".join(json.dumps(clip) + "\n" for clip in clips)
-    done = subprocess.run(command, input=stdin, capture_output=True, text=True)
+    # The worker imports this checkout's packages, also where they are on sys.path but not installed.
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(command, input=stdin, capture_output=True, text=True, env=env)
     if done.returncode:
         log.warning("a clip worker stopped (exit %d): %s", done.returncode, done.stderr.strip()[-500:])
     return [json.loads(line) for line in done.stdout.splitlines()]
