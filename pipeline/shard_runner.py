@@ -138,8 +138,9 @@ def _engine_outputs(engine: Any, reqs: list[Any]) -> list[Any]:
 class ShardRunner:
     """Holds one engine per variant (loaded on first use) and runs shards with it.
 
-    The engine generates batch after batch on the calling thread; each batch's rows are post-processed and
-    written on writer threads meanwhile, at most 2 x writer_threads batches behind. A batch is reported
+    The engine generates batch after batch on the calling thread; meanwhile the preload thread prepares the
+    next batch's clips, and writer threads post-process and write the rows of the batches before, at most
+    2 x writer_threads batches behind. A batch is reported
     (on_batch) once its rows are written and the engine has finished the batch after it; a shard returns
     once every one of its rows is written (or settled as failed or rejected)."""
 
@@ -195,7 +196,7 @@ class ShardRunner:
         preloading = self._preload(engine, batches[:1])
         try:
             for i, batch in enumerate(batches):
-                wait([preloading])  # this batch's clips are prepared: the next batch's, while it generates
+                wait([preloading])  # this batch's clips; the next batch's are prepared while it generates
                 preloading = self._preload(engine, batches[i + 1 : i + 2])
                 for part in self._generate(engine, task, batch):
                     pending.append(self.writers.submit(self._settle, engine, task, part))
