@@ -11,7 +11,9 @@ speak (manifest_texts, also bench/scaling.py's) have log-normal speech lengths a
 from __future__ import annotations
 
 import math
+import os
 import random
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -95,24 +97,34 @@ def manifest_texts(rows: int, seed: int) -> tuple[list[str], list[float]]:
     return texts, seconds
 
 
+_sources: list[tuple[np.ndarray, str]] = []  # source_clips(), in each clip-writing process
+
+
+def _load_sources() -> None:
+    _sources[:] = source_clips()
+
+
+def write_clip(clip: Path, seed: int, index: int) -> str:
+    """Clip `index` of a manifest seeded `seed` (its own random stream, so any process makes the same
+    file); returns its transcript."""
+    audio, rate, transcript = distinct_clip(_sources, random.Random(f"{seed}-{index}"))
+    sf.write(clip, audio, rate, subtype="PCM_16")
+    return transcript
+
+
 def write_distinct_clip_manifest(path: Path, clip_dir: Path, rows: int, seed: int = 0) -> Path:
-    """A manifest of `rows` rows, each with its own clip file under clip_dir."""
-    rng = random.Random(seed)
-    sources = source_clips()
+    """A manifest of `rows` rows, each with its own clip file under clip_dir, the clips written by one
+    process per core."""
     clip_dir.mkdir(parents=True, exist_ok=True)
-    clips, transcripts = [], []
-    for i in range(rows):
-        audio, rate, transcript = distinct_clip(sources, rng)
-        clip = clip_dir / f"clip-{seed}-{i:06d}.wav"
-        sf.write(clip, audio, rate, subtype="PCM_16")
-        clips.append(str(clip))
-        transcripts.append(transcript)
+    clips = [clip_dir / f"clip-{seed}-{i:06d}.wav" for i in range(rows)]
+    with ProcessPoolExecutor(len(os.sched_getaffinity(0)), initializer=_load_sources) as pool:
+        transcripts = list(pool.map(write_clip, clips, [seed] * rows, range(rows), chunksize=64))
     texts, _ = manifest_texts(rows, seed)
     table = pa.table(
         {
             "id": [f"row-{i:06d}" for i in range(rows)],
             "text": texts,
-            "ref_audio": clips,
+            "ref_audio": [str(c) for c in clips],
             "ref_text": transcripts,
             "language": ["en"] * rows,
         }

@@ -18,3 +18,8 @@ def test_every_row_gets_its_own_readable_clip_of_3_to_10_seconds(tmp_path):
         info = sf.info(clip)
         assert info.samplerate in RATES and 3.0 <= info.duration <= 10.0 + 1.0 / info.samplerate
     assert all(row.text and row.ref_text for row in manifest.rows)
+    again = load(
+        write_distinct_clip_manifest(tmp_path / "again.parquet", tmp_path / "again", rows=12, seed=3)
+    )
+    for a, b in zip(manifest.rows, again.rows, strict=True):  # the same files, whichever process wrote them
+        assert open(a.ref_audio, "rb").read() == open(b.ref_audio, "rb").read() and a.text == b.text
