@@ -30,10 +30,8 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -41,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.environment import environment, write_result  # noqa: E402
 from bench.manifests import write_distinct_clip_manifest  # noqa: E402
-from bench.pipeline import full_size_checkpoint  # noqa: E402
+from bench.pipeline import GpuSampler, full_size_checkpoint  # noqa: E402
 from bench.scaling import rtn_w4a4_checkpoint  # noqa: E402
 from engine.tiny import ensure_tiny_checkpoint  # noqa: E402
 from pipeline.config import load_job_config  # noqa: E402
@@ -59,46 +57,15 @@ SETTINGS = {
 }
 
 
-class GpuMonitor:
-    """nvidia-smi utilization.gpu and clocks.sm of GPU 0 every 0.5 s while an entry runs (none without it)."""
-
-    def __init__(self):
-        self.util: list[float] = []
-        self.sm_mhz: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        query = [
-            "nvidia-smi",
-            "-i",
-            "0",
-            "--query-gpu=utilization.gpu,clocks.sm",
-            "--format=csv,noheader,nounits",
-        ]
-        while not self._stop.wait(0.5):
-            try:
-                util, mhz = subprocess.run(query, capture_output=True, text=True, timeout=5).stdout.split(",")
-                self.util.append(float(util))
-                self.sm_mhz.append(float(mhz))
-            except (OSError, ValueError, subprocess.TimeoutExpired):
-                return
-
-    def __enter__(self) -> GpuMonitor:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def fields(self) -> dict:
-        mean = lambda xs: round(statistics.fmean(xs), 1) if xs else None  # noqa: E731
-        busy = mean(self.util)
-        return {
-            "gpu_busy": None if busy is None else round(busy / 100, 3),
-            "mean_sm_clock_mhz": mean(self.sm_mhz),
-        }
+def gpu_fields(gpu: GpuSampler) -> dict:
+    """gpu_busy and mean_sm_clock_mhz of the busiest GPU over an entry (None without nvidia-smi)."""
+    if not gpu.by_gpu:
+        return {"gpu_busy": None, "mean_sm_clock_mhz": None}
+    busiest = max(gpu.by_gpu, key=lambda i: statistics.fmean(gpu.by_gpu[i]))
+    return {
+        "gpu_busy": round(statistics.fmean(gpu.by_gpu[busiest]) / 100, 3),
+        "mean_sm_clock_mhz": round(statistics.fmean(gpu.sm_mhz[busiest]), 1),
+    }
 
 
 def padding_fraction(batches: list[int], buckets: list[int]) -> float | None:
@@ -107,14 +74,14 @@ def padding_fraction(batches: list[int], buckets: list[int]) -> float | None:
     return round(1 - sum(batches) / padded, 4) if padded else None
 
 
-def entry(variant: str, rows: int, audio: float, wall: float, monitor: GpuMonitor, **extra) -> dict:
+def entry(variant: str, rows: int, audio: float, wall: float, gpu: GpuSampler, **extra) -> dict:
     return {
         "variant": variant,
         "rows": rows,
         "audio_seconds": round(audio, 2),
         "wall_seconds": round(wall, 2),
         "x_realtime": round(audio / wall, 2) if wall > 0 else None,
-        **monitor.fields(),
+        **gpu_fields(gpu),
         **extra,
     }
 
@@ -123,7 +90,7 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
     cfg = load_job_config(None, [f"local={str(mode == 'local').lower()}", "ray.num_actors=1", *settings])
     cfg.manifest = str(manifest)
     start = time.perf_counter()
-    with GpuMonitor() as monitor:
+    with GpuSampler() as gpu:
         outcome = submit(cfg, work / f"job-{variant}", frontend_sizer)
     wall = time.perf_counter() - start
     results = outcome.job.read_results().to_pylist()
@@ -138,7 +105,7 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
         len(ok),
         sum(r["audio_seconds"] for r in ok),
         wall,
-        monitor,
+        gpu,
         padding_fraction=padding_fraction(list(batches.values()), list(cfg.engine.buckets)),
         planning_seconds=run["planning_seconds"],
         # from the end of planning until the engines were loaded and their graphs captured
@@ -172,7 +139,7 @@ def engine_entry(precision: str, manifest: Path, warmup: Path, settings: list[st
         engine.synthesize([synth_request(r) for r in batch])
     timed = list(batches_of(manifest))
     audio = 0.0
-    with GpuMonitor() as monitor:
+    with GpuSampler() as gpu:
         start = time.perf_counter()
         for batch in timed:
             audio += sum(
@@ -185,7 +152,7 @@ def engine_entry(precision: str, manifest: Path, warmup: Path, settings: list[st
         sum(len(b) for b in timed),
         audio,
         wall,
-        monitor,
+        gpu,
         padding_fraction=padding_fraction(tokens, list(cfg.engine.buckets)),
         batches=len(timed),
     )
@@ -216,14 +183,14 @@ def official_entries(manifest: Path, settings: list[str]) -> list[dict]:
         official._generate_iterative(
             official_inputs(official, chunks[0], seed=0)[0], OmniVoiceGenerationConfig()
         )
-        with GpuMonitor() as monitor:
+        with GpuSampler() as gpu:
             start = time.perf_counter()
             for i, chunk in enumerate(chunks):
                 task = official_inputs(official, chunk, seed=i)[0]
                 official._generate_iterative(task, OmniVoiceGenerationConfig())
             torch.cuda.synchronize()
             wall = time.perf_counter() - start
-        out.append(entry(f"official_fp16_b{batch}", len(requests), audio, wall, monitor, tokens_only=True))
+        out.append(entry(f"official_fp16_b{batch}", len(requests), audio, wall, gpu, tokens_only=True))
     return out
 
 

@@ -96,30 +96,34 @@ def write_manifest(path: Path, rows: int) -> Path:
     return write_clip_manifest(path, [TEXTS[i % len(TEXTS)] for i in range(rows)], "b")
 
 
-def parse_gpu_utilization(text: str) -> dict[int, float]:
-    """`nvidia-smi --query-gpu=index,utilization.gpu --format=csv,noheader,nounits` -> {index: percent}."""
-    util = {}
+def parse_gpu_samples(text: str) -> dict[int, tuple[float, float]]:
+    """`nvidia-smi --query-gpu=index,utilization.gpu,clocks.sm --format=csv,noheader,nounits` ->
+    {index: (utilization percent, SM clock MHz)}."""
+    samples = {}
     for line in text.strip().splitlines():
-        index, percent = line.split(",")
-        util[int(index)] = float(percent)
-    return util
+        index, percent, mhz = line.split(",")
+        samples[int(index)] = (float(percent), float(mhz))
+    return samples
 
 
 class GpuSampler:
-    """nvidia-smi utilization.gpu of every GPU every 0.5 s while a run lasts (empty without nvidia-smi)."""
+    """nvidia-smi utilization.gpu and SM clock of every GPU every 0.5 s while a run lasts (empty without
+    nvidia-smi)."""
 
     def __init__(self):
-        self.by_gpu: dict[int, list[float]] = {}
+        self.by_gpu: dict[int, list[float]] = {}  # utilization percent
+        self.sm_mhz: dict[int, list[float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        query = ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits"]
+        query = ["nvidia-smi", "--query-gpu=index,utilization.gpu,clocks.sm", "--format=csv,noheader,nounits"]
         while not self._stop.wait(0.5):
             try:
                 out = subprocess.run(query, capture_output=True, text=True, timeout=5).stdout
-                for index, percent in parse_gpu_utilization(out).items():
+                for index, (percent, mhz) in parse_gpu_samples(out).items():
                     self.by_gpu.setdefault(index, []).append(percent)
+                    self.sm_mhz.setdefault(index, []).append(mhz)
             except (OSError, ValueError, subprocess.TimeoutExpired):
                 return
 

@@ -21,3 +21,13 @@ def test_entries_merge_by_variant_across_calls(tmp_path):
     )
     assert report["entries"] == [{"variant": "engine_bf16", "x_realtime": 2.0}, {"variant": "job_ray_bf16"}]
     assert report["rows"] == 9 and merge(tmp_path / "none.json", [], {})["entries"] == []
+
+
+def test_gpu_fields_read_the_busiest_gpu():
+    from bench.e2e import gpu_fields
+    from bench.pipeline import GpuSampler
+
+    gpu = GpuSampler()
+    assert gpu_fields(gpu) == {"gpu_busy": None, "mean_sm_clock_mhz": None}
+    gpu.by_gpu, gpu.sm_mhz = {0: [2.0, 4.0], 1: [90.0, 100.0]}, {0: [300.0, 300.0], 1: [1900.0, 1980.0]}
+    assert gpu_fields(gpu) == {"gpu_busy": 0.95, "mean_sm_clock_mhz": 1940.0}

@@ -11,7 +11,7 @@ import statistics
 import pytest
 
 from bench.manifests import LENGTHS, manifest_texts, speech_seconds, text_of_length
-from bench.pipeline import gpu_utilization, parse_gpu_utilization
+from bench.pipeline import gpu_utilization, parse_gpu_samples
 from bench.scaling import (
     main,
     merge_reports,
@@ -91,14 +91,14 @@ def test_text_of_length_cycles_the_passage():
 
 
 def test_gpu_utilization_per_gpu_and_over_the_busiest():
-    samples = parse_gpu_utilization("0, 90\n1, 0\n")
-    assert samples == {0: 90.0, 1: 0.0}
+    samples = parse_gpu_samples("0, 90, 1980\n1, 0, 345\n")
+    assert samples == {0: (90.0, 1980.0), 1: (0.0, 345.0)}
     util = gpu_utilization({0: [90.0, 70.0], 1: [0.0, 2.0], 2: [50.0, 60.0]}, used=2)
     assert util["mean_pct_by_gpu"] == {"0": 80.0, "1": 1.0, "2": 55.0}
     assert util["mean_pct_used_gpus"] == 67.5 and util["samples"] == 2
     assert gpu_utilization({}, used=1)["mean_pct_used_gpus"] is None
     with pytest.raises(ValueError):
-        parse_gpu_utilization("[N/A]\n")
+        parse_gpu_samples("0, [N/A], 1980\n")
 
 
 def result(shard: int, worker: str, start: str, end: str, synth: float, status: str = "ok") -> dict:
