@@ -10,7 +10,6 @@ target length and chunks come from engine.frontend.requests, which a job's plann
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -154,7 +153,7 @@ class Engine:
             self.reference_settings.fingerprint(self.codec.sample_rate, self.codec.hop_length),
         )
         self.runner = Runner(self.model, cfg, self.device, self.dtype)
-        self._references: dict[str, PreparedReference | AudioError] = {}  # preload(): clip sha256 -> ready
+        self._references: dict[str, PreparedReference | AudioError] = {}  # preload(): cache key -> ready
         log.info("engine ready: %s, %s on %s", self.model_id, self.precision, self.device)
 
     # ------------------------------------------------------------------------------------- prepare
@@ -186,9 +185,10 @@ class Engine:
         if not wanted:
             return prompts
 
-        def make_many(misses: list[tuple[int, bytes]]) -> list[VoicePrompt | AudioError]:
-            clips = [(raw, wanted[j][1], wanted[j][2]) for j, raw in misses]
-            return build_prompts(clips, self.codec, self.reference_settings, self._preloaded)
+        def make_many(misses: list[tuple[int, bytes, str]]) -> list[VoicePrompt | AudioError]:
+            clips = [(raw, wanted[j][1], wanted[j][2]) for j, raw, _ in misses]
+            ready = [self._references.pop(key, None) for _, _, key in misses]  # what preload() prepared
+            return build_prompts(clips, self.codec, self.reference_settings, ready)
 
         made = self.prompts.get_or_create_many(
             [reqs[i].ref_audio for i, _, _ in wanted], [text for _, _, text in wanted], make_many
@@ -211,8 +211,8 @@ class Engine:
                 if clip is None:
                     continue
                 raw = read_clip_bytes(req.ref_audio)
-                digest = hashlib.sha256(raw).hexdigest()
-                if digest in self._references or self.prompts.has(self.prompts.key(raw, clip[1])):
+                key = self.prompts.key(raw, clip[1])
+                if key in self._references or self.prompts.has(key):
                     continue
                 rate, hop = self.codec.sample_rate, self.codec.hop_length
                 ref = prepare_reference(clip[0], rate, hop, self.reference_settings, raw=raw)
@@ -220,12 +220,9 @@ class Engine:
                 ref = e
             except InputError:
                 continue
-            self._references[digest] = ref
+            self._references[key] = ref
             while len(self._references) > PRELOADED_CLIPS:  # entries a failed batch never used
                 self._references.pop(next(iter(self._references)))
-
-    def _preloaded(self, raw: bytes) -> PreparedReference | AudioError | None:
-        return self._references.pop(hashlib.sha256(raw).hexdigest(), None)
 
     def _checked_prompt(self, prompt: VoicePrompt) -> VoicePrompt:
         tokens = prompt.tokens

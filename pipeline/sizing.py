@@ -102,9 +102,7 @@ class FrontendSizer:
         self.frames = clip_frames_all(frontend, clips, workers)
 
     def _frames_of(self, clip: ClipSource) -> int:
-        frames = self.frames.get(str(clip))
-        if frames is None:
-            frames = self.frames[str(clip)] = self.frontend.reference_frames(clip)
+        frames = self.frames[str(clip)]  # every clip of the rows the sizer was made for
         if isinstance(frames, Exception):
             raise frames
         return frames

@@ -190,8 +190,8 @@ def test_many_clips_make_one_batch_of_distinct_misses(tmp_path):
     batches = []
 
     def make_many(misses):
-        batches.append([i for i, _ in misses])
-        return build_prompts([(raw, f"clip{i}", TEXT) for i, raw in misses], codec, ReferenceSettings())
+        batches.append([i for i, _, _ in misses])
+        return build_prompts([(raw, f"clip{i}", TEXT) for i, raw, _ in misses], codec, ReferenceSettings())
 
     clips = [CLIP, other, CLIP.read_bytes(), third, other]
     prompts = cache.get_or_create_many(clips, [TEXT] * 5, make_many)
@@ -210,7 +210,7 @@ def test_a_bad_clip_in_a_batch_does_not_lose_the_others(tmp_path):
     clips, texts = [_silent_wav(), CLIP, tmp_path / "missing.wav"], [TEXT] * 3
 
     def make_many(misses):
-        return build_prompts([(raw, f"clip{i}", TEXT) for i, raw in misses], codec, ReferenceSettings())
+        return build_prompts([(raw, f"clip{i}", TEXT) for i, raw, _ in misses], codec, ReferenceSettings())
 
     with pytest.raises(AudioError, match="missing.wav does not exist"):
         cache.get_or_create_many(clips, texts, make_many)

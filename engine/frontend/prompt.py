@@ -103,14 +103,13 @@ def build_prompts(
     clips: list[tuple[bytes, str, str]],
     codec,
     settings: ReferenceSettings,
-    prepared: Callable[[bytes], PreparedReference | AudioError | None] = lambda raw: None,
+    prepared: list[PreparedReference | AudioError | None] | None = None,
 ) -> list[VoicePrompt | AudioError]:
     """(clip bytes, clip name, reference text) -> prompts: each clip prepared (engine.frontend.audio; or
-    `prepared(bytes)` when it holds the clip prepared already), the usable ones encoded together in batches.
-    A clip that cannot be used yields its AudioError in place, so the others still get their prompts."""
+    taken from `prepared`, one entry per clip, None where it is not ready), the usable ones encoded together
+    in batches. A clip that cannot be used yields its AudioError in place, so the others still get theirs."""
     refs: list[PreparedReference | AudioError] = []
-    for raw, name, _ in clips:
-        ready = prepared(raw)
+    for (raw, name, _), ready in zip(clips, prepared or [None] * len(clips), strict=True):
         if ready is not None:
             refs.append(ready)
             continue
@@ -178,17 +177,19 @@ class PromptCache:
         self, clip: ClipSource, ref_text: str, make: Callable[[bytes], VoicePrompt]
     ) -> VoicePrompt:
         """The cached prompt, or make(clip_bytes) stored under the key (make runs only on a miss)."""
-        return self.get_or_create_many([clip], [ref_text], lambda misses: [make(raw) for _, raw in misses])[0]
+        return self.get_or_create_many(
+            [clip], [ref_text], lambda misses: [make(raw) for _, raw, _ in misses]
+        )[0]
 
     def get_or_create_many(
         self,
         clips: list[ClipSource],
         ref_texts: list[str],
-        make_many: Callable[[list[tuple[int, bytes]]], list[VoicePrompt | AudioError]],
+        make_many: Callable[[list[tuple[int, bytes, str]]], list[VoicePrompt | AudioError]],
     ) -> list[VoicePrompt]:
         """Prompts for many clips: hits are read back, the misses made by ONE make_many call.
 
-        make_many receives (index into clips, clip bytes) for one clip per distinct missing key and
+        make_many receives (index into clips, clip bytes, key) for one clip per distinct missing key and
         returns a prompt or an AudioError for each. Every prompt made is cached before the first
         error (unreadable clip or AudioError) is raised, so a retry without the bad clip hits the cache.
         """
@@ -208,7 +209,7 @@ class PromptCache:
                 misses.setdefault(key, []).append(i)
                 raws[i] = raw
         if misses:
-            made = make_many([(group[0], raws[group[0]]) for group in misses.values()])
+            made = make_many([(group[0], raws[group[0]], key) for key, group in misses.items()])
             for (key, group), prompt in zip(misses.items(), made, strict=True):
                 if isinstance(prompt, AudioError):
                     errors.append(prompt)
