@@ -5,9 +5,9 @@ Full-size OmniVoice dimensions with random weights (bench/pipeline.py's checkpoi
 round-to-nearest speed copy), 32 steps. The manifest (bench/manifests.py): --rows rows, each with its own
 3-10 s clip at 16-48 kHz, speech lengths log-normal around 4 s (1-20 s). Entries, one per part and precision:
 
-- official_fp16_b{16,32,64}: the official package's `_generate_iterative` (fp16, eager) on the rows' sizes
-  (their text, reference frames and target frames; random reference codes), in batches of 16, 32 or 64:
-  token generation only, as the anchors measured it (needs the `omnivoice` package);
+- official_fp16_b{16,32,64}: the official package's `_generate_iterative` (fp16, eager) on the sizes of the
+  first --official-rows rows (their text, reference frames and target frames; random reference codes), in
+  batches of 16, 32 or 64: token generation only, as the anchors measured it (needs `omnivoice`);
 - engine_<p>: our Engine.synthesize over the same rows (clips encoded, tokens generated, audio decoded and
   post-processed; nothing written), in the batches the job makes, after a warm-up on other clips;
 - job_local_<p>, job_ray_<p>: `submit` from the manifest to the last row (planning, clip encoding, writes
@@ -21,7 +21,8 @@ command is limited to 10 minutes: run some parts or precisions per call; entries
 variant name.
 
     python bench/e2e.py [--parts official,engine,job_local,job_ray] [--precisions bf16,w4a4,fp8]
-                        [--rows 2000] [--size full|tiny] [--device auto] [--out bench/results/e2e-h200.json]
+                        [--rows 2000] [--official-rows 512] [--size full|tiny] [--device auto]
+                        [--out bench/results/e2e-h200.json] [--work DIR]
 """
 
 from __future__ import annotations
@@ -89,9 +90,11 @@ def entry(variant: str, rows: int, audio: float, wall: float, gpu: GpuSampler, *
 def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: list[str]) -> dict:
     cfg = load_job_config(None, [f"local={str(mode == 'local').lower()}", "ray.num_actors=1", *settings])
     cfg.manifest = str(manifest)
+    job_dir = work / f"job-{variant}"
+    shutil.rmtree(job_dir, ignore_errors=True)  # a fresh job, never a resume of an earlier call's
     start = time.perf_counter()
     with GpuSampler() as gpu:
-        outcome = submit(cfg, work / f"job-{variant}", frontend_sizer)
+        outcome = submit(cfg, job_dir, frontend_sizer)
     wall = time.perf_counter() - start
     results = outcome.job.read_results().to_pylist()
     ok = [r for r in results if r["status"] == "ok"]
@@ -158,8 +161,9 @@ def engine_entry(precision: str, manifest: Path, warmup: Path, settings: list[st
     )
 
 
-def official_entries(manifest: Path, settings: list[str]) -> list[dict]:
-    """The official package's token generation on the rows' sizes, at each batch of OFFICIAL_BATCHES."""
+def official_entries(manifest: Path, settings: list[str], limit: int) -> list[dict]:
+    """The official package's token generation on the first `limit` rows' sizes, at each batch of
+    OFFICIAL_BATCHES."""
     import torch
 
     from bench.parity import Request, build_official, official_inputs
@@ -170,7 +174,7 @@ def official_entries(manifest: Path, settings: list[str]) -> list[dict]:
         from omnivoice.models.omnivoice import OmniVoiceGenerationConfig
     except ImportError as e:
         return [{"variant": "official_fp16", "skipped": f"the official package is not importable: {e}"}]
-    rows = load(manifest).rows
+    rows = load(manifest).rows[:limit]
     sizer = frontend_sizer(load_job_config(None, settings), rows)
     requests = []
     for row in rows:
@@ -207,6 +211,7 @@ def main() -> None:
     p.add_argument("--parts", default=",".join(PARTS))
     p.add_argument("--precisions", default="bf16,w4a4,fp8")
     p.add_argument("--rows", type=int, default=2000)
+    p.add_argument("--official-rows", type=int, default=512, help="rows the official package runs")
     p.add_argument("--size", choices=("full", "tiny"), default="full")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="bench/results/e2e-h200.json")
@@ -222,7 +227,7 @@ def main() -> None:
         base = [*SETTINGS[args.size], f"engine.device={args.device}", "progress=false"]
         entries = []
         if "official" in parts:
-            entries += official_entries(manifest, [f"engine.checkpoint={ckpt}", *base])
+            entries += official_entries(manifest, [f"engine.checkpoint={ckpt}", *base], args.official_rows)
         for precision in args.precisions.split(","):
             if precision == "w4a4":
                 source = work / "ckpt-w4a4"

@@ -5,7 +5,8 @@
 # scaling
 # (GPU_TESTS narrows the test paths, MEMCHECK_TESTS the tests run under compute-sanitizer memcheck,
 # PIPELINE_ROWS the pipeline bench's rows, E2E_PARTS / E2E_PRECISIONS / E2E_ROWS what the e2e bench runs
-# (entries merge into bench/results/e2e-h200.json), SCALING_GPUS the GPU counts of the scaling bench, one
+# (entries merge into bench/results/e2e-h200.json, or E2E_OUT; E2E_WORK a scratch folder kept between
+# calls), SCALING_GPUS the GPU counts of the scaling bench, one
 # per call: it merges into bench/results/scaling-h200.json.)
 # Logs and bench/results/*.json come back bundled as $OUT/logs.tgz and $OUT/results.tgz.
 set -u
@@ -30,7 +31,8 @@ step() {
     quantize)     $PY bench/quantize.py ;;
     pipeline)     $PY bench/pipeline.py --rows ${PIPELINE_ROWS:-512} ;;
     e2e)          $PY bench/e2e.py --parts ${E2E_PARTS:-official,engine,job_local,job_ray} \
-                    --precisions ${E2E_PRECISIONS:-bf16,fp8,w4a4} --rows ${E2E_ROWS:-2000} ;;
+                    --precisions ${E2E_PRECISIONS:-bf16,fp8,w4a4} --rows ${E2E_ROWS:-2000} \
+                    ${E2E_OUT:+--out $E2E_OUT} ${E2E_WORK:+--work $E2E_WORK} ;;
     kernels)      $PY bench/kernels.py ;;
     fused)        $PY bench/fused.py ;;
     scaling)      $PY bench/scaling.py --gpus ${SCALING_GPUS:-1} ;;
