@@ -225,9 +225,15 @@ def main() -> None:
         manifest = write_distinct_clip_manifest(work / "m.parquet", work / "clips", args.rows, seed=1)
         warmup = write_distinct_clip_manifest(work / "warmup.parquet", work / "warmup-clips", 64, seed=2)
         base = [*SETTINGS[args.size], f"engine.device={args.device}", "progress=false"]
-        entries = []
+        meta = {"size": args.size, "rows": args.rows, "environment": environment("ray", "omnivoice")}
+
+        def record(new: list[dict]) -> None:  # entry by entry: a call cut short keeps what it measured
+            for e in new:
+                print(json.dumps(e), flush=True)
+            write_result(args.out, merge(Path(args.out), new, meta))
+
         if "official" in parts:
-            entries += official_entries(manifest, [f"engine.checkpoint={ckpt}", *base], args.official_rows)
+            record(official_entries(manifest, [f"engine.checkpoint={ckpt}", *base], args.official_rows))
         for precision in args.precisions.split(","):
             if precision == "w4a4":
                 source = work / "ckpt-w4a4"
@@ -241,17 +247,12 @@ def main() -> None:
                 *base,
             ]
             if "engine" in parts:
-                entries.append(engine_entry(precision, manifest, warmup, settings))
+                record([engine_entry(precision, manifest, warmup, settings)])
             for mode in ("local", "ray"):
                 if f"job_{mode}" in parts:
-                    shutil.rmtree(
-                        work / f"prompts-{precision}", ignore_errors=True
-                    )  # each job encodes its clips
-                    entries.append(job_entry(f"job_{mode}_{precision}", mode, manifest, work, settings))
-            for e in entries[-3:]:
-                print(json.dumps(e), flush=True)
-        meta = {"size": args.size, "rows": args.rows, "environment": environment("ray", "omnivoice")}
-        write_result(args.out, merge(Path(args.out), entries, meta))
+                    # each job encodes its clips
+                    shutil.rmtree(work / f"prompts-{precision}", ignore_errors=True)
+                    record([job_entry(f"job_{mode}_{precision}", mode, manifest, work, settings)])
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)

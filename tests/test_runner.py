@@ -143,7 +143,8 @@ def test_graph_replay_equals_eager_forward_on_new_inputs(tiny):
         graphed = GraphedForward(model, pack_items(first, C, 1024, layout).to("cuda"), pool=None)
         for items in (second, first):
             batch = pack_items(items, C, 1024, layout).to("cuda")
-            batch.input_ids[:, batch.target_index[:64]] = torch.randint(0, 1024, (C, 64), device="cuda")
+            targets = batch.target_index  # the items' exact target rows (fewer than 64)
+            batch.input_ids[:, targets] = torch.randint(0, 1024, (C, len(targets)), device="cuda")
             replayed = graphed(graphed.load(batch)).clone()
             assert torch.equal(replayed, model.hidden_states(batch))
 
