@@ -221,9 +221,16 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="ovbatch-e2e-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        ckpt = full_size_checkpoint(work / "ckpt") if args.size == "full" else ensure_tiny_checkpoint()
-        manifest = write_distinct_clip_manifest(work / "m.parquet", work / "clips", args.rows, seed=1)
-        warmup = write_distinct_clip_manifest(work / "warmup.parquet", work / "warmup-clips", 64, seed=2)
+        ckpt = work / "ckpt"  # a kept --work holds the checkpoint and manifests of an earlier call
+        if args.size == "tiny":
+            ckpt = ensure_tiny_checkpoint()
+        elif not (ckpt / "audio_tokenizer" / "model.safetensors").is_file():
+            full_size_checkpoint(ckpt)
+        manifest, warmup = work / f"m-{args.rows}.parquet", work / "warmup.parquet"
+        if not manifest.is_file():
+            write_distinct_clip_manifest(manifest, work / f"clips-{args.rows}", args.rows, seed=1)
+        if not warmup.is_file():
+            write_distinct_clip_manifest(warmup, work / "warmup-clips", 64, seed=2)
         base = [*SETTINGS[args.size], f"engine.device={args.device}", "progress=false"]
         meta = {"size": args.size, "rows": args.rows, "environment": environment("ray", "omnivoice")}
 
