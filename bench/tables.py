@@ -239,6 +239,37 @@ def plan_rows(result: dict) -> list[str]:
     return out
 
 
+def e2e_rows(result: dict) -> list[str]:
+    """README: the engine alone and the job from submit to the last row, each entry of one run."""
+    entries = result["entries"]
+    engine = {e["variant"][len("engine_") :]: e["x_realtime"] for e in entries if "engine_" in e["variant"]}
+
+    def cell(e: dict, key: str, form: str) -> str:
+        return "-" if e.get(key) is None else format(e[key], form)
+
+    out = []
+    for e in entries:
+        if e["variant"].startswith("official"):
+            continue
+        base = engine.get(e["variant"].split("_")[-1])
+        out.append(
+            row(
+                e["variant"],
+                f"{e['rows']:,}",
+                f"{e['audio_seconds']:,.0f}",
+                f"{e['wall_seconds']:.1f}",
+                f"{e['x_realtime']:.1f}x",
+                f"{e['x_realtime'] / base:.2f}" if base else "-",
+                cell(e, "gpu_busy", ".0%"),
+                cell(e, "mean_sm_clock_mhz", ".0f"),
+                cell(e, "padding_fraction", ".1%"),
+                cell(e, "planning_seconds", ".1f"),
+                cell(e, "startup_seconds", ".1f"),
+            )
+        )
+    return out
+
+
 def tables() -> dict[str, tuple[str, list[str]]]:
     """Table name -> (the document it lives in, its rows)."""
     generate, kernels, fused = load("generate-h200.json"), load("kernels-h200.json"), load("fused-h200.json")
@@ -247,6 +278,7 @@ def tables() -> dict[str, tuple[str, list[str]]]:
         "precisions": ("README.md", precision_rows(load("profile-generate-h200.json"))),
         "W4A4 kernels": ("README.md", kernel_summary_rows(kernels)),
         "planning": ("README.md", plan_rows(load("plan-cpu.json"))),
+        "end to end": ("README.md", e2e_rows(load("e2e-h200.json"))),
         "current kernel numbers": ("docs/kernels.md", kernel_rows(kernels)),
         "floors": ("docs/kernels.md", floor_rows(kernels)),
         "fused kernels": ("docs/kernels.md", fused_rows(fused)),
