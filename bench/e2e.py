@@ -16,9 +16,10 @@ round-to-nearest speed copy), 32 steps. The manifest (bench/manifests.py): --row
 Each entry: variant, rows, audio_seconds, wall_seconds, x_realtime (audio / wall), gpu_busy (mean
 nvidia-smi utilization over the entry), padding_fraction (token-weighted share of each batch's graph
 bucket that holds no row), mean_sm_clock_mhz, startup_seconds (jobs: from the end of planning until the
-engines are loaded and their CUDA graphs captured; capture_seconds of it), planning_seconds. A device
-command is limited to 10 minutes: run some parts or precisions per call; entries merge into --out by
-variant name.
+engines are loaded and their CUDA graphs captured; capture_seconds of it), planning_seconds; the engine's
+seconds per phase (phases_seconds: prepare, the clips read and encoded; generate; decode; postprocess) and
+the job summary's time split (time_split: planning, start, capture, phases, other). A device command is
+limited to 10 minutes: run some parts or precisions per call; entries merge into --out by variant name.
 
     python bench/e2e.py [--parts official,engine,job_local,job_ray] [--precisions bf16,w4a4,fp8]
                         [--rows 2000] [--official-rows 512] [--size full|tiny] [--device auto]
@@ -117,6 +118,7 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
         graphs=run["graphs"],
         rows_not_ok=len(results) - len(ok),
         engine_x_realtime=outcome.summary["engine_x_realtime"],
+        time_split=outcome.summary["time"],
     )
 
 
@@ -142,12 +144,15 @@ def engine_entry(precision: str, manifest: Path, warmup: Path, settings: list[st
         engine.synthesize([synth_request(r) for r in batch])
     timed = list(batches_of(manifest))
     audio = 0.0
+    phases = dict.fromkeys(("prepare", "generate", "decode", "postprocess"), 0.0)
     with GpuSampler() as gpu:
         start = time.perf_counter()
         for batch in timed:
-            audio += sum(
-                len(o.audio) / o.sample_rate for o in engine.synthesize([synth_request(r) for r in batch])
-            )
+            outputs = engine.synthesize([synth_request(r) for r in batch])
+            audio += sum(len(o.audio) / o.sample_rate for o in outputs)
+            for phase in ("prepare", "generate", "decode"):  # the batch's, on every output
+                phases[phase] += outputs[0].timings[phase]
+            phases["postprocess"] += sum(o.timings["postprocess"] for o in outputs)
         wall = time.perf_counter() - start
     tokens = [sum(r.packed_tokens for r in batch) for batch in timed]
     return entry(
@@ -158,6 +163,7 @@ def engine_entry(precision: str, manifest: Path, warmup: Path, settings: list[st
         gpu,
         padding_fraction=padding_fraction(tokens, list(cfg.engine.buckets)),
         batches=len(timed),
+        phases_seconds={k: round(v, 2) for k, v in phases.items()},
     )
 
 
