@@ -19,7 +19,8 @@ import torch
 
 from engine.checkpoint import checkpoint_fingerprint, locate_checkpoint, read_config
 from engine.codec import Codec
-from engine.config import DTYPES, EngineConfig, GenerationConfig, resolve_device
+from engine.config import EngineConfig, GenerationConfig
+from engine.devices import DTYPES, resolve_device
 from engine.errors import AudioError, CheckpointError, InputError
 from engine.frontend.audio import (
     PreparedReference,

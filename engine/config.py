@@ -8,8 +8,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from engine.errors import CheckpointError, InputError
 
 
@@ -130,25 +128,6 @@ class GenerationConfig:
 
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "w4a4")
-# Activation dtype of each unquantized precision name.
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    """A device name (auto | cpu | cuda | cuda:N) as a torch.device; auto picks CUDA when there is one."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise InputError(f"device={name!r}: use auto, cpu, cuda or cuda:N.") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(
-            f"device={name!r} but torch {torch.__version__} sees no CUDA GPU: use device='cpu' or 'auto'."
-        )
-    return device
-
-
 @dataclass
 class FastPaths:
     """Switches for the engine's fast paths, fixed when a model is loaded (engine/loading.py). All on by

@@ -1,39 +1,58 @@
-"""A planning worker process: counts the codec frames of reference clips (engine.frontend.requests
-reference_frames), one JSON-quoted clip path per line on stdin, one JSON line per clip on stdout.
+"""A planning worker process (pipeline.clip_pool): one JSON-quoted clip location per line on stdin, one
+JSON line per clip on stdout, for one of two tasks:
 
-    python -m pipeline.clip_worker '{"sample_rate": 24000, "hop_length": 960, "settings": {...}}'
+- probe: what the manifest records of a clip (pipeline.manifest's probe: content hash, seconds, local
+  path, or why the clip cannot be used);
+- frames: the codec frames of the clip's prompt (engine.frontend.requests reference_frames), or its error.
 
-A fresh interpreter rather than a multiprocessing pool: a pool's spawned children import the caller's
-main module again, which runs a script that calls `submit` without an `if __name__ == "__main__"` guard a
-second time, and forked children would inherit the driver's threads (Ray, torch) mid-lock.
+    python -m pipeline.clip_worker '{"task": "probe", "clip_dir": null, "max_seconds": 30.0}'
+    python -m pipeline.clip_worker '{"task": "frames", "sample_rate": 24000, "hop_length": 960,
+                                     "settings": {...}}'
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
 
-from engine.errors import AudioError
-from engine.frontend.audio import ReferenceSettings
-from engine.frontend.requests import CodecShape, reference_frames
+
+def prober(spec: dict) -> Callable[[str], dict]:
+    from pipeline.manifest import probe_clip
+
+    clip_dir = Path(spec["clip_dir"]) if spec["clip_dir"] is not None else None
+    return lambda location: asdict(probe_clip(location, clip_dir, spec["max_seconds"]))
 
 
-def answer(clip: str, codec: CodecShape, settings: ReferenceSettings) -> dict:
-    try:
-        return {"frames": reference_frames(clip, codec, settings)}
-    except AudioError as e:
-        return {"audio_error": str(e)}
-    except Exception as e:  # handed back so that one bad clip rejects its rows, not the plan
-        return {"error": f"{type(e).__name__}: {e}"}
+def frame_counter(spec: dict) -> Callable[[str], dict]:
+    from engine.errors import AudioError
+    from engine.frontend.audio import ReferenceSettings
+    from engine.frontend.requests import CodecShape, reference_frames
+
+    codec = CodecShape(spec["sample_rate"], spec["hop_length"])
+    settings = ReferenceSettings(**spec["settings"])
+
+    def answer(clip: str) -> dict:
+        try:
+            return {"frames": reference_frames(clip, codec, settings)}
+        except AudioError as e:
+            return {"audio_error": str(e)}
+        except Exception as e:  # handed back so that one bad clip rejects its rows, not the plan
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    return answer
+
+
+TASKS = {"probe": prober, "frames": frame_counter}
 
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    codec = CodecShape(spec["sample_rate"], spec["hop_length"])
-    settings = ReferenceSettings(**spec["settings"])
+    answer = TASKS[spec["task"]](spec)
     for line in sys.stdin:
-        clip = json.loads(line)
-        sys.stdout.write(json.dumps(answer(clip, codec, settings)) + "\n")
+        sys.stdout.write(json.dumps(answer(json.loads(line))) + "\n")
         sys.stdout.flush()
 
 

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 from engine.config import EngineConfig
 from engine.errors import AudioError, InputError, OVBatchError
 from engine.frontend.audio import ReferenceSettings, decode, rms
+from pipeline import clip_pool
 from pipeline.atomic import write_bytes_atomic
 from pipeline.messages import first_line
 
@@ -201,14 +202,16 @@ def _optional_positive(name: str, value: Any) -> tuple[float | None, str | None]
 
 
 @dataclass
-class _Clip:
+class Clip:
+    """What the manifest records of a reference clip, or why the clip cannot be used (error)."""
+
     local_path: str | None
     sha256: str | None
     seconds: float
     error: str | None
 
 
-def _probe_clip(location: str, clip_dir: Path | None, max_seconds: float) -> _Clip:
+def probe_clip(location: str, clip_dir: Path | None, max_seconds: float) -> Clip:
     """Read a reference clip once: content hash, duration, and whether libsndfile can decode it."""
     local = not _is_uri(location) or location.startswith("file://")
     try:
@@ -216,7 +219,7 @@ def _probe_clip(location: str, clip_dir: Path | None, max_seconds: float) -> _Cl
     except (FileNotFoundError, pa.ArrowException, OSError) as e:
         missing = isinstance(e, FileNotFoundError) or "not found" in str(e).lower()
         kind = "not found" if missing else f"unreadable ({first_line(e)})"
-        return _Clip(
+        return Clip(
             None,
             None,
             0.0,
@@ -227,10 +230,10 @@ def _probe_clip(location: str, clip_dir: Path | None, max_seconds: float) -> _Cl
     try:
         audio, rate = decode(data, repr(location), max_seconds)
     except AudioError as e:
-        return _Clip(None, digest, 0.0, str(e))
+        return Clip(None, digest, 0.0, str(e))
     seconds = len(audio) / float(rate)
     if not np.isfinite(audio).all() or not rms(audio) >= ReferenceSettings.silence_floor_rms:
-        return _Clip(
+        return Clip(
             None,
             digest,
             seconds,
@@ -239,13 +242,24 @@ def _probe_clip(location: str, clip_dir: Path | None, max_seconds: float) -> _Cl
         )
     if local:
         path = location[len("file://") :] if location.startswith("file://") else location
-        return _Clip(path, digest, seconds, None)
+        return Clip(path, digest, seconds, None)
     if clip_dir is None:  # the row keeps the URI (the engine reads local paths: submit passes a clip_dir)
-        return _Clip(location, digest, seconds, None)
+        return Clip(location, digest, seconds, None)
     target = clip_dir / f"{digest[:24]}{Path(location).suffix.lower()}"
     if not target.exists():
         write_bytes_atomic(target, data)
-    return _Clip(str(target), digest, seconds, None)
+    return Clip(str(target), digest, seconds, None)
+
+
+def _probe_clips(locations: list[str], clip_dir: Path | None, max_seconds: float) -> dict[str, Clip]:
+    """Each distinct clip probed once, in worker processes when there are many (pipeline.clip_pool)."""
+    task = {"task": "probe", "clip_dir": clip_dir and str(clip_dir), "max_seconds": max_seconds}
+    answers = clip_pool.map_clips(task, locations, clip_pool.worker_count())
+    clips = {}
+    for location in locations:
+        answer = answers.get(location)
+        clips[location] = Clip(**answer) if answer else probe_clip(location, clip_dir, max_seconds)
+    return clips
 
 
 def _language_problem(value: str | None) -> tuple[str | None, str | None]:
@@ -291,8 +305,10 @@ def load(
     for i, rec in enumerate(records):
         if isinstance(rec.get("id"), str):
             counts.setdefault(rec["id"], []).append(i)
-    clips: dict[str, _Clip] = {}
     clip_root = Path(clip_dir) if clip_dir is not None else None
+    references = (_clean(rec.get("ref_audio")) for rec in records)
+    locations = sorted({resolve_location(ref, base) for ref in references if ref is not None})
+    clips = _probe_clips(locations, clip_root, max_ref_seconds)
 
     for i, rec in enumerate(records):
         rid = rec.get("id")
@@ -301,7 +317,7 @@ def load(
         if reason is None and len(counts[rid]) > 1:
             rows = ", ".join(str(r) for r in counts[rid][:5])
             reason = f"id {rid!r} appears {len(counts[rid])} times (rows {rows}): ids must be unique"
-        row, why = (None, reason) if reason else _normalise(i, rec, base, clips, clip_root, max_ref_seconds)
+        row, why = (None, reason) if reason else _normalise(i, rec, base, clips)
         if why is not None:
             manifest.rejected.append(Rejection(i, shown_id, why))
         else:
@@ -320,9 +336,7 @@ def _normalise(
     i: int,
     rec: dict[str, Any],
     base: str,
-    clips: dict[str, _Clip],
-    clip_root: Path | None,
-    max_ref_seconds: float,
+    clips: dict[str, Clip],
 ) -> tuple[ManifestRow | None, str | None]:
     text = _clean(rec.get("text"))
     if text is None:
@@ -348,12 +362,9 @@ def _normalise(
     seed = rec.get("seed")
     if seed is not None and not 0 <= int(seed) < 2**63:
         return None, f"seed={seed} must be a non-negative integer below 2**63, or null"
-    clip = _Clip(None, None, 0.0, None)
+    clip = Clip(None, None, 0.0, None)
     if ref_source is not None:
-        location = resolve_location(ref_source, base)
-        if location not in clips:
-            clips[location] = _probe_clip(location, clip_root, max_ref_seconds)
-        clip = clips[location]
+        clip = clips[resolve_location(ref_source, base)]
         if clip.error:
             return None, clip.error
     return ManifestRow(

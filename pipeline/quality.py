@@ -63,7 +63,7 @@ class ModelLoadError(OVBatchError):
 
 
 def compare_device(cmp: CompareConfig) -> Any:
-    from engine.config import resolve_device
+    from engine.devices import resolve_device
 
     try:
         return resolve_device(cmp.device)

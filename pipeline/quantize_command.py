@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pipeline.manifest
-from engine.config import DTYPES
+from engine.devices import DTYPES
 from engine.errors import QuantError
 from engine.quantizer.calibrate import CalibRequest
 from engine.quantizer.quantize import QuantizeOptions, format_report, quantize_checkpoint

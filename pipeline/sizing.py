@@ -11,29 +11,18 @@ cache, when they run the rows.
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import subprocess
-import sys
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
-from pathlib import Path
 
 from engine.checkpoint import locate_checkpoint
 from engine.errors import AudioError
 from engine.frontend.audio import ClipSource
 from engine.frontend.requests import PreparedRequest, RequestFrontend
+from pipeline import clip_pool
 from pipeline import manifest as manifest_mod
 from pipeline.config import JobConfig
 from pipeline.plan import RowSize, Sizer
 from pipeline.shard_runner import synth_request
-
-log = logging.getLogger(__name__)
-
-# Fewer distinct clips than this are prepared in this process (the workers' start-up would cost more).
-POOL_MIN_CLIPS = 64
 
 
 def prepared_size(frontend: RequestFrontend, prepared: PreparedRequest) -> RowSize:
@@ -49,40 +38,24 @@ def clip_frames_all(
     frontend: RequestFrontend, clips: Sequence[str], workers: int
 ) -> dict[str, int | Exception]:
     """Codec frames of every clip's prompt, or what stops the clip (so that it rejects its rows, not the
-    plan): over `workers` worker processes (pipeline.clip_worker) when there are many clips. Clips a
-    worker did not answer (it died) are counted in this process."""
+    plan), over `workers` worker processes (pipeline.clip_pool) when there are many clips."""
+    task = {
+        "task": "frames",
+        "sample_rate": frontend.codec.sample_rate,
+        "hop_length": frontend.codec.hop_length,
+        "settings": asdict(frontend.reference_settings),
+    }
+    answers = clip_pool.map_clips(task, clips, workers)
     frames: dict[str, int | Exception] = {}
-    if workers >= 2 and len(clips) >= POOL_MIN_CLIPS:
-        spec = json.dumps(
-            {
-                "sample_rate": frontend.codec.sample_rate,
-                "hop_length": frontend.codec.hop_length,
-                "settings": asdict(frontend.reference_settings),
-            }
-        )
-        shares = [list(clips[i::workers]) for i in range(workers)]
-        with ThreadPoolExecutor(workers) as pool:
-            for share, answers in zip(shares, pool.map(lambda share: _ask_worker(spec, share), shares)):
-                frames.update({clip: _answer(a) for clip, a in zip(share, answers)})
     for clip in clips:
-        if clip not in frames:
-            try:
-                frames[clip] = frontend.reference_frames(clip)
-            except Exception as e:
-                frames[clip] = e
+        if clip in answers:
+            frames[clip] = _answer(answers[clip])
+            continue
+        try:
+            frames[clip] = frontend.reference_frames(clip)
+        except Exception as e:
+            frames[clip] = e
     return frames
-
-
-def _ask_worker(spec: str, clips: list[str]) -> list[dict]:
-    command = [sys.executable, "-m", "pipeline.clip_worker", spec]
-    stdin = "".join(json.dumps(clip) + "\n" for clip in clips)
-    # The worker imports this checkout's packages, also where they are on sys.path but not installed.
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(command, input=stdin, capture_output=True, text=True, env=env)
-    if done.returncode:
-        log.warning("a clip worker stopped (exit %d): %s", done.returncode, done.stderr.strip()[-500:])
-    return [json.loads(line) for line in done.stdout.splitlines()]
 
 
 def _answer(answer: dict) -> int | Exception:
@@ -118,4 +91,4 @@ def planning_frontend(cfg: JobConfig) -> RequestFrontend:
 
 
 def frontend_sizer(cfg: JobConfig, rows: Sequence[manifest_mod.ManifestRow]) -> Sizer:
-    return FrontendSizer(planning_frontend(cfg), rows, workers=len(os.sched_getaffinity(0)))
+    return FrontendSizer(planning_frontend(cfg), rows, workers=clip_pool.worker_count())

@@ -91,29 +91,31 @@ def test_unreadable_and_missing_manifests(tmp_path: Path):
         load(tmp_path)
 
 
-def test_row_problems_reject_only_their_rows(workdir: Path):
-    rows = [
-        # id, text, ref_audio, ref_text, language, duration, speed, expected reason fragment (None = ok)
-        ("ok1", "Fine text.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, None),
-        ("dup", "One.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "appears 2 times"),
-        ("dup", "Two.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "appears 2 times"),
-        ("empty", "   ", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "text is empty"),
-        ("missing", "Text.", "clips/nothere.wav", TRANSCRIPT, None, None, None, "not found"),
-        ("folder", "Text.", "clips", TRANSCRIPT, None, None, None, "unreadable (Cannot open for reading"),
-        ("corrupt", "Text.", "clips/corrupt.wav", TRANSCRIPT, None, None, None, "not a readable audio file"),
-        ("zero", "Text.", "clips/empty.wav", TRANSCRIPT, None, None, None, "empty (0 bytes)"),
-        ("../escape", "Text.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "path separator"),
-        ("/abs", "Text.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "path separator"),
-        ("..", "Text.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "starts with '.'"),
-        ("bell\x07", "Text.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "control character"),
-        ("lang", "Text.", f"clips/{CLIP}", TRANSCRIPT, "klingonish", None, None, "language 'klingonish'"),
-        ("dur", "Text.", f"clips/{CLIP}", TRANSCRIPT, None, -2.0, None, "duration=-2.0"),
-        ("speed", "Text.", f"clips/{CLIP}", TRANSCRIPT, None, None, 0.0, "speed=0.0"),
-        ("noref", "Text.", f"clips/{CLIP}", "", None, None, None, "ref_text is empty"),
-        ("ok2", "Also fine.", f"clips/{CLIP}", TRANSCRIPT, "en", 3.0, None, None),
-    ]
-    cols = list(zip(*rows))
-    m = _write(
+ROW_PROBLEMS = [
+    # id, text, ref_audio, ref_text, language, duration, speed, expected reason fragment (None = ok)
+    ("ok1", "Fine text.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, None),
+    ("dup", "One.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "appears 2 times"),
+    ("dup", "Two.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "appears 2 times"),
+    ("empty", "   ", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "text is empty"),
+    ("missing", "Text.", "clips/nothere.wav", TRANSCRIPT, None, None, None, "not found"),
+    ("folder", "Text.", "clips", TRANSCRIPT, None, None, None, "unreadable (Cannot open for reading"),
+    ("corrupt", "Text.", "clips/corrupt.wav", TRANSCRIPT, None, None, None, "not a readable audio file"),
+    ("zero", "Text.", "clips/empty.wav", TRANSCRIPT, None, None, None, "empty (0 bytes)"),
+    ("../escape", "Text.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "path separator"),
+    ("/abs", "Text.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "path separator"),
+    ("..", "Text.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "starts with '.'"),
+    ("bell\x07", "Text.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "control character"),
+    ("lang", "Text.", f"clips/{CLIP}", TRANSCRIPT, "klingonish", None, None, "language 'klingonish'"),
+    ("dur", "Text.", f"clips/{CLIP}", TRANSCRIPT, None, -2.0, None, "duration=-2.0"),
+    ("speed", "Text.", f"clips/{CLIP}", TRANSCRIPT, None, None, 0.0, "speed=0.0"),
+    ("noref", "Text.", f"clips/{CLIP}", "", None, None, None, "ref_text is empty"),
+    ("ok2", "Also fine.", f"clips/{CLIP}", TRANSCRIPT, "en", 3.0, None, None),
+]
+
+
+def _row_problems_manifest(workdir: Path) -> Path:
+    cols = list(zip(*ROW_PROBLEMS))
+    return _write(
         workdir / "m.parquet",
         id=list(cols[0]),
         text=list(cols[1]),
@@ -123,7 +125,11 @@ def test_row_problems_reject_only_their_rows(workdir: Path):
         duration=pa.array(cols[5], pa.float64()),
         speed=pa.array(cols[6], pa.float64()),
     )
-    out = load(m)
+
+
+def test_row_problems_reject_only_their_rows(workdir: Path):
+    rows = ROW_PROBLEMS
+    out = load(_row_problems_manifest(workdir))
     assert [r.id for r in out.rows] == ["ok1", "ok2"]
     by_index = {r.row_index: r for r in out.rejected}
     assert len(out.rejected) == len(rows) - 2

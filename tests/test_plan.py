@@ -160,7 +160,7 @@ def test_many_clips_are_prepared_in_worker_processes_alike(tmp_path, monkeypatch
     from pathlib import Path
 
     from engine.errors import AudioError
-    from pipeline import sizing
+    from pipeline import clip_pool, sizing
 
     data = Path(__file__).parent / "data"
     clips = []
@@ -170,12 +170,12 @@ def test_many_clips_are_prepared_in_worker_processes_alike(tmp_path, monkeypatch
     clips.append(str(tmp_path / "broken.wav"))
     frontend = sizing.planning_frontend(_sizing_config(tmp_path / "prompts"))
     serial = sizing.clip_frames_all(frontend, clips, workers=1)
-    monkeypatch.setattr(sizing, "POOL_MIN_CLIPS", 1)
+    monkeypatch.setattr(clip_pool, "POOL_MIN_CLIPS", 1)
     pooled = sizing.clip_frames_all(frontend, clips, workers=2)
     errors = serial.pop(clips[-1]), pooled.pop(clips[-1])
     assert all(isinstance(e, AudioError) for e in errors) and str(errors[0]) == str(errors[1])
     assert pooled == serial and all(isinstance(f, int) and f > 0 for f in serial.values())
 
-    real_ask = sizing._ask_worker
-    monkeypatch.setattr(sizing, "_ask_worker", lambda spec, share: real_ask(spec, share)[:1])  # then died
+    real_ask = clip_pool.ask_worker
+    monkeypatch.setattr(clip_pool, "ask_worker", lambda spec, share: real_ask(spec, share)[:1])  # then died
     assert sizing.clip_frames_all(frontend, clips[:-1], workers=2) == serial

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,7 +21,6 @@ from engine.errors import InputError
 from engine.frontend.audio import ClipSource, ReferenceSettings, clip_name, prepare_reference
 from engine.frontend.chunking import Chunk, needs_chunking, plan_chunks
 from engine.frontend.duration import effective_speed, estimate_target_frames
-from engine.frontend.prompt import VoicePrompt
 from engine.frontend.text import (
     TextFrontend,
     add_punctuation,
@@ -28,6 +28,9 @@ from engine.frontend.text import (
     resolve_instruct,
     resolve_language,
 )
+
+if TYPE_CHECKING:
+    from engine.frontend.prompt import VoicePrompt
 
 # Longest output one request may ask for (through its text, speed or duration).
 MAX_OUTPUT_S = 600.0

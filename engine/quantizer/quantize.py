@@ -30,7 +30,8 @@ from engine.checkpoint import (
     resolve_checkpoint,
     weight_files,
 )
-from engine.config import DTYPES, EngineConfig, FastPaths, GenerationConfig, resolve_device
+from engine.config import EngineConfig, FastPaths, GenerationConfig
+from engine.devices import DTYPES, resolve_device
 from engine.errors import InputError, QuantError
 from engine.frontend.text import TextFrontend
 from engine.fsmodes import chmod_tree_as_created

@@ -1,0 +1,26 @@
+"""Torch's side of the engine settings: precision names as dtypes, device names as devices (apart from
+engine.config so that the planner's worker processes read settings without importing torch)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.errors import InputError
+
+# Activation dtype of each unquantized precision name.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """A device name (auto | cpu | cuda | cuda:N) as a torch.device; auto picks CUDA when there is one."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise InputError(f"device={name!r}: use auto, cpu, cuda or cuda:N.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(
+            f"device={name!r} but torch {torch.__version__} sees no CUDA GPU: use device='cpu' or 'auto'."
+        )
+    return device
