@@ -157,6 +157,36 @@ def test_batched_encode_equals_one_by_one(codec):
         assert torch.equal(codes, codec.encode([wav])[0])
 
 
+def test_batched_semantic_features_equal_each_clip_alone(codec):
+    """HuBERT runs the clips as one padded batch: each clip's features are its solo features up to
+    summation order (1e-5 absolute on features of magnitude ~3; a GroupNorm over the padding would be off
+    by 0.5-2.7 here)."""
+    from engine.codec.semantic import LengthAwareGroupNorm, semantic_features
+
+    assert isinstance(codec.semantic_model.feature_extractor.conv_layers[0].layer_norm, LengthAwareGroupNorm)
+    wavs = clips(5, [HOP * 12, HOP * 3, HOP * 20, 24000 + 333, HOP * 2])
+    with torch.inference_mode():
+        batched = semantic_features(codec.semantic_model, wavs, codec.config)
+        for wav, features in zip(wavs, batched):
+            alone = semantic_features(codec.semantic_model, [wav], codec.config)[0]
+            assert features.shape == alone.shape
+            assert (features - alone).abs().max().item() <= 1e-5
+
+
+def test_encode_batches_by_padded_audio_and_keeps_the_clips_order(codec, monkeypatch):
+    from engine.codec import model
+
+    wavs = clips(7, [HOP * 12, HOP * 30, HOP * 3, HOP * 20, HOP * 25])
+    alone = [codec.encode([w])[0] for w in wavs]
+    monkeypatch.setattr(model, "ENCODE_BATCH_SECONDS", HOP * 50 / 24000)  # two of the longest clips per batch
+    batches = []
+    real = codec._encode_batch
+    monkeypatch.setattr(codec, "_encode_batch", lambda group: batches.append(len(group)) or real(group))
+    for codes, want in zip(codec.encode(wavs), alone):
+        assert torch.equal(codes, want)
+    assert batches == [1, 2, 2]  # longest first: 30 alone (25 would not fit beside it), then 25+20, 12+3
+
+
 def test_batched_decode_equals_one_by_one(codec):
     g = torch.Generator().manual_seed(3)
     codes = [torch.randint(0, 1024, (8, f), generator=g) for f in (20, 3, 31, 1, 9)]

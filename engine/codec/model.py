@@ -22,8 +22,12 @@ from engine.codec.acoustic import build_decoder, decode_acoustic, encode_acousti
 from engine.codec.checkpoint import check_codec_config, read_codec_config, read_codec_weights
 from engine.codec.lengths import conv_output_lengths, pad_stack
 from engine.codec.quantizer import ResidualVectorQuantizer
-from engine.codec.semantic import SemanticEncoder, semantic_features
+from engine.codec.semantic import SemanticEncoder, length_aware_hubert, semantic_features
 from engine.errors import InputError
+
+# Padded audio one encode batch may hold: bounds its activations (HuBERT's first conv writes 512 channels
+# at a fifth of 16 kHz: about 1.6 GB in float32 for this much).
+ENCODE_BATCH_SECONDS = 240.0
 
 
 def _hubert_config(cfg: HiggsAudioV2TokenizerConfig):
@@ -47,7 +51,7 @@ class Codec(nn.Module):
         self.acoustic_encoder = DacEncoder(cfg.acoustic_model_config)
         self.acoustic_decoder = build_decoder(cfg.acoustic_model_config)
         self.encoder_semantic = SemanticEncoder(cfg)
-        self.semantic_model = AutoModel.from_config(_hubert_config(cfg)).eval()
+        self.semantic_model = length_aware_hubert(AutoModel.from_config(_hubert_config(cfg)).eval())
         self.fc = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.fc2 = nn.Linear(cfg.hidden_size, cfg.acoustic_model_config.hidden_size)
         self.quantizer = ResidualVectorQuantizer(cfg)
@@ -88,11 +92,23 @@ class Codec(nn.Module):
         """Mono float clips [T] at sample_rate -> codes [num_codebooks, F] (int64, on the codec's device).
 
         F is the number of HuBERT frames at the codec rate (T / hop for T a multiple of hop_length, which
-        is how OmniVoice trims its references)."""
+        is how OmniVoice trims its references). Clips run longest first in right-padded batches of at most
+        ENCODE_BATCH_SECONDS of padded audio; each clip's codes are its codes alone."""
         if not wavs:
             return []
         wavs = self._checked_wavs(wavs)
-        semantic = [semantic_features(self.semantic_model, w, self.config) for w in wavs]
+        budget = ENCODE_BATCH_SECONDS * self.sample_rate
+        order = sorted(range(len(wavs)), key=lambda i: -wavs[i].shape[-1])
+        codes: list[torch.Tensor | None] = [None] * len(wavs)
+        while order:
+            size = max(1, int(budget // wavs[order[0]].shape[-1]))  # clips of the longest one's length
+            group, order = order[:size], order[size:]
+            for i, c in zip(group, self._encode_batch([wavs[i] for i in group])):
+                codes[i] = c
+        return codes
+
+    def _encode_batch(self, wavs: list[torch.Tensor]) -> list[torch.Tensor]:
+        semantic = semantic_features(self.semantic_model, wavs, self.config)
         e_semantic, frames = self.encoder_semantic(
             pad_stack([s.t() for s in semantic]), [s.shape[0] for s in semantic]
         )

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import HiggsAudioV2TokenizerConfig, HubertModel
 
-from engine.codec.lengths import masked_conv
+from engine.codec.lengths import conv_output_lengths, masked_conv, pad_stack
 from engine.resample import resample
 
 # transformers pads the 16 kHz signal by 160 samples (half of HuBERT's 320-sample hop) on both sides.
@@ -64,16 +64,62 @@ class SemanticEncoder(nn.Module):
         return x, lengths
 
 
-def semantic_features(
-    hubert: HubertModel, wav: torch.Tensor, cfg: HiggsAudioV2TokenizerConfig
-) -> torch.Tensor:
-    """One clip [T] at cfg.sample_rate -> HuBERT features [F, hidden] at the codec frame rate.
+class LengthAwareGroupNorm(nn.GroupNorm):
+    """HuBERT's first-layer GroupNorm (statistics over time) taking each item's statistics over its own
+    frames while `lengths` is set, so that a right-padded batch normalises each clip as it would alone.
+    Frames past an item's length keep whatever they held: the valid (unpadded) convolutions after it never
+    read them into a valid frame."""
 
-    Runs one clip at a time: HuBERT's first conv layer group-normalises over the whole time axis and its
-    attention spans every position, so zero padding would change the features of shorter clips.
+    lengths: list[int] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lengths is None:
+            return super().forward(x)
+        out = x.clone()
+        for i, n in enumerate(self.lengths):
+            out[i, :, :n] = super().forward(x[i : i + 1, :, :n])[0]
+        return out
+
+
+def length_aware_hubert(hubert: HubertModel) -> HubertModel:
+    """Swap the first conv layer's GroupNorm for a LengthAwareGroupNorm (same parameters and names)."""
+    first = hubert.feature_extractor.conv_layers[0]
+    norm = getattr(first, "layer_norm", None)
+    if type(norm) is nn.GroupNorm:  # feat_extract_norm "group"; "layer" normalises each frame alone
+        aware = LengthAwareGroupNorm(norm.num_groups, norm.num_channels, norm.eps, norm.affine)
+        aware.weight, aware.bias = norm.weight, norm.bias
+        first.layer_norm = aware
+    return hubert
+
+
+def semantic_features(
+    hubert: HubertModel, wavs: list[torch.Tensor], cfg: HiggsAudioV2TokenizerConfig
+) -> list[torch.Tensor]:
+    """Clips [T] at cfg.sample_rate -> each one's HuBERT features [F, hidden] at the codec frame rate.
+
+    One right-padded batch: attention masks the padding, HuBERT zeroes padded frames before its
+    positional convolution, and the first GroupNorm (length_aware_hubert) takes each clip's statistics
+    over its own frames, so each clip's features are its features alone up to summation order.
     """
-    x = resample(wav, cfg.sample_rate, cfg.semantic_sample_rate)
-    x = F.pad(x, (HUBERT_EDGE_PAD, HUBERT_EDGE_PAD))[None]
-    hidden_states = hubert(x, output_hidden_states=True).hidden_states
-    features = torch.stack(hidden_states, dim=1).mean(dim=1)[0]
-    return features[:: max(cfg.semantic_downsample_factor, 1)]
+    signals = [
+        F.pad(resample(w, cfg.sample_rate, cfg.semantic_sample_rate), (HUBERT_EDGE_PAD,) * 2) for w in wavs
+    ]
+    samples = [x.shape[-1] for x in signals]
+    batch = pad_stack(signals)
+    mask = (
+        torch.arange(batch.shape[-1], device=batch.device)
+        < torch.tensor(samples, device=batch.device)[:, None]
+    )
+    conv = hubert.feature_extractor.conv_layers[0].conv
+    norm = hubert.feature_extractor.conv_layers[0].layer_norm
+    if isinstance(norm, LengthAwareGroupNorm):
+        norm.lengths = conv_output_lengths(conv, samples)
+    try:
+        hidden_states = hubert(batch, attention_mask=mask.long(), output_hidden_states=True).hidden_states
+    finally:
+        if isinstance(norm, LengthAwareGroupNorm):
+            norm.lengths = None
+    features = torch.stack(hidden_states, dim=1).mean(dim=1)  # [B, frames, hidden]
+    frames = hubert._get_feat_extract_output_lengths(torch.tensor(samples)).tolist()
+    step = max(cfg.semantic_downsample_factor, 1)
+    return [features[i, :f][::step] for i, f in enumerate(frames)]
