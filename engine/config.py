@@ -128,6 +128,8 @@ class GenerationConfig:
 
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "w4a4")
+
+
 @dataclass
 class FastPaths:
     """Switches for the engine's fast paths, fixed when a model is loaded (engine/loading.py). All on by

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.config import GenerationConfig
+from engine.kernels.heads import fused_guided_argmax
 
 TOP_CLASS_RATIO = 0.1  # class sampling keeps the top 10% of the audio vocabulary
 
@@ -105,8 +106,10 @@ class BatchDecoder:
         mask_id: int,
         gen: GenerationConfig,
         device: torch.device | str,
+        fused: bool = True,
     ):
-        self.gen, self.mask_id, self.target_lens = gen, mask_id, list(target_lens)
+        """fused: the greedy step's vocabulary work may run in one kernel (engine/kernels/heads.py)."""
+        self.gen, self.mask_id, self.target_lens, self.fused = gen, mask_id, list(target_lens), fused
         n_req, longest = len(target_lens), max(target_lens)
         self.tokens = torch.full((sum(target_lens), num_codebooks), mask_id, dtype=torch.long, device=device)
         self.noise = [RequestNoise(s, t, num_codebooks, gen, device) for s, t in zip(seeds, target_lens)]
@@ -123,14 +126,21 @@ class BatchDecoder:
         self.padded_shape = (n_req, longest, num_codebooks)
 
     def step(self, step: int, cond_logits: Tensor, uncond_logits: Tensor) -> Tensor:
-        """Unmask this step's positions given the target logits [N, C, V]; returns the tokens [N, C]."""
+        """Unmask this step's positions given the target logits [N, C, V] (any float dtype; torch's path
+        computes in float32); returns the tokens [N, C]."""
         gen = self.gen
-        log_probs = guided_log_probs(cond_logits, uncond_logits, gen.guidance_scale, self.mask_id)
-        class_uniforms = None
-        if gen.class_temperature > 0:
-            top = top_class_count(log_probs.shape[-1])
-            class_uniforms = torch.cat([n.class_uniforms(top) for n in self.noise])
-        pred, confidence = predict(log_probs, gen.class_temperature, class_uniforms)
+        kernel = fused_guided_argmax(cond_logits, gen.class_temperature) if self.fused else None
+        if kernel is not None:
+            pred, confidence = kernel(cond_logits, uncond_logits, gen.guidance_scale, self.mask_id)
+        else:
+            log_probs = guided_log_probs(
+                cond_logits.float(), uncond_logits.float(), gen.guidance_scale, self.mask_id
+            )
+            class_uniforms = None
+            if gen.class_temperature > 0:
+                top = top_class_count(log_probs.shape[-1])
+                class_uniforms = torch.cat([n.class_uniforms(top) for n in self.noise])
+            pred, confidence = predict(log_probs, gen.class_temperature, class_uniforms)
         scores = confidence - self.layer_penalty
         if gen.position_temperature > 0:
             scores = scores / gen.position_temperature + gumbel(self.position_uniforms[step])

@@ -101,20 +101,25 @@ class Runner:
 
     def _prepare(self, items: list[GenItem]) -> tuple[PackedBatch, Callable[[PackedBatch], Tensor]]:
         """The device batch the loop updates in place, and the forward pass to run on it (logits at the
-        batch's target rows).
+        batch's target rows, in the heads' dtype).
 
         On CUDA the batch is padded to its bucket layout whether or not graphs are on, so eager and
         graph runs compute on the same shapes and give the same tokens.
         """
         layout = choose_layout(items, self.cfg.buckets) if self.device.type == "cuda" else None
         batch = pack_items(items, self.num_codebooks, self.mask_id, layout).to(self.device)
+        model = self.model
+
+        def eager(b: PackedBatch) -> Tensor:
+            return model.head_logits(model.hidden_states(b), b.target_index)
+
         if not self.use_graphs:
-            return batch, self.model
+            return batch, eager
         if layout is None:
             log.info(
                 "batch of %d tokens exceeds every bucket: running eagerly", sum(map(packed_tokens, items))
             )
-            return batch, self.model
+            return batch, eager
         graphed = self.graphs.get(layout)
         if graphed is None:
             log.info("capturing a CUDA graph for %s", layout)
@@ -123,7 +128,7 @@ class Runner:
             graphed = self.graphs[layout] = GraphedForward(self.model, batch, self._pool)
         # The static buffers with this batch's own target rows (which the graph does not read).
         static = replace(graphed.load(batch), target_index=batch.target_index)
-        return static, lambda b: self.model.logits(graphed(b), b.target_index)
+        return static, lambda b: model.head_logits(graphed(b), b.target_index)
 
     @torch.inference_mode()
     def capture(self, batches: list[list[tuple[int, int]]]) -> int:
@@ -155,6 +160,7 @@ class Runner:
             self.mask_id,
             gen,
             self.device,
+            fused=self.cfg.fast_paths.fused_kernels,
         )
         for step in range(gen.num_step):
             logits = forward(batch)
