@@ -8,6 +8,7 @@ the model runs eagerly. Both give the same tokens.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -108,11 +109,7 @@ class Runner:
         """
         layout = choose_layout(items, self.cfg.buckets) if self.device.type == "cuda" else None
         batch = pack_items(items, self.num_codebooks, self.mask_id, layout).to(self.device)
-        model = self.model
-
-        def eager(b: PackedBatch) -> Tensor:
-            return model.head_logits(model.hidden_states(b), b.target_index)
-
+        eager = functools.partial(self.model, float32=False)
         if not self.use_graphs:
             return batch, eager
         if layout is None:
@@ -128,7 +125,7 @@ class Runner:
             graphed = self.graphs[layout] = GraphedForward(self.model, batch, self._pool)
         # The static buffers with this batch's own target rows (which the graph does not read).
         static = replace(graphed.load(batch), target_index=batch.target_index)
-        return static, lambda b: model.head_logits(graphed(b), b.target_index)
+        return static, lambda b: self.model.head_logits(graphed(b), b.target_index)
 
     @torch.inference_mode()
     def capture(self, batches: list[list[tuple[int, int]]]) -> int:

@@ -152,9 +152,10 @@ class OmniVoiceModel(nn.Module):
         audio = self.audio_embeddings(input_ids * audio_mask[None, :] + offsets[:, None]).sum(dim=0)
         return torch.where(audio_mask[:, None], audio, text)
 
-    def forward(self, batch: PackedBatch) -> Tensor:
-        """Logits [n_target, C, audio_vocab] in float32 at `batch.target_index`."""
-        return self.logits(self.hidden_states(batch), batch.target_index)
+    def forward(self, batch: PackedBatch, float32: bool = True) -> Tensor:
+        """Logits [n_target, C, audio_vocab] at `batch.target_index`, in float32 or the heads' dtype."""
+        logits = self.head_logits(self.hidden_states(batch), batch.target_index)
+        return logits.float() if float32 else logits
 
     def hidden_states(self, batch: PackedBatch) -> Tensor:
         """[T, H]: every position after the last layer (before the final norm); no use of target_index."""
