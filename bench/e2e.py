@@ -138,7 +138,7 @@ def engine_entry(precision: str, manifest: Path, warmup: Path, settings: list[st
         by_id = {r.id: r for r in rows}
         for shard in plan.shards:
             requests = [RequestRow.of(by_id[p.id], p) for p in shard.rows]
-            yield from pack_batches(requests, cfg.engine.max_batch_tokens)
+            yield from pack_batches(requests, cfg.engine_config(cfg.variant_names()[0]))
 
     for batch in batches_of(warmup):
         engine.synthesize([synth_request(r) for r in batch])

@@ -25,8 +25,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from engine.config import EngineConfig
 from engine.errors import InputError, OVBatchError
-from engine.generate.batching import even_batches
+from engine.generate.batching import bucket_batches
 from pipeline.atomic import write_wav_atomic
 from pipeline.config import JobConfig
 from pipeline.manifest import ManifestRow
@@ -110,10 +111,13 @@ def synth_request(row: ManifestRow) -> Any:
     )
 
 
-def pack_batches(rows: list[RequestRow], max_batch_tokens: int) -> list[list[RequestRow]]:
-    """Longest first, cut into the fewest batches that fit, of about equal tokens (even_batches)."""
+def pack_batches(rows: list[RequestRow], engine_cfg: EngineConfig) -> list[list[RequestRow]]:
+    """A shard's rows in batches within the engine's max_batch_tokens that fill its graph buckets
+    (bucket_batches), each longest row first."""
     longest_first = sorted(rows, key=lambda r: -r.packed_tokens)
-    return even_batches(longest_first, lambda r: r.packed_tokens, max_batch_tokens)
+    return bucket_batches(
+        longest_first, lambda r: r.packed_tokens, engine_cfg.max_batch_tokens, engine_cfg.buckets
+    )
 
 
 @dataclass
@@ -173,26 +177,25 @@ class ShardRunner:
             capture = getattr(self.engine(variant), "capture", None)
             if capture is None:
                 continue
-            max_tokens = self.cfg.engine_config(variant).max_batch_tokens
+            engine_cfg = self.cfg.engine_config(variant)
             shapes = [
                 [(r.packed_tokens, r.target_frames) for r in batch]
                 for task in tasks
                 if task.variant == variant
-                for batch in pack_batches(task.rows, max_tokens)
+                for batch in pack_batches(task.rows, engine_cfg)
             ]
             graphs += capture(shapes)
         return {"graphs": graphs, "capture_seconds": round(time.perf_counter() - start, 3)}
 
     def run_shard(self, task: ShardTask, on_batch: BatchCallback | None = None) -> list[ResultRow]:
         engine = self.engine(task.variant)
-        max_tokens = self.cfg.engine_config(task.variant).max_batch_tokens
         results: list[ResultRow] = []
         pending: deque[Future] = deque()  # writer jobs, oldest first
 
         def take_oldest() -> None:  # reported here, on the thread that called run_shard
             results.extend(_reported(pending.popleft().result(), task, on_batch))
 
-        batches = pack_batches(task.rows, max_tokens)
+        batches = pack_batches(task.rows, self.cfg.engine_config(task.variant))
         preloading = self._preload(engine, batches[:1])
         try:
             for i, batch in enumerate(batches):

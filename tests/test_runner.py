@@ -8,7 +8,7 @@ from dense_reference import dense_generate
 
 from engine.config import EngineConfig, GenerationConfig
 from engine.errors import InputError
-from engine.generate.batching import even_batches, greedy_batches
+from engine.generate.batching import BATCH_COST_TOKENS, bucket_batches, even_batches, greedy_batches
 from engine.generate.decoding import unmask_schedule
 from engine.generate.loop import GenItem, GraphedForward, Runner, choose_layout
 from engine.generate.packing import pack_items, packed_tokens
@@ -57,6 +57,50 @@ def test_even_batches_leave_no_small_tail_and_need_no_more_batches():
         assert len(even) == len(greedy) and [i for b in even for i in b] == items
         assert all(sum(b) <= budget or len(b) == 1 for b in even)
         assert min(map(sum, even)) >= min(map(sum, greedy))
+
+
+BUCKETS = (512, 1024, 2048, 4096, 8192, 16384, 24576, 32768)
+
+
+def bucket_cost(batches, buckets=BUCKETS):
+    """What the batches cost as they run: each at its graph bucket's size (its own size where none holds
+    it: it runs eagerly), plus the batch cost."""
+    return sum(
+        next((b for b in buckets if b >= sum(batch)), sum(batch)) + BATCH_COST_TOKENS for batch in batches
+    )
+
+
+def test_bucket_batches_fill_their_buckets():
+    """40,000 tokens under a 32,768 budget: even halves of 20,000 run as two 24,576 buckets (49,152);
+    filling a 32,768 and an 8,192 bucket runs 40,960."""
+    sizes = [500] * 80
+    even, filled = even_batches(sizes, int, 32768), bucket_batches(sizes, int, 32768, BUCKETS)
+    assert sorted(map(sum, even)) == [20000, 20000]
+    assert sorted(map(sum, filled)) == [8000, 32000] and bucket_cost(filled) < bucket_cost(even)
+
+
+def test_bucket_batches_hold_every_item_once_within_budget_and_never_cost_more_than_even():
+    g = torch.Generator().manual_seed(5)
+    cheaper = 0
+    for _ in range(300):
+        items = torch.randint(
+            200, 3000, (int(torch.randint(1, 200, (1,), generator=g)),), generator=g
+        ).tolist()
+        budget = int(torch.randint(4096, 40000, (1,), generator=g))
+        buckets = [b for b in BUCKETS if b <= max(budget, 4096)]
+        filled = bucket_batches(items, int, budget, buckets)
+        assert sorted(i for b in filled for i in b) == sorted(items)
+        assert all(sum(b) <= budget or len(b) == 1 for b in filled)
+        if max(items) <= max(b for b in buckets if b <= budget):
+            even = bucket_cost(even_batches(items, int, budget), buckets)
+            assert bucket_cost(filled, buckets) <= even
+            cheaper += bucket_cost(filled, buckets) < even
+    assert cheaper >= 80, cheaper  # filled batches are taken in about a third of these cases
+
+
+def test_bucket_batches_keep_even_batches_where_an_item_fits_no_bucket():
+    sizes = [5000, 3000, 3000]
+    assert bucket_batches(sizes, int, 6000, (1024, 4096)) == even_batches(sizes, int, 6000)
 
 
 def test_packed_tokens_counts_cond_and_uncond():
