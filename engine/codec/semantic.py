@@ -106,19 +106,20 @@ def semantic_features(
     ]
     samples = [x.shape[-1] for x in signals]
     batch = pad_stack(signals)
-    mask = (
-        torch.arange(batch.shape[-1], device=batch.device)
-        < torch.tensor(samples, device=batch.device)[:, None]
-    )
-    conv = hubert.feature_extractor.conv_layers[0].conv
-    norm = hubert.feature_extractor.conv_layers[0].layer_norm
-    if isinstance(norm, LengthAwareGroupNorm):
-        norm.lengths = conv_output_lengths(conv, samples)
+    padded = min(samples) < batch.shape[-1]  # clips of one length need no mask (nor its slower attention)
+    first = hubert.feature_extractor.conv_layers[0]
+    aware = padded and isinstance(getattr(first, "layer_norm", None), LengthAwareGroupNorm)
+    if aware:
+        first.layer_norm.lengths = conv_output_lengths(first.conv, samples)
     try:
-        hidden_states = hubert(batch, attention_mask=mask.long(), output_hidden_states=True).hidden_states
+        attention_mask = None
+        if padded:
+            limits = torch.tensor(samples, device=batch.device)[:, None]
+            attention_mask = (torch.arange(batch.shape[-1], device=batch.device) < limits).long()
+        hidden_states = hubert(batch, attention_mask=attention_mask, output_hidden_states=True).hidden_states
     finally:
-        if isinstance(norm, LengthAwareGroupNorm):
-            norm.lengths = None
+        if aware:
+            first.layer_norm.lengths = None
     features = torch.stack(hidden_states, dim=1).mean(dim=1)  # [B, frames, hidden]
     frames = hubert._get_feat_extract_output_lengths(torch.tensor(samples)).tolist()
     step = max(cfg.semantic_downsample_factor, 1)
