@@ -62,7 +62,7 @@ def even_batches(items: Sequence[T], tokens: Callable[[T], int], budget: int) ->
 
 
 # What one more batch costs beyond its graph bucket, in packed tokens: a step's fixed work (graph launch,
-# heads, decoding kernels: a few tenths of a millisecond against ~2.5 us per packed token in the
+# heads, decoding kernels: a few tenths of a millisecond against 2.4-2.9 us per packed token in the
 # generation benchmark) and the batch's own host work. Another batch is worth it when it saves more
 # padding than this.
 BATCH_COST_TOKENS = 512
@@ -83,7 +83,8 @@ def bucket_batches(
     first, smallest capacity first, each batch within `budget`; even_batches is kept where that costs as
     little (and where an item fits no bucket or the buckets are too fine to search)."""
     even = even_batches(items, tokens, budget)
-    capacities = sorted(b for b in set(buckets) if b <= budget)
+    ordered = sorted(set(buckets))
+    capacities = [b for b in ordered if b <= budget]
     sizes = [tokens(item) for item in items]
     if len(even) < 2 or not capacities or max(sizes) > capacities[-1]:
         return even
@@ -109,13 +110,14 @@ def bucket_batches(
     packed = sorted(([items[i] for i in b] for b in bins if b), key=lambda batch: -sum(map(tokens, batch)))
 
     def cost(batches: list[list[T]]) -> int:
-        return sum(_bucket_size(sum(map(tokens, batch)), capacities) + batch_cost for batch in batches)
+        return sum(_bucket_size(sum(map(tokens, batch)), ordered) + batch_cost for batch in batches)
 
     return packed if cost(packed) < cost(even) else even
 
 
-def _bucket_size(total: int, capacities: list[int]) -> int:
-    return next((c for c in capacities if c >= total), total)
+def _bucket_size(total: int, buckets: list[int]) -> int:
+    """The graph size a batch of `total` tokens runs at (its own size where no bucket holds it: eager)."""
+    return next((b for b in buckets if b >= total), total)
 
 
 def _cheapest_capacities(total: int, capacities: list[int], batch_cost: int) -> list[int] | None:
