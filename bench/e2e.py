@@ -115,6 +115,8 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
         # from the end of planning until the engines were loaded and their graphs captured
         startup_seconds=round(run["ready_seconds"] - run["planning_seconds"], 2),
         capture_seconds=run["capture_seconds"],
+        load_seconds=run.get("load_seconds"),  # the engines' load in the worker (slowest actor)
+        boot_seconds=run.get("boot_seconds"),  # Ray: until the actor's process was up
         graphs=run["graphs"],
         rows_not_ok=len(results) - len(ok),
         engine_x_realtime=outcome.summary["engine_x_realtime"],

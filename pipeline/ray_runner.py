@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections import deque
 from collections.abc import Iterator
@@ -39,6 +40,7 @@ class ShardActor:
     that cannot load fails the actor's start, which stops the job with its message)."""
 
     def __init__(self, job_path: str, cfg: JobConfig, torch_threads: int | None, variants: list[str]):
+        self.started = time.time()  # when Ray had the process up and this module imported
         if torch_threads:
             import torch
 
@@ -47,7 +49,7 @@ class ShardActor:
         self.runner.load_engines(variants)
 
     def capture(self, tasks: list[ShardTask]) -> dict[str, float]:
-        return self.runner.capture(tasks)
+        return {**self.runner.capture(tasks), "started": self.started}
 
     def run_shard(self, task: ShardTask, progress: Any = None) -> list[ResultRow]:
         """progress: the pool's ray.util.queue.Queue for BatchDone reports, or None."""
@@ -132,6 +134,7 @@ class ActorPool:
             self.progress = Queue(actor_options={"num_cpus": 0})  # takes no CPU an actor needs
         self.job_path = job_path
         self.cfg = cfg
+        self.created = time.time()
         cluster = ray.cluster_resources()
         self.groups = actor_groups(cfg, cluster)
         self._check_fits(cluster)
@@ -172,8 +175,9 @@ class ActorPool:
 
     def capture(self, tasks: list[ShardTask]) -> dict[str, float]:
         """Every actor captures the graphs its variants' shards will replay, before any shard runs: graphs
-        captured (all actors) and the slowest actor's seconds. An actor that cannot start or dies here is
-        left to run(), which reports or replaces it."""
+        captured (all actors), and the slowest actor's seconds of capture, of engine loading and of boot
+        (from the pool's creation until Ray had the actor's process up). An actor that cannot start or
+        dies here is left to run(), which reports or replaces it."""
         import ray
 
         refs = []
@@ -190,6 +194,8 @@ class ActorPool:
         return {
             "graphs": sum(r["graphs"] for r in reports),
             "capture_seconds": max((r["capture_seconds"] for r in reports), default=0.0),
+            "load_seconds": max((r["load_seconds"] for r in reports), default=0.0),
+            "boot_seconds": round(max((r["started"] - self.created for r in reports), default=0.0), 3),
         }
 
     def run(self, tasks: list[ShardTask]) -> Iterator[tuple[ShardTask, list[ResultRow]]]:

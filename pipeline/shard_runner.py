@@ -153,6 +153,7 @@ class ShardRunner:
         self.cfg = cfg
         self.factory = load_factory(cfg.engine_factory)
         self.engines: dict[str, Any] = {}  # variant -> its engine
+        self.load_seconds = 0.0  # spent in load_engines
         self.host = socket.gethostname()
         self.worker = f"{self.host}:{os.getpid()}"
         self.writers = ThreadPoolExecutor(cfg.writer_threads, thread_name_prefix="ovbatch-writer")
@@ -165,12 +166,14 @@ class ShardRunner:
 
     def load_engines(self, variants: list[str]) -> None:
         """Load the variants' engines now (before the first shard comes)."""
+        start = time.perf_counter()
         for variant in variants:
             self.engine(variant)
+        self.load_seconds += time.perf_counter() - start
 
     def capture(self, tasks: list[ShardTask]) -> dict[str, float]:
         """Have each variant's engine capture the CUDA graphs the tasks' batches will replay (engines
-        without capture() skip it): graphs captured and seconds spent."""
+        without capture() skip it): graphs captured, seconds spent, and the seconds load_engines took."""
         start = time.perf_counter()
         graphs = 0
         for variant in sorted({t.variant for t in tasks}):
@@ -185,7 +188,11 @@ class ShardRunner:
                 for batch in pack_batches(task.rows, engine_cfg)
             ]
             graphs += capture(shapes)
-        return {"graphs": graphs, "capture_seconds": round(time.perf_counter() - start, 3)}
+        return {
+            "graphs": graphs,
+            "capture_seconds": round(time.perf_counter() - start, 3),
+            "load_seconds": round(self.load_seconds, 3),
+        }
 
     def run_shard(self, task: ShardTask, on_batch: BatchCallback | None = None) -> list[ResultRow]:
         engine = self.engine(task.variant)

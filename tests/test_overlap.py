@@ -184,6 +184,7 @@ def test_the_engines_capture_the_batches_of_the_run_before_its_first_shard(tmp_p
     assert sorted(StagedEngine.batches) == [[t] for t in texts]
     (run,) = outcome.summary["runs"]
     assert run["graphs"] == 1 and run["capture_seconds"] >= 0 and run["ready_seconds"] > 0
+    assert 0 <= run["load_seconds"] <= run["ready_seconds"]  # the engines loaded before the run was ready
     assert "capture" in outcome.summary["time"]
 
 
