@@ -48,16 +48,14 @@ TEXTS = (
 )
 
 
-def full_size_checkpoint(out: Path) -> Path:
-    """OmniVoice's real dimensions with seeded random weights (model and codec), tiny tokenizer."""
+def full_size_configs(out: Path) -> Path:
+    """OmniVoice's real configs (model and codec) and the tiny tokenizer, no weights: what a planner
+    reads of a full-size checkpoint."""
     tiny = ensure_tiny_checkpoint()
     out.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny / name, out / name)
-    cfg = ModelConfig()
-    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    weights = {k: v.to(torch.bfloat16) for k, v in tiny_state_dict(cfg).items()}
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(ModelConfig().to_dict(), indent=2) + "\n")
     codec_dir = out / "audio_tokenizer"
     codec_dir.mkdir(exist_ok=True)
     (codec_dir / "config.json").write_text(json.dumps(OMNIVOICE_CODEC_CONFIG, indent=2) + "\n")
@@ -65,6 +63,16 @@ def full_size_checkpoint(out: Path) -> Path:
     (codec_dir / "preprocessor_config.json").write_text(
         json.dumps(preprocessor_config(codec_cfg.hop_length, codec_cfg.sample_rate), indent=2) + "\n"
     )
+    return out
+
+
+def full_size_checkpoint(out: Path) -> Path:
+    """OmniVoice's real dimensions with seeded random weights (model and codec), tiny tokenizer."""
+    full_size_configs(out)
+    weights = {k: v.to(torch.bfloat16) for k, v in tiny_state_dict(ModelConfig()).items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    codec_dir = out / "audio_tokenizer"
+    codec_cfg = read_codec_config(codec_dir / "config.json")
     torch.manual_seed(0)
     save_file(random_codec_weights(Codec(codec_cfg), codec_cfg), str(codec_dir / "model.safetensors"))
     return out

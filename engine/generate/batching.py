@@ -61,10 +61,10 @@ def even_batches(items: Sequence[T], tokens: Callable[[T], int], budget: int) ->
     return greedy if len(runs) > len(greedy) or smallest(runs) < smallest(greedy) else runs
 
 
-# What one more batch costs beyond its graph bucket, in packed tokens: a step's fixed work (graph launch,
-# heads, decoding kernels: a few tenths of a millisecond against 2.4-2.9 us per packed token in the
-# generation benchmark) and the batch's own host work. Another batch is worth it when it saves more
-# padding than this.
+# What one more batch costs beyond its graph bucket, in packed tokens: an estimate, not a measurement, of
+# a step's fixed work (graph launch, heads, decoding kernels: guessed at a few tenths of a millisecond,
+# against 2.4-2.9 us per packed token in the generation benchmark) and the batch's host work. Another
+# batch is worth it when it saves more padding than this.
 BATCH_COST_TOKENS = 512
 _MAX_DP_STATES = 200_000
 
