@@ -226,7 +226,7 @@ def main() -> None:
     p.add_argument("--work", help="scratch folder (default: a temp dir, removed at the end)")
     args = p.parse_args()
     parts = args.parts.split(",")
-    work = Path(args.work or tempfile.mkdtemp(prefix="ovbatch-e2e-"))
+    work = Path(args.work or tempfile.mkdtemp(prefix="ovbatch-e2e-")).resolve()  # manifests name clips by it
     work.mkdir(parents=True, exist_ok=True)
     try:
         ckpt = work / "ckpt"  # a kept --work holds the checkpoint and manifests of an earlier call

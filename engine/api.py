@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from engine.checkpoint import checkpoint_fingerprint, locate_checkpoint, read_config
 from engine.codec import Codec
@@ -264,11 +265,14 @@ class Engine:
         if not reqs:
             return []
         start = time.perf_counter()
-        prepared = self.prepare_many(reqs)
+        with record_function("ovbatch.prepare"):
+            prepared = self.prepare_many(reqs)
         t0 = time.perf_counter()
-        tokens, work = self._generate_tokens(prepared)
+        with record_function("ovbatch.generate"):
+            tokens, work = self._generate_tokens(prepared)
         t1 = time.perf_counter()
-        audio = self._decode([t for per_request in tokens for t in per_request])
+        with record_function("ovbatch.decode"):
+            audio = self._decode([t for per_request in tokens for t in per_request])
         t2 = time.perf_counter()
         timings = {"prepare": t0 - start, "generate": t1 - t0, "decode": t2 - t1}
         decoded = iter(audio)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -281,28 +282,31 @@ class Progress:
     """The run's bar: rows, with the seconds of audio made beside them. It moves per finished batch as the
     executor reports batches, and at shard end adds only what the shard's batches did not report. A
     shard run again after its actor died counts its rows once: the bar shows, per shard, the most any
-    one attempt reported."""
+    one attempt reported. Thread-safe: local shards report from their own threads."""
 
     def __init__(self, bar: Any):
         self.bar = bar
+        self.lock = threading.Lock()
         self.audio_seconds = 0.0
         self.reported: dict[int, dict[int, tuple[int, float]]] = {}  # shard -> attempt -> (rows, audio s)
         self.finished: set[int] = set()
 
     def batch(self, done: BatchDone) -> None:
-        if done.shard in self.finished:  # from an actor taken for dead whose shard has ended without it
-            return
-        attempts = self.reported.setdefault(done.shard, {})
-        before = _most(attempts)
-        rows, audio = attempts.get(done.attempt, (0, 0.0))
-        attempts[done.attempt] = (rows + done.rows, audio + done.audio_seconds)
-        after = _most(attempts)
-        self._advance(after[0] - before[0], after[1] - before[1])
+        with self.lock:
+            if done.shard in self.finished:  # from an actor taken for dead whose shard has ended without it
+                return
+            attempts = self.reported.setdefault(done.shard, {})
+            before = _most(attempts)
+            rows, audio = attempts.get(done.attempt, (0, 0.0))
+            attempts[done.attempt] = (rows + done.rows, audio + done.audio_seconds)
+            after = _most(attempts)
+            self._advance(after[0] - before[0], after[1] - before[1])
 
     def shard_done(self, shard: int, rows: int, audio_seconds: float) -> None:
-        counted_rows, counted_audio = _most(self.reported.pop(shard, {}))
-        self.finished.add(shard)
-        self._advance(rows - counted_rows, audio_seconds - counted_audio)
+        with self.lock:
+            counted_rows, counted_audio = _most(self.reported.pop(shard, {}))
+            self.finished.add(shard)
+            self._advance(rows - counted_rows, audio_seconds - counted_audio)
 
     def _advance(self, rows: int, audio_seconds: float) -> None:
         self.audio_seconds += audio_seconds

@@ -3,10 +3,11 @@
 of the variants: a variant on the CPU (device cpu, or auto where the cluster has no GPU) runs on CPU
 actors, any other on GPU actors (one GPU each by default), so an A/B job may hold both kinds.
 
-An actor that dies (process killed, node lost) costs an attempt to the shard it was running (calls run in
-submission order, so that is its oldest call); shards merely queued behind it go back to the queue as
-they were. The dead actor is replaced when there is work for it. A shard out of attempts comes back with
-every row failed.
+An actor runs SHARDS_IN_FLIGHT calls at once (pipeline.shard_runner: one generates while the other waits
+for its writes or for the device). An actor that dies (process killed, node lost) costs an attempt to its
+oldest call (calls start in submission order); the shards behind it go back to the queue as they were.
+The dead actor is replaced when there is work for it. A shard out of attempts comes back with every row
+failed.
 
 Progress: with an on_batch callback, actors put each finished batch (BatchDone) on a Ray queue, which the
 driver drains between waits (every PROGRESS_POLL_S) and always before it hands on a finished shard, so
@@ -28,7 +29,7 @@ from engine.errors import OVBatchError
 from pipeline.config import JobConfig
 from pipeline.messages import first_line
 from pipeline.rows import ResultRow
-from pipeline.shard_runner import BatchCallback, ShardRunner, ShardTask
+from pipeline.shard_runner import SHARDS_IN_FLIGHT, BatchCallback, ShardRunner, ShardTask
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ class ActorPool:
         name = f"{self.prefix}-actor-{self.spawned}"
         self.spawned += 1
         threads = None if group.gpu else max(1, int(self.cfg.ray.cpus_per_actor))
-        actor = self.actor_cls.options(name=name, **group.resources).remote(
+        actor = self.actor_cls.options(name=name, max_concurrency=SHARDS_IN_FLIGHT, **group.resources).remote(
             self.job_path, self.cfg, threads, group.variants
         )
         return _Slot(actor, name, group)

@@ -3,7 +3,9 @@
 The same ShardRunner serves local mode (in this process) and each Ray actor (pipeline.ray_runner). The
 engine's device waits for as little host work as it can: while a batch generates, a preload thread
 prepares the next batch's reference clips (Engine.preload) and writer threads post-process and write the
-batches before it (each Engine.generate output's finish()).
+batches before it (each Engine.generate output's finish()). A worker holds SHARDS_IN_FLIGHT shards at once,
+one generating at a time: the next shard's first clips are prepared while the one before generates, and it
+generates while the one before waits for its last writes.
 A batch that raises is split in halves and each half retried, down to single rows, so one bad row
 fails alone and a CUDA out-of-memory error retries smaller batches. A row's synth_seconds is its share
 of its batch's wall time in proportion to its token work (packed tokens x decoding steps). Each batch that
@@ -16,10 +18,13 @@ import importlib
 import logging
 import os
 import socket
+import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,6 +43,12 @@ from pipeline.tokens import write_tokens
 log = logging.getLogger(__name__)
 
 MAX_ERROR_CHARS = 2000
+# Shards a worker runs at once: one generating, the other waiting for its writes or for the device.
+SHARDS_IN_FLIGHT = 2
+
+
+class Stopped(Exception):
+    """A shard stopped between batches because its run ended (ShardRunner.stop)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,13 @@ def _release_cuda_cache() -> None:
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _traced(name: str):
+    """A torch.profiler range named `name` (bench/profile_job.py reads them) once torch is imported (the
+    engine imports it), else nothing."""
+    torch = sys.modules.get("torch")
+    return torch.profiler.record_function(name) if torch is not None else nullcontext()
 
 
 def _now() -> str:
@@ -146,7 +164,9 @@ class ShardRunner:
     next batch's clips, and writer threads post-process and write the rows of the batches before, at most
     2 x writer_threads batches behind. A batch is reported
     (on_batch) once its rows are written and the engine has finished the batch after it; a shard returns
-    once every one of its rows is written (or settled as failed or rejected)."""
+    once every one of its rows is written (or settled as failed or rejected). run_shard may be called from
+    several threads (SHARDS_IN_FLIGHT): one shard at a time generates; another prepares its first batch's
+    clips or waits for its writes meanwhile."""
 
     def __init__(self, job_path: str | Path, cfg: JobConfig):
         self.job = JobDir(job_path)
@@ -158,6 +178,8 @@ class ShardRunner:
         self.worker = f"{self.host}:{os.getpid()}"
         self.writers = ThreadPoolExecutor(cfg.writer_threads, thread_name_prefix="ovbatch-writer")
         self.preloader = ThreadPoolExecutor(1, thread_name_prefix="ovbatch-preload")
+        self.generating = threading.Lock()  # held by the shard whose batches are on the device
+        self.stopping = threading.Event()  # set: running shards stop before their next batch
 
     def engine(self, variant: str) -> Any:
         if variant not in self.engines:
@@ -203,18 +225,28 @@ class ShardRunner:
             results.extend(_reported(pending.popleft().result(), task, on_batch))
 
         batches = pack_batches(task.rows, self.cfg.engine_config(task.variant))
-        preloading = self._preload(engine, batches[:1])
+        preloading = self._preload(engine, batches[:1])  # while the shard before generates
         try:
-            for i, batch in enumerate(batches):
-                wait([preloading])  # this batch's clips; the next batch's are prepared while it generates
-                preloading = self._preload(engine, batches[i + 1 : i + 2])
-                for part in self._generate(engine, task, batch):
-                    pending.append(self.writers.submit(self._settle, engine, task, part))
-                while pending and pending[0].done():
-                    take_oldest()
-                while len(pending) > 2 * self.cfg.writer_threads:
-                    take_oldest()
-            while pending:
+            with _traced("ovbatch.wait_device"):
+                self.generating.acquire()
+            try:
+                with _traced("ovbatch.shard_on_device"):
+                    for i, batch in enumerate(batches):
+                        if self.stopping.is_set():
+                            raise Stopped(f"shard {task.index} stopped before batch {i + 1}")
+                        with _traced("ovbatch.wait_preload"):
+                            wait([preloading])  # this batch's clips; the next ones are prepared meanwhile
+                        preloading = self._preload(engine, batches[i + 1 : i + 2])
+                        for part in self._generate(engine, task, batch):
+                            pending.append(self.writers.submit(self._settle, engine, task, part))
+                        while pending and pending[0].done():
+                            take_oldest()
+                        with _traced("ovbatch.wait_writers"):
+                            while len(pending) > 2 * self.cfg.writer_threads:
+                                take_oldest()
+            finally:
+                self.generating.release()
+            while pending:  # the next shard generates meanwhile
                 take_oldest()
         finally:
             wait([*pending, preloading])  # no writer outlives its shard, even one that stopped on an error
@@ -229,7 +261,8 @@ class ShardRunner:
         def run() -> None:
             try:
                 if preload is not None and reqs:
-                    preload(reqs)
+                    with _traced("ovbatch.preload"):
+                        preload(reqs)
             except Exception as e:  # noqa: BLE001 - generate() prepares what preload could not
                 log.debug("preload failed: %s", e)
 
@@ -284,6 +317,10 @@ class ShardRunner:
         """On a writer thread: post-process the part's outputs and write their wavs (and tokens)."""
         if part.settled is not None:
             return part.settled
+        with _traced("ovbatch.settle"):
+            return self._write_part(engine, task, part)
+
+    def _write_part(self, engine: Any, task: ShardTask, part: _Part) -> list[ResultRow]:
         rows, batch = part.rows, len(part.rows)
         work = [max(int(o.token_work), 0) for o in part.outputs]
         total = sum(work)
@@ -359,6 +396,22 @@ def _gpu_name(engine: Any) -> str:
 def run_local(
     runner: ShardRunner, tasks: list[ShardTask], on_batch: BatchCallback | None = None
 ) -> Iterator[tuple[ShardTask, list[ResultRow]]]:
-    """Local mode: the same shard runner, in this process, one shard after another."""
-    for task in tasks:
-        yield task, runner.run_shard(task, on_batch)
+    """Local mode: the same shard runner in this process, SHARDS_IN_FLIGHT shards at once on their own
+    threads (on_batch is called from them); results in task order. When the caller stops early (an error,
+    Ctrl-C), the shards still running stop before their next batch."""
+    running: deque[tuple[ShardTask, Future]] = deque()
+    with ThreadPoolExecutor(SHARDS_IN_FLIGHT, thread_name_prefix="ovbatch-shard") as pool:
+        try:
+            for task in tasks:
+                running.append((task, pool.submit(runner.run_shard, task, on_batch)))
+                if len(running) == SHARDS_IN_FLIGHT:
+                    task, done = running.popleft()
+                    yield task, done.result()
+            while running:
+                task, done = running.popleft()
+                yield task, done.result()
+        finally:
+            if running:
+                runner.stopping.set()
+                wait([done for _, done in running])
+                runner.stopping.clear()

@@ -216,3 +216,39 @@ def test_each_batch_is_preloaded_once_before_it_generates(tmp_path: Path):
         assert PreloadingEngine.events.index(("preloaded", batch)) < PreloadingEngine.events.index(
             ("generate", batch)
         )
+
+
+def test_the_next_shard_generates_while_the_one_before_waits_for_its_writes(tmp_path: Path):
+    from pipeline.shard_runner import run_local
+
+    runner = ShardRunner(tmp_path, _cfg(writers=1))
+    rows = _rows(["first shard", "second shard"])
+    tasks = [ShardTask(0, "default", 128, 1, rows[:1]), ShardTask(1, "default", 128, 1, rows[1:])]
+    outcome: dict = {}
+    thread = threading.Thread(target=lambda: outcome.setdefault("r", list(run_local(runner, tasks))))
+    thread.start()
+    deadline = time.monotonic() + 10
+    while len(StagedEngine.batches) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # the gate is shut: shard 0 still waits for its write, and shard 1 has generated meanwhile
+    assert StagedEngine.batches == [["first shard"], ["second shard"]] and not StagedEngine.finished
+    StagedEngine.gate.set()
+    thread.join(timeout=30)
+    assert [(task.index, [r.id for r in results]) for task, results in outcome["r"]] == [
+        (0, ["r00"]),
+        (1, ["r01"]),
+    ]
+
+
+def test_a_local_run_that_stops_early_starts_no_further_shard(tmp_path: Path):
+    from pipeline.shard_runner import run_local
+
+    StagedEngine.gate.set()
+    runner = ShardRunner(tmp_path, _cfg(writers=1))
+    rows = _rows([f"row {i}" for i in range(3)])
+    run = run_local(runner, [ShardTask(i, "default", 128, 1, [row]) for i, row in enumerate(rows)])
+    task, results = next(run)
+    run.close()  # e.g. Ctrl-C in the driver
+    assert task.index == 0 and [r.id for r in results] == ["r00"]
+    assert ["row 2"] not in StagedEngine.batches  # shard 2 never started
+    assert not runner.stopping.is_set()  # the runner can run again

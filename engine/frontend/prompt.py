@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.profiler import record_function
 
 from engine.errors import AudioError, InputError
 from engine.frontend.audio import (
@@ -129,7 +130,8 @@ def build_prompts(
         while usable and (not group or samples + len(refs[usable[0]].audio) <= limit):
             samples += len(refs[usable[0]].audio)
             group.append(usable.pop(0))
-        codes = codec.encode([torch.from_numpy(refs[i].audio) for i in group])
+        with record_function("ovbatch.encode"):
+            codes = codec.encode([torch.from_numpy(refs[i].audio) for i in group])
         for i, tokens in zip(group, codes):
             out[i] = VoicePrompt(
                 tokens=tokens.to("cpu", torch.long), ref_text=clips[i][2], ref_rms=refs[i].rms
@@ -210,13 +212,14 @@ class PromptCache:
                 raws[i] = raw
         if misses:
             made = make_many([(group[0], raws[group[0]], key) for key, group in misses.items()])
-            for (key, group), prompt in zip(misses.items(), made, strict=True):
-                if isinstance(prompt, AudioError):
-                    errors.append(prompt)
-                    continue
-                self._store(key, prompt)
-                for i in group:
-                    found[i] = prompt
+            with record_function("ovbatch.prompt_store"):
+                for (key, group), prompt in zip(misses.items(), made, strict=True):
+                    if isinstance(prompt, AudioError):
+                        errors.append(prompt)
+                        continue
+                    self._store(key, prompt)
+                    for i in group:
+                        found[i] = prompt
         if errors:
             raise errors[0]
         return found

@@ -1,0 +1,191 @@
+"""Where a local job's GPU waits: the shard runner (its preload thread, writer threads and the threads of the
+shards in flight) over distinct-clip rows, under torch.profiler.
+
+bench/e2e.py's full-size checkpoint (random weights), manifest and settings, one variant. After a warm-up
+over the first --warmup-shards shards, the next --shards shards run twice: unprofiled (wall, x realtime)
+and profiled. From the profiled run: the window from the first shard taking the device to the last one
+leaving it, the device's busy time in it (union of kernels, copies and sets), and each idle gap put down to
+the innermost `ovbatch.*` range (pipeline/shard_runner.py, engine/api.py, engine/frontend/prompt.py) open on
+the thread holding the device at the gap's middle ("shard loop" when only the hold itself is open, "no
+shard on the device" between shards). The profiler slows the host, so idle seconds are an upper bound; their split is the point.
+
+    python bench/profile_job.py [--rows 3000] [--shards 4] [--warmup-shards 2] [--precision bf16]
+                                [--work DIR] [--size full|tiny] [--out bench/results/profile-job-h200.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.e2e import SETTINGS  # noqa: E402
+from bench.environment import environment, write_result  # noqa: E402
+from bench.manifests import write_distinct_clip_manifest  # noqa: E402
+from bench.pipeline import full_size_checkpoint  # noqa: E402
+from bench.profile_generate import busy_us  # noqa: E402
+from engine.tiny import ensure_tiny_checkpoint  # noqa: E402
+from pipeline.config import load_job_config  # noqa: E402
+from pipeline.job import plan_job  # noqa: E402
+from pipeline.rows import RequestRow  # noqa: E402
+from pipeline.shard_runner import ShardRunner, ShardTask, run_local  # noqa: E402
+from pipeline.sizing import frontend_sizer  # noqa: E402
+
+ON_DEVICE = "ovbatch.shard_on_device"
+MIN_GAP_US = 20.0  # shorter gaps are kernel launch spacing, not waiting
+
+
+def run(runner: ShardRunner, tasks: list[ShardTask]) -> tuple[float, float]:
+    """(wall seconds, audio seconds) of the tasks through run_local."""
+    start = time.perf_counter()
+    audio = sum(r.audio_seconds or 0.0 for _, results in run_local(runner, tasks) for r in results)
+    return time.perf_counter() - start, audio
+
+
+def idle_split(events) -> dict:
+    """The window the shards held the device, its busy fraction and its idle gaps by open range, from the
+    profiler's kineto events."""
+    from torch.autograd import DeviceType
+
+    device = sorted(
+        (e.start_ns() / 1e3, e.end_ns() / 1e3) for e in events if e.device_type() == DeviceType.CUDA
+    )
+    ranges = [
+        (e.start_thread_id(), e.start_ns() / 1e3, e.end_ns() / 1e3, e.name())
+        for e in events
+        if e.device_type() == DeviceType.CPU and e.name().startswith("ovbatch.")
+    ]
+    holds = [(thread, s, e) for thread, s, e, name in ranges if name == ON_DEVICE]
+    if not holds:
+        return {"skipped": "no shard held the device under the profiler"}
+    start, end = min(s for _, s, _ in holds), max(e for _, _, e in holds)
+    busy = busy_us([(max(s, start), min(e, end)) for s, e in device if e > start and s < end])
+    gaps, cursor = [], start
+    for s, e in device:
+        if s > cursor + MIN_GAP_US and cursor < end:
+            gaps.append((cursor, min(s, end)))
+        cursor = max(cursor, e)
+    if cursor + MIN_GAP_US < end:
+        gaps.append((cursor, end))
+    by_range: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for gap_start, gap_end in gaps:
+        middle = (gap_start + gap_end) / 2
+        holder = next((t for t, s, e in holds if s <= middle < e), None)
+        if holder is None:
+            label = "no shard on the device"
+        else:
+            # innermost: the latest to open, and of those the first to close
+            open_here = [(s, -e, name) for t, s, e, name in ranges if t == holder and s <= middle < e]
+            label = max(open_here)[2] if open_here else "shard loop"
+            label = "shard loop" if label == ON_DEVICE else label
+        by_range[label][0] += gap_end - gap_start
+        by_range[label][1] += 1
+    host: dict[str, float] = defaultdict(float)
+    for _, s, e, name in ranges:
+        host[name] += e - s
+    window = end - start
+    return {
+        "window_s": round(window / 1e6, 3),
+        "busy_fraction": round(busy / window, 4),
+        "idle_s": round((window - busy) / 1e6, 3),
+        "idle_by_range": {
+            k: {"s": round(v[0] / 1e6, 3), "gaps": v[1]}
+            for k, v in sorted(by_range.items(), key=lambda kv: -kv[1][0])
+        },
+        "host_range_s": {k: round(v / 1e6, 3) for k, v in sorted(host.items(), key=lambda kv: -kv[1])},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=3000, help="manifest rows (bench/e2e.py's manifest)")
+    p.add_argument("--shards", type=int, default=4, help="shards run unprofiled, then profiled")
+    p.add_argument("--warmup-shards", type=int, default=2)
+    p.add_argument("--precision", default="bf16")
+    p.add_argument("--size", choices=("full", "tiny"), default="full")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--work", help="scratch folder (bench/e2e.py's --work is reused)")
+    p.add_argument("--out", default="bench/results/profile-job-h200.json")
+    args = p.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="ovbatch-profile-job-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        ckpt = ensure_tiny_checkpoint() if args.size == "tiny" else work / "ckpt"
+        if args.size == "full" and not (ckpt / "audio_tokenizer" / "model.safetensors").is_file():
+            full_size_checkpoint(ckpt)
+        manifest = work / f"m-{args.rows}.parquet"
+        if not manifest.is_file():
+            write_distinct_clip_manifest(manifest, work / f"clips-{args.rows}", args.rows, seed=1)
+        prompts, job_dir = work / "profile-prompts", work / "profile-job"
+        for folder in (prompts, job_dir):
+            shutil.rmtree(folder, ignore_errors=True)  # every clip encoded, as in a fresh job
+        settings = [
+            *SETTINGS[args.size],
+            f"engine.device={args.device}",
+            f"engine.checkpoint={ckpt}",
+            f"engine.precision={args.precision}",
+            f"engine.prompt_cache_dir={prompts}",
+            "local=true",
+            "progress=false",
+        ]
+        cfg = load_job_config(None, settings, {"manifest": str(manifest)})
+        plan, rows = plan_job(cfg, frontend_sizer, clip_dir=None)
+        by_id = {r.id: r for r in rows}
+        tasks = [
+            ShardTask(s.index, s.variant, s.bucket, 1, [RequestRow.of(by_id[p.id], p) for p in s.rows])
+            for s in plan.shards
+        ]
+        warm, timed = args.warmup_shards, args.shards
+        if len(tasks) < warm + 2 * timed:
+            sys.exit(f"--rows {args.rows} plans {len(tasks)} shards; {warm + 2 * timed} are needed.")
+        runner = ShardRunner(job_dir, cfg)
+        runner.load_engines(cfg.variant_names())
+        runner.capture(tasks)
+        run(runner, tasks[:warm])
+        wall, audio = run(runner, tasks[warm : warm + timed])
+        from torch._C._profiler import _ExperimentalConfig
+        from torch.profiler import ProfilerActivity, profile
+
+        every_thread = _ExperimentalConfig(profile_all_threads=True)  # the shards run on their own threads
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=activities, experimental_config=every_thread) as prof:
+            profiled_wall, profiled_audio = run(runner, tasks[warm + timed : warm + 2 * timed])
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        split = idle_split(prof.profiler.kineto_results.events())  # raw events: far quicker than events()
+        report = {
+            "bench": "profile_job",
+            "environment": environment(),
+            "size": args.size,
+            "precision": args.precision,
+            "shards": timed,
+            "unprofiled": {
+                "rows": sum(len(t.rows) for t in tasks[warm : warm + timed]),
+                "wall_s": round(wall, 3),
+                "audio_s": round(audio, 2),
+                "x_realtime": round(audio / wall, 2),
+            },
+            "profiled": {
+                "rows": sum(len(t.rows) for t in tasks[warm + timed : warm + 2 * timed]),
+                "wall_s": round(profiled_wall, 3),
+                "audio_s": round(profiled_audio, 2),
+                **split,
+            },
+        }
+        print(report)
+        write_result(args.out, report)
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

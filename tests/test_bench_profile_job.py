@@ -1,0 +1,67 @@
+"""bench/profile_job.py's idle split on hand-made profiler events: busy time inside the window the shards
+held the device, and each gap put down to the innermost range open on the holding thread."""
+
+from __future__ import annotations
+
+from torch.autograd import DeviceType
+
+from bench.profile_job import ON_DEVICE, idle_split
+
+
+class Event:
+    """The few methods of a kineto event that idle_split reads (times given in microseconds)."""
+
+    def __init__(self, name: str, device: DeviceType, start_us: float, end_us: float, thread: int = 0):
+        self._name, self._device, self._start, self._end, self._thread = name, device, start_us, end_us, thread
+
+    def name(self) -> str:
+        return self._name
+
+    def device_type(self) -> DeviceType:
+        return self._device
+
+    def start_ns(self) -> int:
+        return int(self._start * 1000)
+
+    def end_ns(self) -> int:
+        return int(self._end * 1000)
+
+    def start_thread_id(self) -> int:
+        return self._thread
+
+
+def cpu(name: str, start: float, end: float, thread: int) -> Event:
+    return Event(name, DeviceType.CPU, start, end, thread)
+
+
+def kernel(start: float, end: float) -> Event:
+    return Event("gemm", DeviceType.CUDA, start, end)
+
+
+def test_gaps_go_to_the_innermost_range_of_the_thread_holding_the_device():
+    ms = 1000.0  # event times are in microseconds
+    events = [
+        cpu(ON_DEVICE, 0, 1000 * ms, thread=1),
+        cpu("ovbatch.prepare", 0, 300 * ms, thread=1),  # gap 0-100 ms: preparing
+        cpu("ovbatch.generate", 300 * ms, 900 * ms, thread=1),
+        cpu("ovbatch.wait_device", 0, 1000 * ms, thread=2),  # another shard waits: never the holder
+        cpu("ovbatch.settle", 950 * ms, 1300 * ms, thread=3),  # a writer: not the holder either
+        cpu(ON_DEVICE, 1100 * ms, 1600 * ms, thread=2),  # 900-1100 ms: no shard on the device
+        kernel(100 * ms, 250 * ms),
+        kernel(250 * ms + 10, 900 * ms),  # 10 us after the last one: launch spacing, not idle
+        kernel(1100 * ms, 1550 * ms),  # 1550-1600 ms: the holder's loop, no inner range open
+        cpu("aten::mm", 400 * ms, 500 * ms, thread=1),  # not ours: ignored
+    ]
+    split = idle_split(events)
+    assert split["window_s"] == 1.6
+    assert split["busy_fraction"] == round((150 + 650 + 450) / 1600 - 10e-3 / 1600, 4)
+    assert split["idle_by_range"] == {
+        "no shard on the device": {"s": 0.2, "gaps": 1},
+        "ovbatch.prepare": {"s": 0.1, "gaps": 1},
+        "shard loop": {"s": 0.05, "gaps": 1},
+    }
+    assert split["host_range_s"]["ovbatch.settle"] == 0.35
+
+
+def test_a_profile_without_a_shard_on_the_device_says_so():
+    assert "skipped" in idle_split([kernel(0, 10)])
