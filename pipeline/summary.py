@@ -78,6 +78,8 @@ def _problems(job: JobDir, results: list[dict[str, Any]], status: str) -> dict[s
 
 
 PHASES = ("prepare", "generate", "decode", "postprocess", "write")
+# Phases on writer threads, beside the engine's calls: not part of the engine's time in the wall.
+BESIDE_ENGINE = ("postprocess", "write")
 
 
 def _time_split(runs: list[dict[str, Any]], phases: dict[str, float], wall: float) -> dict[str, float]:
@@ -86,7 +88,7 @@ def _time_split(runs: list[dict[str, Any]], phases: dict[str, float], wall: floa
     worker_start = sum(run.get("worker_start_seconds", 0.0) for run in timed)
     capture = sum(run.get("capture_seconds", 0.0) for run in timed)
     split = {"planning": planning, "worker_start": worker_start, "capture": capture, **phases}
-    split["other"] = wall - sum(split.values())
+    split["other"] = wall - sum(v for k, v in split.items() if k not in BESIDE_ENGINE)
     return {k: round(v, 3) for k, v in split.items()}
 
 
@@ -145,7 +147,8 @@ def summarize(job: JobDir) -> dict[str, Any]:
         # audio per second of engine time (sum of per-row shares of batch time)
         "engine_x_realtime": _rate(audio, synth),
         # where the job's wall time went: planning, then each phase of the rows' batches (summed over the
-        # rows, so over actors when several ran at once), and the rest (start-up, idle, scheduling)
+        # rows, so over actors when several ran at once), and the rest (idle engines, scheduling); the
+        # post-processing and writes run beside the engine's calls and are not subtracted
         "time": _time_split(runs, phases, wall),
         "per_bucket": per_bucket,
         "problems": {status: _problems(job, results, status) for status in ("rejected", "failed")},

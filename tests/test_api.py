@@ -289,3 +289,29 @@ def test_preloaded_clips_give_the_prompts_and_audio_an_unprepared_engine_makes(t
         engine.synthesize([SynthRequest(text="x", ref_audio=broken, ref_text="words")])
     engine.preload(reqs)  # every clip is in the prompt cache now: nothing to prepare
     assert not engine._references
+
+
+def test_decode_calls_take_clips_of_like_length_and_keep_their_order(engine, monkeypatch):
+    from engine.api import DECODE_BATCH_FRAMES, DECODE_CALL_FRAMES
+
+    calls = []
+    original = engine.codec.decode
+
+    def recording(codes):
+        calls.append([c.shape[1] for c in codes])
+        return original(codes)
+
+    monkeypatch.setattr(engine.codec, "decode", recording)
+    rng = np.random.default_rng(0)
+    lengths = [int(n) for n in rng.integers(1, 500, size=40)] + [3]
+    codes = [torch.randint(0, engine.codec.codebook_size, (engine.codec.num_codebooks, n)) for n in lengths]
+    audio = engine._decode(codes)
+    assert [len(a) for a in audio] == [n * engine.codec.hop_length for n in lengths]  # in the given order
+    assert sorted(n for call in calls for n in call) == sorted(lengths)
+    for call in calls:
+        assert call == sorted(call, reverse=True)
+        assert len(call) * call[0] <= DECODE_BATCH_FRAMES and call[0] - call[-1] <= DECODE_CALL_FRAMES
+    assert [call[0] for call in calls] == sorted((call[0] for call in calls), reverse=True)
+    for n, wav in zip(lengths[:3], engine._decode(codes[:3])):  # each clip's audio is its own alone
+        (alone,) = engine._decode([codes[lengths.index(n)]])
+        np.testing.assert_allclose(wav, alone, atol=1e-5)
