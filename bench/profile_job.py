@@ -7,7 +7,8 @@ and profiled. From the profiled run: the window from the first shard taking the 
 leaving it, the device's busy time in it (union of kernels, copies and sets), and each idle gap put down to
 the innermost `ovbatch.*` range (pipeline/shard_runner.py, engine/api.py, engine/frontend/prompt.py) open on
 the thread holding the device at the gap's middle ("shard loop" when only the hold itself is open, "no
-shard on the device" between shards). The profiler slows the host, so idle seconds are an upper bound; their split is the point.
+shard on the device" between shards). The profiler slows the host, so idle seconds are an upper bound;
+their split is the point.
 
     python bench/profile_job.py [--rows 3000] [--shards 4] [--warmup-shards 2] [--precision bf16]
                                 [--work DIR] [--size full|tiny] [--out bench/results/profile-job-h200.json]

@@ -12,7 +12,8 @@ class Event:
     """The few methods of a kineto event that idle_split reads (times given in microseconds)."""
 
     def __init__(self, name: str, device: DeviceType, start_us: float, end_us: float, thread: int = 0):
-        self._name, self._device, self._start, self._end, self._thread = name, device, start_us, end_us, thread
+        self._name, self._device, self._thread = name, device, thread
+        self._start, self._end = start_us, end_us
 
     def name(self) -> str:
         return self._name
