@@ -143,13 +143,19 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: SizerFactory) -> JobOutc
         )
     cfg = resolve_checkpoint_names(cfg)
     manifest = read_manifest(cfg, job.clip_dir)
-    workers = None if _complete(job) else Workers(job, cfg)  # they start up while the rows are sized
-    try:
-        plan, rows = plan_rows(cfg, manifest, make_sizer)
-    except BaseException:
-        if workers is not None:
-            workers.shutdown()
-        raise
+    workers = None
+    with ThreadPoolExecutor(1, thread_name_prefix="ovbatch-plan") as planner:
+        planning = planner.submit(_timed, plan_rows, cfg, manifest, make_sizer)  # while the workers start
+        try:
+            if not _complete(job):
+                workers = Workers(job, cfg)  # Ray's start on this thread; the engines load in the workers
+            (plan, rows), planned_at = planning.result()
+        except BaseException:
+            if workers is not None:
+                workers.shutdown()
+            raise
+    if workers is not None:  # what starting them held the driver up beyond the planning
+        workers.start_seconds = max(0.0, workers.started_at - planned_at)
     kind = "submit"
     if job.exists():
         stored = job.read_plan()
@@ -169,6 +175,11 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: SizerFactory) -> JobOutc
     write_bytes_atomic(job.config_path, to_yaml(cfg).encode())
     todo = [s.index for s in plan.shards if s.index not in job.finished_shards()]
     return execute(job, cfg, plan, todo, kind, t0, workers)
+
+
+def _timed(fn, *args):
+    """(fn(*args), perf_counter when it returned)."""
+    return fn(*args), time.perf_counter()
 
 
 def _complete(job: JobDir) -> bool:
@@ -380,8 +391,9 @@ class BatchRelay:
 
 
 class Workers:
-    """Where shards run: this process (local mode) or Ray actors. Started before planning, so that the
-    engines load (and the actors start) while the driver plans; run() then feeds them the shards."""
+    """Where shards run: this process (local mode) or Ray actors. Started while the driver plans (Ray's
+    start on the driver's main thread, the planning on another), so that the engines load meanwhile; run()
+    then feeds them the shards."""
 
     def __init__(self, job: JobDir, cfg: JobConfig):
         start = time.perf_counter()
@@ -396,7 +408,8 @@ class Workers:
 
             on_batch = self.relay if cfg.progress else None
             self.pool = ActorPool(str(job.path), cfg, started_ray=connect(cfg), on_batch=on_batch)
-        self.start_seconds = time.perf_counter() - start  # Ray's start; the engines load meanwhile
+        self.started_at = time.perf_counter()
+        self.start_seconds = self.started_at - start  # Ray's start; the engines load meanwhile
 
     def ready(self, tasks: list[ShardTask]) -> dict[str, float]:
         """Wait for the engines, then have them capture the CUDA graphs the tasks will replay: graphs
