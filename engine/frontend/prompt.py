@@ -122,7 +122,10 @@ def build_prompts(
             )
         except AudioError as e:
             refs.append(e)
-    usable = [i for i, r in enumerate(refs) if isinstance(r, PreparedReference)]
+    # longest first, so that each encode call's clips (padded to its longest) are of like length
+    usable = sorted(
+        (i for i, r in enumerate(refs) if isinstance(r, PreparedReference)), key=lambda i: -len(refs[i].audio)
+    )
     out: list[VoicePrompt | AudioError] = list(refs)
     limit = ENCODE_BATCH_SECONDS * codec.sample_rate
     while usable:
