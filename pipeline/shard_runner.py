@@ -48,7 +48,7 @@ SHARDS_IN_FLIGHT = 2
 
 
 class Stopped(Exception):
-    """A shard stopped between batches because its run ended (ShardRunner.stop)."""
+    """A shard stopped between batches because its run ended (ShardRunner.stopping)."""
 
 
 @dataclass(frozen=True)
