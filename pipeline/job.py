@@ -29,7 +29,7 @@ from pipeline.config import JobConfig, load_job_config, resolve_checkpoint_names
 from pipeline.messages import first_line
 from pipeline.plan import Plan, RowSize, SizerFactory, make_plan, plan_differences
 from pipeline.rows import RequestRow, ResultRow
-from pipeline.shard_runner import BatchCallback, BatchDone, ShardRunner, ShardTask, run_local
+from pipeline.shard_runner import BatchCallback, BatchDone, ShardRunner, ShardTask, load_factory, run_local
 from pipeline.store import JobDir, JobDirError
 from pipeline.summary import summarize
 
@@ -144,10 +144,16 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: SizerFactory) -> JobOutc
     cfg = resolve_checkpoint_names(cfg)
     manifest = read_manifest(cfg, job.clip_dir)
     workers = None
+    start_workers = not _complete(job)
+    if start_workers and cfg.local:
+        # Imported before the planner's thread starts, which imports some of them too: transformers replaces
+        # itself in sys.modules at the end of its import, and a second thread importing it meanwhile can get
+        # the module it replaced ("cannot import name ... from 'transformers'").
+        load_factory(cfg.engine_factory)
     with ThreadPoolExecutor(1, thread_name_prefix="ovbatch-plan") as planner:
         planning = planner.submit(_timed, plan_rows, cfg, manifest, make_sizer)  # while the workers start
         try:
-            if not _complete(job):
+            if start_workers:
                 workers = Workers(job, cfg)  # Ray's start on this thread; the engines load in the workers
             (plan, rows), planned_at = planning.result()
         except BaseException:
