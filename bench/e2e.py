@@ -45,10 +45,10 @@ from bench.environment import environment, write_result  # noqa: E402
 from bench.manifests import write_distinct_clip_manifest  # noqa: E402
 from bench.pipeline import GpuSampler, full_size_checkpoint  # noqa: E402
 from bench.scaling import rtn_w4a4_checkpoint  # noqa: E402
+from engine.generate.batching import bucket_for  # noqa: E402
 from engine.tiny import ensure_tiny_checkpoint  # noqa: E402
 from pipeline.config import load_job_config  # noqa: E402
 from pipeline.job import submit  # noqa: E402
-from pipeline.plan import bucket_for  # noqa: E402
 from pipeline.sizing import frontend_sizer  # noqa: E402
 
 PARTS = ("official", "engine", "job_local", "job_ray")
@@ -208,6 +208,18 @@ def official_entries(manifest: Path, settings: list[str], limit: int) -> list[di
     return out
 
 
+def checkpoint_and_manifest(work: Path, size: str, rows: int) -> tuple[Path, Path]:
+    """The checkpoint of `size` and the manifest of `rows` distinct-clip rows (seed 1), made in `work`
+    unless an earlier call left them there."""
+    ckpt = ensure_tiny_checkpoint() if size == "tiny" else work / "ckpt"
+    if size == "full" and not (ckpt / "audio_tokenizer" / "model.safetensors").is_file():
+        full_size_checkpoint(ckpt)
+    manifest = work / f"m-{rows}.parquet"
+    if not manifest.is_file():
+        write_distinct_clip_manifest(manifest, work / f"clips-{rows}", rows, seed=1)
+    return ckpt, manifest
+
+
 def merge(out: Path, new: list[dict], meta: dict) -> dict:
     report = json.loads(out.read_text()) if out.is_file() else {"bench": "e2e", "entries": []}
     names = {e["variant"] for e in new}
@@ -231,14 +243,8 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="ovbatch-e2e-")).resolve()  # manifests name clips by it
     work.mkdir(parents=True, exist_ok=True)
     try:
-        ckpt = work / "ckpt"  # a kept --work holds the checkpoint and manifests of an earlier call
-        if args.size == "tiny":
-            ckpt = ensure_tiny_checkpoint()
-        elif not (ckpt / "audio_tokenizer" / "model.safetensors").is_file():
-            full_size_checkpoint(ckpt)
-        manifest, warmup = work / f"m-{args.rows}.parquet", work / "warmup.parquet"
-        if not manifest.is_file():
-            write_distinct_clip_manifest(manifest, work / f"clips-{args.rows}", args.rows, seed=1)
+        ckpt, manifest = checkpoint_and_manifest(work, args.size, args.rows)
+        warmup = work / "warmup.parquet"
         if not warmup.is_file():
             write_distinct_clip_manifest(warmup, work / "warmup-clips", 64, seed=2)
         if args.size == "full":  # a fresh machine builds the CUDA extension once: not in a timed part

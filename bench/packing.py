@@ -22,10 +22,9 @@ from bench.e2e import SETTINGS, padding_fraction  # noqa: E402
 from bench.environment import environment, write_result  # noqa: E402
 from bench.manifests import write_distinct_clip_manifest  # noqa: E402
 from bench.pipeline import full_size_configs  # noqa: E402
-from engine.generate.batching import BATCH_COST_TOKENS, even_batches  # noqa: E402
+from engine.generate.batching import BATCH_COST_TOKENS, bucket_for, even_batches  # noqa: E402
 from pipeline.config import load_job_config  # noqa: E402
 from pipeline.job import plan_job  # noqa: E402
-from pipeline.plan import bucket_for  # noqa: E402
 from pipeline.rows import RequestRow  # noqa: E402
 from pipeline.shard_runner import pack_batches  # noqa: E402
 from pipeline.sizing import frontend_sizer  # noqa: E402

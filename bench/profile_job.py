@@ -28,12 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.e2e import SETTINGS  # noqa: E402
+from bench.e2e import SETTINGS, checkpoint_and_manifest  # noqa: E402
 from bench.environment import environment, write_result  # noqa: E402
-from bench.manifests import write_distinct_clip_manifest  # noqa: E402
-from bench.pipeline import full_size_checkpoint  # noqa: E402
 from bench.profile_generate import busy_us  # noqa: E402
-from engine.tiny import ensure_tiny_checkpoint  # noqa: E402
 from pipeline.config import load_job_config  # noqa: E402
 from pipeline.job import plan_job  # noqa: E402
 from pipeline.rows import RequestRow  # noqa: E402
@@ -119,12 +116,7 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="ovbatch-profile-job-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     try:
-        ckpt = ensure_tiny_checkpoint() if args.size == "tiny" else work / "ckpt"
-        if args.size == "full" and not (ckpt / "audio_tokenizer" / "model.safetensors").is_file():
-            full_size_checkpoint(ckpt)
-        manifest = work / f"m-{args.rows}.parquet"
-        if not manifest.is_file():
-            write_distinct_clip_manifest(manifest, work / f"clips-{args.rows}", args.rows, seed=1)
+        ckpt, manifest = checkpoint_and_manifest(work, args.size, args.rows)
         prompts, job_dir = work / "profile-prompts", work / "profile-job"
         for folder in (prompts, job_dir):
             shutil.rmtree(folder, ignore_errors=True)  # every clip encoded, as in a fresh job

@@ -10,14 +10,13 @@ first, up to `shard_tokens` packed tokens of work.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from engine.generate.batching import greedy_batches
+from engine.generate.batching import bucket_for, greedy_batches
 from pipeline.manifest import ManifestRow, Rejection
 
 PLAN_VERSION = 1
@@ -140,12 +139,6 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{k}"] = v
     return flat
-
-
-def bucket_for(tokens: int, buckets: Sequence[int]) -> int | None:
-    """The smallest bucket that holds `tokens` packed tokens, None when none does."""
-    i = bisect.bisect_left(buckets, tokens)
-    return buckets[i] if i < len(buckets) else None
 
 
 def make_plan(

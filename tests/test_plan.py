@@ -4,8 +4,9 @@ import random
 
 import pytest
 
+from engine.generate.batching import bucket_for
 from pipeline.manifest import ManifestRow, Rejection
-from pipeline.plan import Plan, RowSize, bucket_for, make_plan
+from pipeline.plan import Plan, RowSize, make_plan
 
 BUCKETS = (128, 256, 512, 1024)
 

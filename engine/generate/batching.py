@@ -5,6 +5,7 @@ job). Plain Python (no torch), so a planner imports it cheaply."""
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -110,14 +111,17 @@ def bucket_batches(
     packed = sorted(([items[i] for i in b] for b in bins if b), key=lambda batch: -sum(map(tokens, batch)))
 
     def cost(batches: list[list[T]]) -> int:
-        return sum(_bucket_size(sum(map(tokens, batch)), ordered) + batch_cost for batch in batches)
+        # a batch no bucket holds runs eagerly, at its own size
+        sizes = (sum(map(tokens, batch)) for batch in batches)
+        return sum((bucket_for(size, ordered) or size) + batch_cost for size in sizes)
 
     return packed if cost(packed) < cost(even) else even
 
 
-def _bucket_size(total: int, buckets: list[int]) -> int:
-    """The graph size a batch of `total` tokens runs at (its own size where no bucket holds it: eager)."""
-    return next((b for b in buckets if b >= total), total)
+def bucket_for(tokens: int, buckets: Sequence[int]) -> int | None:
+    """The smallest of the (ascending) buckets that holds `tokens` packed tokens, None when none does."""
+    i = bisect.bisect_left(buckets, tokens)
+    return buckets[i] if i < len(buckets) else None
 
 
 def _cheapest_capacities(total: int, capacities: list[int], batch_cost: int) -> list[int] | None:

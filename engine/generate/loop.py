@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from engine.config import EngineConfig, GenerationConfig
+from engine.generate.batching import bucket_for
 from engine.generate.decoding import BatchDecoder
 from engine.generate.packing import GenItem, PackLayout, check_items, cond_len, pack_items, packed_tokens
 from engine.model import OmniVoiceModel, PackedBatch
@@ -35,10 +36,9 @@ def choose_layout(items: list[GenItem], buckets: tuple[int, ...]) -> PackLayout 
     """The padded layout (graph key) for a batch: the smallest token bucket that holds it, with sequence
     slots and max sequence length rounded up to powers of two; None if no bucket fits."""
     tokens = sum(packed_tokens(item) for item in items)
-    fitting = [b for b in sorted(buckets) if b >= tokens]
-    if not fitting:
+    bucket = bucket_for(tokens, sorted(buckets))
+    if bucket is None:
         return None
-    bucket = fitting[0]
     max_seqlen = min(bucket, _pow2_at_least(max(cond_len(item) for item in items), 64))
     pad_sequences = math.ceil((bucket - tokens) / max_seqlen)
     return PackLayout(

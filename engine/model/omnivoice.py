@@ -162,11 +162,8 @@ class OmniVoiceModel(nn.Module):
         x = self.embed(batch.input_ids, batch.audio_mask)
         return self.llm(x, batch, self.attention_backend(x.device, x.dtype))
 
-    def logits(self, hidden: Tensor, index: Tensor) -> Tensor:
-        """Logits [len(index), C, audio_vocab] in float32 of the rows `index` of hidden_states' output."""
-        return self.head_logits(hidden, index).float()
-
     def head_logits(self, hidden: Tensor, index: Tensor) -> Tensor:
-        """logits() in the heads' own dtype (what the decoding step reads)."""
+        """Logits [len(index), C, audio_vocab] of the rows `index` of hidden_states' output, in the heads'
+        dtype (what the decoding step reads)."""
         x = self.llm.norm(hidden.index_select(0, index))
         return self.audio_heads(x).view(-1, self.cfg.num_audio_codebook, self.cfg.audio_vocab_size)
