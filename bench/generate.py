@@ -14,7 +14,8 @@ each; `_silu_mul` runs W4A4 gate/up as the grouped GEMM + the silu_mul kernel in
 writes silu(gate) * up (FastPaths.swiglu_gemm). Each variant is its own model, loaded with its switches.
 Medians of the repetitions; RTF = wall time / audio time.
 
-    python bench/generate.py [--out bench/results/generate-h200.json] [--reps 5]
+    python bench/generate.py [--out bench/results/generate-h200.json] [--reps 5] [--cases B32_vary]
+                             [--variants ours_bf16_graphs,ours_fp8_graphs] [--attention cudnn]
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ from engine.quantizer.rtn import w4a4_copy  # noqa: E402
 
 FRAME_RATE = 25
 REF_FRAMES, TARGET_FRAMES = 125, 150
-# The engine's default graph buckets (engine/config.py) plus 12288 and two above 16384, so that every case,
-# up to B = 32 with varied lengths, replays a graph.
-BUCKETS = (512, 1024, 2048, 4096, 8192, 12288, 16384, 24576, 32768)
+# The engine's default graph buckets (engine/config.py) and their 2048 steps on up to 32768, so that every
+# case, up to B = 32 with varied lengths, replays a graph.
+BUCKETS = (512, 1024, 2048, 4096, *range(6144, 32769, 2048))
 CASES = {"B1": (1, False), "B8_same": (8, False), "B16_vary": (16, True), "B32_vary": (32, True)}
 
 
@@ -97,6 +98,9 @@ def main() -> None:
     )
     parser.add_argument("--out", default="bench/results/generate-h200.json")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of the cases")
+    parser.add_argument("--variants", help="comma-separated subset of our variants (default: all)")
+    parser.add_argument("--attention", default="auto", help="our attention backend (engine.attention)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/generate.py needs a CUDA GPU")
@@ -115,11 +119,19 @@ def main() -> None:
         "ours_fp8_graphs",
         "ours_fp8_graphs_unfused",
     ]
+    if args.variants:
+        unknown = set(args.variants.split(",")) - set(labels)
+        if unknown:
+            sys.exit(f"--variants: unknown {sorted(unknown)}; choose from {labels}")
+        labels = [label for label in labels if label in args.variants.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = save_official_checkpoint(official, Path(tmp) / "ckpt")
         apart = FastPaths(grouped_projections=False)  # the Linears as loaded; each variant merges its own
-        _, base = load_model(ckpt, device="cuda", dtype=torch.bfloat16, attention="auto", fast_paths=apart)
-    bases = {"_bf16": base, "_w4a4": w4a4_copy(base), "_fp8": backbone_to_fp8(copy.deepcopy(base))}
+        _, base = load_model(
+            ckpt, device="cuda", dtype=torch.bfloat16, attention=args.attention, fast_paths=apart
+        )
+    convert = {"_bf16": lambda m: m, "_w4a4": w4a4_copy, "_fp8": lambda m: backbone_to_fp8(copy.deepcopy(m))}
+    bases = {kind: make(base) for kind, make in convert.items() if any(kind in label for label in labels)}
     runners = {}
     for label in labels:
         paths = fast_paths_for(label)
@@ -129,12 +141,13 @@ def main() -> None:
         runners[label] = Runner(model, run_cfg, "cuda", torch.bfloat16)
     del base, bases
     official = official.half()
-    backend = runners["ours_bf16_graphs"].model.attention_backend(torch.device("cuda"), torch.bfloat16).name
+    backend = next(iter(runners.values())).model.attention_backend(torch.device("cuda"), torch.bfloat16).name
     gen = GenerationConfig()
     official_gen = OmniVoiceGenerationConfig()
     results = {}
     with torch.inference_mode():
-        for name, (batch, vary) in CASES.items():
+        for name in args.cases.split(","):
+            batch, vary = CASES[name]
             reqs = requests(batch, vary)
             task, items, _ = official_inputs(official, reqs, seed=batch)
             audio_s = sum(r.target_len for r in reqs) / FRAME_RATE

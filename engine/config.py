@@ -153,10 +153,11 @@ class EngineConfig:
     checkpoint: str | None = None  # None: the embedded tiny checkpoint
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16 | fp8 | w4a4
-    attention: str = "auto"  # auto | flash | varlen | sdpa
+    attention: str = "auto"  # auto | flash | cudnn | varlen | sdpa
     cuda_graphs: bool = True
-    # Packed-token buckets a CUDA graph is captured for (cond + uncond tokens of a whole batch).
-    buckets: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384)
+    # Packed-token buckets a CUDA graph is captured for (cond + uncond tokens of a whole batch): a batch
+    # runs padded to the smallest that holds it, so above 4096 they step by 2048 (at most 1/3 padding).
+    buckets: tuple[int, ...] = (512, 1024, 2048, 4096, *range(6144, 16385, 2048))
     max_batch_tokens: int = 16384
     prompt_cache_dir: str | None = None
     max_text_chars: int = 5000  # longer request texts are rejected (long ones are chunked, not truncated)

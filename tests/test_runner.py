@@ -167,13 +167,14 @@ def test_bad_items_are_refused_by_name(tiny, change, message):
         )
 
 
-def test_layout_picks_the_smallest_bucket_and_leaves_room_for_padding():
+def test_layout_picks_the_smallest_bucket():
     items = make_items([(10, 20, 30), (6, 0, 11)])
     assert sum(map(Runner.packed_tokens, items)) == 118
     layout = choose_layout(items, (512, 64, 256))
     assert layout.tokens == 256
     assert layout.max_seqlen == 64
-    assert layout.sequences == 8  # 4 sequences + ceil((256 - 118) / 64) padding ones, rounded up
+    assert layout.sequences == 8  # 4 sequences, slots rounded up to a power of two (at least 8)
+    assert choose_layout(make_items([(10, 20, 30)] * 5), (1024,)).sequences == 16
     assert choose_layout(items, (64,)) is None
 
 

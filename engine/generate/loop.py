@@ -39,12 +39,10 @@ def choose_layout(items: list[GenItem], buckets: tuple[int, ...]) -> PackLayout 
     bucket = bucket_for(tokens, sorted(buckets))
     if bucket is None:
         return None
-    max_seqlen = min(bucket, _pow2_at_least(max(cond_len(item) for item in items), 64))
-    pad_sequences = math.ceil((bucket - tokens) / max_seqlen)
     return PackLayout(
         tokens=bucket,
-        sequences=_pow2_at_least(2 * len(items) + pad_sequences, 8),
-        max_seqlen=max_seqlen,
+        sequences=_pow2_at_least(2 * len(items), 8),
+        max_seqlen=min(bucket, _pow2_at_least(max(cond_len(item) for item in items), 64)),
     )
 
 

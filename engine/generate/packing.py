@@ -2,10 +2,10 @@
 
 Every request contributes two sequences: the conditional one [prompt text ids on all C rows, reference
 audio tokens, MASK x target_len] and the unconditional one [MASK x target_len] (classifier-free
-guidance). Order on the token axis: cond_0 .. cond_{B-1}, uncond_0 .. uncond_{B-1}, then optionally one
-padding sequence up to a fixed token count (CUDA-graph buckets). `target_index` lists the cond target
-positions of all requests (request-major), then the uncond ones, exactly (never padded), so logits[:N]
-are conditional and logits[N:2N] unconditional, N = sum of target lengths.
+guidance). Order on the token axis: cond_0 .. cond_{B-1}, uncond_0 .. uncond_{B-1}, then optionally
+padding tokens up to a fixed token count (CUDA-graph buckets), in no sequence. `target_index` lists the
+cond target positions of all requests (request-major), then the uncond ones, exactly (never padded), so
+logits[:N] are conditional and logits[N:2N] unconditional, N = sum of target lengths.
 """
 
 from __future__ import annotations
@@ -108,24 +108,23 @@ def pack_items(
     max_seqlen = max(lengths)
     if layout is not None:
         pad = layout.tokens - start
-        # Padding sequences no longer than max_seqlen, so attention kernels sized by it cover them.
-        pad_lens = [min(layout.max_seqlen, pad - i) for i in range(0, pad, layout.max_seqlen)]
-        if pad < 0 or max_seqlen > layout.max_seqlen or len(lengths) + len(pad_lens) > layout.sequences:
+        if pad < 0 or max_seqlen > layout.max_seqlen or len(lengths) > layout.sequences:
             raise InputError(
                 f"batch ({start} tokens, {len(lengths)} sequences) does not fit {layout}: "
                 "take the layout from engine.generate.loop.choose_layout(items, buckets)."
             )
-        if pad:
-            ids.append(torch.zeros((num_codebooks, pad), dtype=torch.long))
-            masks.append(torch.zeros(pad, dtype=torch.bool))
-            lengths += pad_lens
-        lengths += [0] * (layout.sequences - len(lengths))  # unused slots are empty sequences
+        # Padding tokens belong to no sequence: attention never reads or writes them, and nothing reads
+        # what the other layers compute on them. Unused sequence slots are empty sequences.
+        ids.append(torch.zeros((num_codebooks, pad), dtype=torch.long))
+        masks.append(torch.zeros(pad, dtype=torch.bool))
+        lengths += [0] * (layout.sequences - len(lengths))
         max_seqlen = layout.max_seqlen
+    padding = layout.tokens - start if layout is not None else 0
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
     return PackedBatch(
         input_ids=torch.cat(ids, dim=1),
         audio_mask=torch.cat(masks),
-        position_ids=torch.cat([torch.arange(n) for n in lengths]),
+        position_ids=torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(padding, dtype=torch.long)]),
         cu_seqlens=torch.nn.functional.pad(seq_lens.cumsum(0, dtype=torch.int32), (1, 0)),
         max_seqlen=max_seqlen,
         target_index=target_index,
