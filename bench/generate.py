@@ -15,7 +15,7 @@ writes silu(gate) * up (FastPaths.swiglu_gemm). Each variant is its own model, l
 Medians of the repetitions; RTF = wall time / audio time.
 
     python bench/generate.py [--out bench/results/generate-h200.json] [--reps 5] [--cases B32_vary]
-                             [--variants ours_bf16_graphs,ours_fp8_graphs] [--attention cudnn]
+                             [--variants ours_bf16_graphs,ours_fp8_graphs] [--attention varlen]
 """
 
 from __future__ import annotations

@@ -153,7 +153,7 @@ class EngineConfig:
     checkpoint: str | None = None  # None: the embedded tiny checkpoint
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16 | fp8 | w4a4
-    attention: str = "auto"  # auto | flash | cudnn | varlen | sdpa
+    attention: str = "auto"  # auto | flash | varlen | sdpa
     cuda_graphs: bool = True
     # Packed-token buckets a CUDA graph is captured for (cond + uncond tokens of a whole batch): a batch
     # runs padded to the smallest that holds it, so above 4096 they step by 2048 (at most 1/3 padding).

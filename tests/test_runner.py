@@ -191,7 +191,8 @@ def test_graph_replay_equals_eager_forward_on_new_inputs(tiny):
             targets = batch.target_index  # the items' exact target rows (fewer than 64)
             batch.input_ids[:, targets] = torch.randint(0, 1024, (C, len(targets)), device="cuda")
             replayed = graphed(graphed.load(batch)).clone()
-            assert torch.equal(replayed, model.hidden_states(batch))
+            real = int(batch.cu_seqlens[-1])  # padding rows are in no sequence: their values are undefined
+            assert torch.equal(replayed[:real], model.hidden_states(batch)[:real])
 
 
 @pytest.mark.gpu

@@ -89,41 +89,6 @@ class TorchVarlenBackend:
         return out[0]
 
 
-class CudnnBackend:
-    """cuDNN's fused attention through torch (aten._cudnn_attention_forward on ragged q/k/v: the
-    sequence boundaries go in as cumulative offsets, as for the flash kernels)."""
-
-    name = "cudnn"
-
-    def can_use(self, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-        ok, reason = _needs_cuda_half(device, dtype)
-        if not ok:
-            return ok, reason
-        if not torch.backends.cudnn.is_available():
-            return False, "this torch build has no cuDNN"
-        if torch.cuda.get_device_capability(device)[0] < 9:
-            return False, "torch runs cuDNN's ragged attention on compute capability >= 9.0 only"
-        return True, ""
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
-        out = torch.ops.aten._cudnn_attention_forward(
-            q,
-            k,
-            v,
-            None,
-            cu_seqlens,
-            cu_seqlens,
-            max_seqlen,
-            max_seqlen,
-            False,
-            0.0,
-            False,
-            False,
-            scale=q.shape[-1] ** -0.5,
-        )
-        return out[0]
-
-
 class SdpaBackend:
     """F.scaled_dot_product_attention one sequence at a time: any device, any dtype (the reference)."""
 
@@ -148,7 +113,6 @@ class SdpaBackend:
 
 BACKENDS = {
     "flash": FlashAttnBackend,
-    "cudnn": CudnnBackend,
     "varlen": TorchVarlenBackend,
     "sdpa": SdpaBackend,
 }
