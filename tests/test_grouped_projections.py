@@ -267,7 +267,8 @@ def test_model_with_grouped_w4a4_matches_layer_by_layer():
     # differs from silu_mul's (three) by those roundings. Later layers quantize activations that differ by
     # that much, and each flipped int4 code moves a value by a whole step: the logits of this random model
     # then differ by 5% (measured; the tiny checkpoint's by 2%), so they are not compared.
-    assert rel_err(down_inputs[0], down_inputs[1]) < 1e-2
+    real = int(batch.cu_seqlens[-1])  # padding rows are in no sequence: their values are undefined
+    assert rel_err(down_inputs[0][:real], down_inputs[1][:real]) < 1e-2
 
 
 @gpu

@@ -15,8 +15,6 @@ from torch import Tensor, nn
 
 from engine.model.layers import RMSNorm, silu_mul
 
-_HALF = (torch.float16, torch.bfloat16)
-
 
 class Linear(nn.Module):
     """y = x W^T (+ bias), with W [out_features, in_features]. A merged Linear's output is its members'
@@ -67,13 +65,6 @@ class DenseLinear(Linear, nn.Linear):
         self.splits = (out_features,)
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        if residual is not None and self.bias is None and self.fused and x.is_cuda and x.dtype in _HALF:
-            # cuBLAS adds the residual in its epilogue (beta = 1): one rounding of the float32 sum instead
-            # of y's and the sum's, and no separate pass over both tensors.
-            y = torch.addmm(
-                residual.reshape(-1, self.out_features), x.reshape(-1, self.in_features), self.weight.t()
-            )
-            return y.view(residual.shape)
         y = F.linear(x, self.weight, self.bias)
         return y if residual is None else residual + y
 
