@@ -2,8 +2,9 @@
 
 Full-size shapes (16 query heads over 8 k/v heads, head_dim 128, bf16). Layouts: generate.py's B32_vary
 batch (32 requests, targets 150 + U[-75, 150) frames, 125 reference frames, a prompt of PROMPT_TOKENS text
-tokens) packed as the engine packs it, once as it replays in its graph bucket (padding split into padding
-sequences) and once at its exact tokens; and a job-sized batch of 56 such requests. Each backend the
+tokens) packed as the engine packs it, once in its graph layout (sequence slots and max_seqlen rounded up;
+its padding tokens are in no sequence, so attention never sees them) and once at its exact sizes; and a
+job-sized batch of 56 such requests. Each backend the
 machine can run (engine/model/attention.py BACKENDS; sdpa is the fp32 reference, not timed) is timed as
 the median of REPS blocks of CALLS calls on CUDA events, checked against the reference (relative Frobenius
 error) and captured in a CUDA graph whose replay must equal its eager call bit for bit.
