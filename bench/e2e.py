@@ -14,14 +14,14 @@ round-to-nearest speed copy), 32 steps. The manifest (bench/manifests.py): --row
   included; Ray with one GPU actor).
 
 Each entry: variant, rows, audio_seconds, wall_seconds, x_realtime (audio / wall), gpu_busy (mean
-nvidia-smi utilization over the entry), padding_fraction (token-weighted share of each batch's graph
-bucket that holds no row), mean_sm_clock_mhz, startup_seconds (jobs: from the end of planning until the
-engines are loaded and their CUDA graphs captured; capture_seconds of it; the CUDA extension is built
-before the first part, as a machine that has run a job before has it), planning_seconds; the engine's
-seconds per phase (phases_seconds: prepare, the clips read and encoded; generate; decode; postprocess) and
-the job summary's time split (time_split: planning, start, capture, phases, other). Each part starts from
-an empty prompt cache. A device command is limited to 10 minutes: run some parts or precisions per call;
-entries merge into --out by variant name.
+nvidia-smi utilization over the entry; jobs also gpu_busy_execution, from the workers' ready on),
+padding_fraction (token-weighted share of each batch's graph bucket that holds no row), mean_sm_clock_mhz,
+startup_seconds (jobs: from the end of planning until the engines are loaded and their CUDA graphs
+captured; capture_seconds of it; the CUDA extension is built before the first part, as a machine that has
+run a job before has it), planning_seconds; the engine's seconds per phase (phases_seconds: prepare, the
+clips read and encoded; generate; decode; postprocess) and the job summary's time split (time_split:
+planning, start, capture, phases, other). Each part starts from an empty prompt cache. A device command is
+limited to 10 minutes: run some parts or precisions per call; entries merge into --out by variant name.
 
     python bench/e2e.py [--parts official,engine,job_local,job_ray] [--precisions bf16,w4a4,fp8]
                         [--rows 2000] [--official-rows 512] [--size full|tiny] [--device auto]
@@ -72,6 +72,17 @@ def gpu_fields(gpu: GpuSampler) -> dict:
     }
 
 
+def busy_since(gpu: GpuSampler, since: float) -> float | None:
+    """The busiest GPU's mean utilization over the samples taken from `since` (perf_counter) on: a job's
+    execution, once its workers were ready (None without samples then)."""
+    means = [
+        statistics.fmean(later)
+        for i in gpu.by_gpu
+        if (later := [p for p, t in zip(gpu.by_gpu[i], gpu.times[i]) if t >= since])
+    ]
+    return round(max(means) / 100, 3) if means else None
+
+
 def padding_fraction(batches: list[int], buckets: list[int]) -> float | None:
     """Share of the graph buckets the batches ran in (packed tokens each) that no row filled."""
     padded = sum(bucket_for(tokens, buckets) or tokens for tokens in batches)
@@ -113,10 +124,12 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
         wall,
         gpu,
         padding_fraction=padding_fraction(list(batches.values()), list(cfg.engine.buckets)),
+        gpu_busy_execution=busy_since(gpu, start + run["ready_seconds"]),  # from the workers' ready on
         planning_seconds=run["planning_seconds"],
         # from the end of planning until the engines were loaded and their graphs captured
         startup_seconds=round(run["ready_seconds"] - run["planning_seconds"], 2),
         capture_seconds=run["capture_seconds"],
+        import_seconds=run.get("import_seconds"),  # the engine's modules imported in the worker
         load_seconds=run.get("load_seconds"),  # the engines' load in the worker (slowest actor)
         boot_seconds=run.get("boot_seconds"),  # Ray: until the actor's process was up
         graphs=run["graphs"],

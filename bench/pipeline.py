@@ -116,11 +116,12 @@ def parse_gpu_samples(text: str) -> dict[int, tuple[float, float]]:
 
 class GpuSampler:
     """nvidia-smi utilization.gpu and SM clock of every GPU every 0.5 s while a run lasts (empty without
-    nvidia-smi)."""
+    nvidia-smi), and when each sample was taken (time.perf_counter)."""
 
     def __init__(self):
         self.by_gpu: dict[int, list[float]] = {}  # utilization percent
         self.sm_mhz: dict[int, list[float]] = {}
+        self.times: dict[int, list[float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -129,9 +130,11 @@ class GpuSampler:
         while not self._stop.wait(0.5):
             try:
                 out = subprocess.run(query, capture_output=True, text=True, timeout=5).stdout
+                now = time.perf_counter()
                 for index, (percent, mhz) in parse_gpu_samples(out).items():
                     self.by_gpu.setdefault(index, []).append(percent)
                     self.sm_mhz.setdefault(index, []).append(mhz)
+                    self.times.setdefault(index, []).append(now)
             except (OSError, ValueError, subprocess.TimeoutExpired):
                 return
 

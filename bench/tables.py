@@ -261,6 +261,7 @@ def e2e_rows(result: dict) -> list[str]:
                 f"{e['x_realtime']:.1f}x",
                 f"{e['x_realtime'] / base:.2f}" if base else "-",
                 cell(e, "gpu_busy", ".0%"),
+                cell(e, "gpu_busy_execution", ".0%"),
                 cell(e, "mean_sm_clock_mhz", ".0f"),
                 cell(e, "padding_fraction", ".1%"),
                 cell(e, "planning_seconds", ".1f"),

@@ -176,9 +176,9 @@ class ActorPool:
 
     def capture(self, tasks: list[ShardTask]) -> dict[str, float]:
         """Every actor captures the graphs its variants' shards will replay, before any shard runs: graphs
-        captured (all actors), and the slowest actor's seconds of capture, of engine loading and of boot
-        (from the pool's creation until Ray had the actor's process up). An actor that cannot start or
-        dies here is left to run(), which reports or replaces it."""
+        captured (all actors), and the slowest actor's seconds of capture, of the engine's imports, of engine
+        loading and of boot (from the pool's creation until Ray had the actor's process up). An actor that
+        cannot start or dies here is left to run(), which reports or replaces it."""
         import ray
 
         refs = []
@@ -195,6 +195,7 @@ class ActorPool:
         return {
             "graphs": sum(r["graphs"] for r in reports),
             "capture_seconds": max((r["capture_seconds"] for r in reports), default=0.0),
+            "import_seconds": max((r["import_seconds"] for r in reports), default=0.0),
             "load_seconds": max((r["load_seconds"] for r in reports), default=0.0),
             "boot_seconds": round(max((r["started"] - self.created for r in reports), default=0.0), 3),
         }

@@ -171,7 +171,9 @@ class ShardRunner:
     def __init__(self, job_path: str | Path, cfg: JobConfig):
         self.job = JobDir(job_path)
         self.cfg = cfg
+        start = time.perf_counter()
         self.factory = load_factory(cfg.engine_factory)
+        self.import_seconds = time.perf_counter() - start  # the engine's modules (torch, transformers, ...)
         self.engines: dict[str, Any] = {}  # variant -> its engine
         self.load_seconds = 0.0  # spent in load_engines
         self.host = socket.gethostname()
@@ -195,7 +197,8 @@ class ShardRunner:
 
     def capture(self, tasks: list[ShardTask]) -> dict[str, float]:
         """Have each variant's engine capture the CUDA graphs the tasks' batches will replay (engines
-        without capture() skip it): graphs captured, seconds spent, and the seconds load_engines took."""
+        without capture() skip it): graphs captured, seconds spent, and the seconds the engine's imports and
+        load_engines took."""
         start = time.perf_counter()
         graphs = 0
         for variant in sorted({t.variant for t in tasks}):
@@ -213,6 +216,7 @@ class ShardRunner:
         return {
             "graphs": graphs,
             "capture_seconds": round(time.perf_counter() - start, 3),
+            "import_seconds": round(self.import_seconds, 3),
             "load_seconds": round(self.load_seconds, 3),
         }
 

@@ -31,3 +31,15 @@ def test_gpu_fields_read_the_busiest_gpu():
     assert gpu_fields(gpu) == {"gpu_busy": None, "mean_sm_clock_mhz": None}
     gpu.by_gpu, gpu.sm_mhz = {0: [2.0, 4.0], 1: [90.0, 100.0]}, {0: [300.0, 300.0], 1: [1900.0, 1980.0]}
     assert gpu_fields(gpu) == {"gpu_busy": 0.95, "mean_sm_clock_mhz": 1940.0}
+
+
+def test_busy_since_reads_the_samples_after_the_ready_event():
+    from bench.e2e import busy_since
+    from bench.pipeline import GpuSampler
+
+    gpu = GpuSampler()
+    gpu.by_gpu = {0: [0.0, 0.0, 96.0, 98.0], 1: [50.0, 50.0, 10.0, 12.0]}
+    gpu.times = {0: [1.0, 2.0, 3.0, 4.0], 1: [1.0, 2.0, 3.0, 4.0]}
+    assert busy_since(gpu, 2.5) == 0.97  # planning and startup samples left out
+    assert busy_since(gpu, 0.0) == 0.485  # every sample: GPU 0's (0 + 0 + 96 + 98) / 4
+    assert busy_since(gpu, 9.0) is None

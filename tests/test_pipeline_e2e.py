@@ -155,6 +155,7 @@ def test_end_to_end_on_local_ray(ray_session, tiny, prompt_cache, tmp_path: Path
     assert sum(b["rows"] for b in s["per_bucket"]) == len(valid)
     (run,) = s["runs"]  # what getting the actors ready took: their boot, engine load, capture
     assert 0 < run["boot_seconds"] < run["ready_seconds"] and 0 < run["load_seconds"] < run["ready_seconds"]
+    assert 0 < run["import_seconds"] < run["ready_seconds"]  # a fresh actor process imports the engine
     plan = json.loads(job.plan_path.read_text())
     assert all(
         len({r["id"][:4] for r in sh["rows"]}) >= 1 and sh["bucket"] in (128, 256, 512, 1024)
