@@ -106,6 +106,7 @@ def pack_items(
         start += item.target_len
     target_index = torch.cat(cond_targets + uncond_targets)
     max_seqlen = max(lengths)
+    pad = 0
     if layout is not None:
         pad = layout.tokens - start
         if pad < 0 or max_seqlen > layout.max_seqlen or len(lengths) > layout.sequences:
@@ -119,12 +120,11 @@ def pack_items(
         masks.append(torch.zeros(pad, dtype=torch.bool))
         lengths += [0] * (layout.sequences - len(lengths))
         max_seqlen = layout.max_seqlen
-    padding = layout.tokens - start if layout is not None else 0
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
     return PackedBatch(
         input_ids=torch.cat(ids, dim=1),
         audio_mask=torch.cat(masks),
-        position_ids=torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(padding, dtype=torch.long)]),
+        position_ids=torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(pad, dtype=torch.long)]),
         cu_seqlens=torch.nn.functional.pad(seq_lens.cumsum(0, dtype=torch.int32), (1, 0)),
         max_seqlen=max_seqlen,
         target_index=target_index,

@@ -111,11 +111,7 @@ class SdpaBackend:
         return out
 
 
-BACKENDS = {
-    "flash": FlashAttnBackend,
-    "varlen": TorchVarlenBackend,
-    "sdpa": SdpaBackend,
-}
+BACKENDS = {"flash": FlashAttnBackend, "varlen": TorchVarlenBackend, "sdpa": SdpaBackend}
 PRIORITY = ("flash", "varlen", "sdpa")
 
 
