@@ -142,7 +142,7 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: SizerFactory) -> JobOutc
             "give a new or empty directory for the job."
         )
     cfg = resolve_checkpoint_names(cfg)
-    manifest = read_manifest(cfg, job.clip_dir)
+    manifest_mod.read_table(cfg.manifest)  # a missing or malformed manifest fails here, before any worker
     workers = None
     start_workers = not _complete(job)
     if start_workers and cfg.local:
@@ -151,7 +151,7 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: SizerFactory) -> JobOutc
         # the module it replaced ("cannot import name ... from 'transformers'").
         load_factory(cfg.engine_factory)
     with ThreadPoolExecutor(1, thread_name_prefix="ovbatch-plan") as planner:
-        planning = planner.submit(_timed, plan_rows, cfg, manifest, make_sizer)  # while the workers start
+        planning = planner.submit(_read_and_plan, cfg, job.clip_dir, make_sizer)  # while the workers start
         try:
             if start_workers:
                 workers = Workers(job, cfg)  # Ray's start on this thread; the engines load in the workers
@@ -183,9 +183,9 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: SizerFactory) -> JobOutc
     return execute(job, cfg, plan, todo, kind, t0, workers)
 
 
-def _timed(fn, *args):
-    """(fn(*args), perf_counter when it returned)."""
-    return fn(*args), time.perf_counter()
+def _read_and_plan(cfg: JobConfig, clip_dir: Path, make_sizer: SizerFactory):
+    """plan_job (the manifest read, its clips checked, and planned), and perf_counter when it was done."""
+    return plan_job(cfg, make_sizer, clip_dir), time.perf_counter()
 
 
 def _complete(job: JobDir) -> bool:

@@ -292,11 +292,7 @@ def load(
 ) -> Manifest:
     """Read and validate a manifest. Remote reference clips are copied into `clip_dir` when given; clips
     longer than `max_ref_seconds` (the engine's limit) are rejected."""
-    source = str(source)
-    if not _is_uri(source):
-        source = str(Path(source).expanduser().absolute())
-    table = _read_table(source)
-    _check_schema(table, source)
+    source, table = read_table(source)
     base = parent_location(source)
     records = table.to_pylist()
     manifest = Manifest(source=source, num_rows=len(records))
@@ -323,6 +319,16 @@ def load(
         else:
             manifest.rows.append(row)
     return manifest
+
+
+def read_table(source: str | Path) -> tuple[str, pa.Table]:
+    """A manifest's location (absolute for a local path) and its table, columns checked; no clip opened."""
+    source = str(source)
+    if not _is_uri(source):
+        source = str(Path(source).expanduser().absolute())
+    table = _read_table(source)
+    _check_schema(table, source)
+    return source, table
 
 
 def _clean(value: Any) -> str | None:
