@@ -121,6 +121,8 @@ def semantic_features(
         if aware:
             first.layer_norm.lengths = None
     features = torch.stack(hidden_states, dim=1).mean(dim=1)  # [B, frames, hidden]
-    frames = hubert._get_feat_extract_output_lengths(torch.tensor(samples)).tolist()
+    frames = samples
+    for layer in hubert.feature_extractor.conv_layers:  # each clip's frames through the valid convolutions
+        frames = conv_output_lengths(layer.conv, frames)
     step = max(cfg.semantic_downsample_factor, 1)
     return [features[i, :f][::step] for i, f in enumerate(frames)]
