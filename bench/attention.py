@@ -4,10 +4,10 @@ Full-size shapes (16 query heads over 8 k/v heads, head_dim 128, bf16). Layouts:
 batch (32 requests, targets 150 + U[-75, 150) frames, 125 reference frames, a prompt of PROMPT_TOKENS text
 tokens) packed as the engine packs it, once in its graph layout (sequence slots and max_seqlen rounded up;
 its padding tokens are in no sequence, so attention never sees them) and once at its exact sizes; and a
-job-sized batch of 56 such requests. Each backend the
-machine can run (engine/model/attention.py BACKENDS; sdpa is the fp32 reference, not timed) is timed as
-the median of REPS blocks of CALLS calls on CUDA events, checked against the reference (relative Frobenius
-error) and captured in a CUDA graph whose replay must equal its eager call bit for bit.
+job-sized batch of 56 such requests. Each backend the machine can run (engine/model/attention.py BACKENDS;
+sdpa is the fp32 reference, not timed) is timed as the median of REPS blocks of CALLS calls on CUDA events,
+checked against the reference (relative Frobenius error) and captured in a CUDA graph whose replay must
+equal its eager call bit for bit.
 
     python bench/attention.py [--out bench/results/attention-h200.json]
 """
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.environment import environment, write_result  # noqa: E402
-from bench.generate import BUCKETS, REF_FRAMES, TARGET_FRAMES  # noqa: E402
+from bench.generate import BUCKETS, REF_FRAMES, requests  # noqa: E402
 from engine.generate.loop import choose_layout  # noqa: E402
 from engine.generate.packing import GenItem, pack_items  # noqa: E402
 from engine.model.attention import BACKENDS  # noqa: E402
@@ -34,16 +34,12 @@ PROMPT_TOKENS = 78  # with generate.py's B32_vary targets: 18,782 packed tokens,
 CALLS, REPS = 20, 7
 
 
-def request_lengths(batch: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return [TARGET_FRAMES + int(torch.randint(-75, 150, (1,), generator=g)) for _ in range(batch)]
-
-
-def layout(batch: int, seed: int, padded: bool) -> tuple[torch.Tensor, int]:
-    """cu_seqlens (int32, CUDA) and max_seqlen of the packed batch, in its bucket or at its exact tokens."""
+def layout(batch: int, padded: bool) -> tuple[torch.Tensor, int]:
+    """cu_seqlens (int32, CUDA) and max_seqlen of generate.py's varied batch of `batch` requests, packed in
+    its graph layout or at its exact tokens."""
     items = [
-        GenItem([1] * PROMPT_TOKENS, torch.zeros(8, REF_FRAMES, dtype=torch.long), n, 0)
-        for n in request_lengths(batch, seed)
+        GenItem([1] * PROMPT_TOKENS, torch.zeros(8, REF_FRAMES, dtype=torch.long), r.target_len, 0)
+        for r in requests(batch, vary=True)
     ]
     packed = pack_items(items, 8, 1024, choose_layout(items, BUCKETS) if padded else None)
     return packed.cu_seqlens.to("cuda"), packed.max_seqlen
@@ -94,12 +90,15 @@ def main() -> None:
     for name, cls in BACKENDS.items():
         backend = cls()
         ok, reason = backend.can_use(device, dtype)
-        (usable.__setitem__(name, backend) if ok else skipped.__setitem__(name, reason))
+        if ok:
+            usable[name] = backend
+        else:
+            skipped[name] = reason
     reference = usable.pop("sdpa")
     layouts = {
-        "B32_vary_bucket": layout(32, 32, padded=True),
-        "B32_vary_exact": layout(32, 32, padded=False),
-        "B56_exact": layout(56, 56, padded=False),
+        "B32_vary_bucket": layout(32, padded=True),
+        "B32_vary_exact": layout(32, padded=False),
+        "B56_exact": layout(56, padded=False),
     }
     g = torch.Generator(device="cuda").manual_seed(0)
     results = {}
@@ -133,7 +132,7 @@ def main() -> None:
             print(lname, name, entry[name], flush=True)
         results[lname] = entry
     out = {
-        "environment": environment("flash-attn-4", "nvidia-cutlass-dsl"),
+        "environment": environment("flash-attn"),
         "shapes": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bf16"},
         "skipped": skipped,
         "layouts": results,

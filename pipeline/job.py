@@ -55,15 +55,13 @@ def with_job_defaults(cfg: JobConfig, job: JobDir) -> JobConfig:
 
 
 def plan_job(
-    cfg: JobConfig, make_sizer: SizerFactory, clip_dir: Path | None
+    cfg: JobConfig, make_sizer: SizerFactory, clip_dir: Path | None, read: tuple | None = None
 ) -> tuple[Plan, list[manifest_mod.ManifestRow]]:
-    """Load and validate the manifest (remote clips are copied to clip_dir), size its rows, cut shards."""
-    return plan_rows(cfg, read_manifest(cfg, clip_dir), make_sizer)
-
-
-def read_manifest(cfg: JobConfig, clip_dir: Path | None) -> manifest_mod.Manifest:
+    """Load and validate the manifest (remote clips are copied to clip_dir; `read`: its table, when read
+    already), size its rows, cut shards."""
     first = cfg.engine_config(cfg.variant_names()[0])  # the variant whose engine sizes the rows
-    return manifest_mod.load(cfg.manifest, clip_dir=clip_dir, max_ref_seconds=first.max_ref_seconds)
+    manifest = manifest_mod.load(cfg.manifest, clip_dir, first.max_ref_seconds, read)
+    return plan_rows(cfg, manifest, make_sizer)
 
 
 def plan_rows(
@@ -142,7 +140,7 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: SizerFactory) -> JobOutc
             "give a new or empty directory for the job."
         )
     cfg = resolve_checkpoint_names(cfg)
-    manifest_mod.read_table(cfg.manifest)  # a missing or malformed manifest fails here, before any worker
+    table = manifest_mod.read_table(cfg.manifest)  # a missing or malformed manifest fails before any worker
     workers = None
     start_workers = not _complete(job)
     if start_workers and cfg.local:
@@ -151,7 +149,7 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: SizerFactory) -> JobOutc
         # the module it replaced ("cannot import name ... from 'transformers'").
         load_factory(cfg.engine_factory)
     with ThreadPoolExecutor(1, thread_name_prefix="ovbatch-plan") as planner:
-        planning = planner.submit(_read_and_plan, cfg, job.clip_dir, make_sizer)  # while the workers start
+        planning = planner.submit(_read_and_plan, cfg, job.clip_dir, make_sizer, table)  # as workers start
         try:
             if start_workers:
                 workers = Workers(job, cfg)  # Ray's start on this thread; the engines load in the workers
@@ -183,9 +181,9 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: SizerFactory) -> JobOutc
     return execute(job, cfg, plan, todo, kind, t0, workers)
 
 
-def _read_and_plan(cfg: JobConfig, clip_dir: Path, make_sizer: SizerFactory):
-    """plan_job (the manifest read, its clips checked, and planned), and perf_counter when it was done."""
-    return plan_job(cfg, make_sizer, clip_dir), time.perf_counter()
+def _read_and_plan(cfg: JobConfig, clip_dir: Path, make_sizer: SizerFactory, table: tuple):
+    """plan_job (the manifest's clips checked, its rows planned), and perf_counter when it was done."""
+    return plan_job(cfg, make_sizer, clip_dir, table), time.perf_counter()
 
 
 def _complete(job: JobDir) -> bool:

@@ -289,10 +289,12 @@ def load(
     source: str | Path,
     clip_dir: str | Path | None = None,
     max_ref_seconds: float = EngineConfig.max_ref_seconds,
+    read: tuple[str, pa.Table] | None = None,
 ) -> Manifest:
     """Read and validate a manifest. Remote reference clips are copied into `clip_dir` when given; clips
-    longer than `max_ref_seconds` (the engine's limit) are rejected."""
-    source, table = read_table(source)
+    longer than `max_ref_seconds` (the engine's limit) are rejected. `read`: read_table(source), when the
+    caller has it already."""
+    source, table = read or read_table(source)
     base = parent_location(source)
     records = table.to_pylist()
     manifest = Manifest(source=source, num_rows=len(records))
