@@ -163,8 +163,20 @@ std::tuple<Tensor, Tensor> qk_norm_rope(const Tensor& q, const Tensor& k, const 
   return {q_out, k_out};
 }
 
-// x [rows, K] -> RMSNorm(x) with weight [K] (K a multiple of 8).
-Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+// The residual stream x and the block output delta added to it in place: one contiguous [rows, K] shape and
+// dtype on one device, 16-byte aligned (the kernels read 16 bytes at a time).
+void check_residual_pair(const Tensor& x, const Tensor& delta) {
+  check_cuda(delta, "delta");
+  check_dtype(delta, x.scalar_type(), "delta");
+  TORCH_CHECK(delta.sizes() == x.sizes(), "ovbatch_w4a4: delta ", delta.sizes(), " must have x's shape ", x.sizes());
+  for (auto [t, name] : {std::pair{&x, "x"}, {&delta, "delta"}})
+    TORCH_CHECK(t->is_contiguous() && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "ovbatch_w4a4: ", name,
+                " must be contiguous and 16-byte aligned for the residual add, got strides ", t->strides());
+}
+
+// x [rows, K] -> RMSNorm(x) with weight [K] (K a multiple of 8); with delta [rows, K], x + delta is first
+// written over x (the residual add before the norm) and normed.
+Tensor rms_norm_impl(const Tensor& x, const Tensor* delta, const Tensor& weight, double eps) {
   check_cuda(x, "x");
   check_cuda(weight, "weight");
   check_half(x, "x");
@@ -173,10 +185,12 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
               x.sizes());
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), "ovbatch_w4a4: weight must be [", x.size(1),
               "], got ", weight.sizes());
+  if (delta != nullptr) check_residual_pair(x, *delta);
   const c10::cuda::CUDAGuard guard(x.device());
   Tensor y = torch::empty_like(x);
   w4a4::RmsNormArgs a{};
   a.x = x.data_ptr();
+  a.delta = delta != nullptr ? delta->data_ptr() : nullptr;
   a.weight = weight.data_ptr();
   a.y = y.data_ptr();
   a.rows = static_cast<int>(x.size(0));
@@ -185,6 +199,12 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   a.bf16 = x.scalar_type() == at::kBFloat16;
   check_launch(w4a4::launch_rms_norm(a, c10::cuda::getCurrentCUDAStream()), "rms_norm");
   return y;
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) { return rms_norm_impl(x, nullptr, weight, eps); }
+
+Tensor add_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& weight, double eps) {
+  return rms_norm_impl(x, &delta, weight, eps);
 }
 
 // silu(gate) * up for gate and up [rows, cols] (cols a multiple of 8; rows may be strided, e.g. the two halves
@@ -220,13 +240,14 @@ Tensor silu_mul(const Tensor& gate, const Tensor& up) {
 // Row-wise e4m3 codes [rows, K] and scales [rows, 1] (float32) of x, RMSNorm(x) or silu(gate) * up: the
 // operands _scaled_mm takes with scale_a.
 std::tuple<Tensor, Tensor> fp8_quantize_rows(const Tensor& x, const Tensor* second, int64_t second_ld, double eps,
-                                             w4a4::Fp8Source source) {
+                                             w4a4::Fp8Source source, const Tensor* delta = nullptr) {
   const c10::cuda::CUDAGuard guard(x.device());
   Tensor q = torch::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
   Tensor scale = torch::empty({x.size(0), 1}, x.options().dtype(at::kFloat));
   w4a4::Fp8QuantizeArgs a{};
   a.x = x.data_ptr();
   a.x_ld = x.size(0) > 1 ? x.stride(0) : x.size(1);
+  a.delta = delta != nullptr ? delta->data_ptr() : nullptr;
   a.second = second ? second->data_ptr() : nullptr;
   a.second_ld = second_ld;
   a.q = q.data_ptr();
@@ -255,13 +276,25 @@ std::tuple<Tensor, Tensor> fp8_quantize(const Tensor& x) {
   return fp8_quantize_rows(x, nullptr, 0, 0.0, w4a4::Fp8Source::kCopy);
 }
 
-std::tuple<Tensor, Tensor> rms_norm_fp8(const Tensor& x, const Tensor& weight, double eps) {
-  check_fp8_rows(x, "x");
+void check_norm_weight(const Tensor& x, const Tensor& weight) {
   check_cuda(weight, "weight");
   check_dtype(weight, x.scalar_type(), "weight");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), "ovbatch_w4a4: weight must be [", x.size(1),
               "], got ", weight.sizes());
+}
+
+std::tuple<Tensor, Tensor> rms_norm_fp8(const Tensor& x, const Tensor& weight, double eps) {
+  check_fp8_rows(x, "x");
+  check_norm_weight(x, weight);
   return fp8_quantize_rows(x, &weight, 0, eps, w4a4::Fp8Source::kRmsNorm);
+}
+
+// Codes of RMSNorm(x + delta), x + delta written over x.
+std::tuple<Tensor, Tensor> add_rms_norm_fp8(const Tensor& x, const Tensor& delta, const Tensor& weight, double eps) {
+  check_fp8_rows(x, "x");
+  check_residual_pair(x, delta);
+  check_norm_weight(x, weight);
+  return fp8_quantize_rows(x, &weight, 0, eps, w4a4::Fp8Source::kAddRmsNorm, &delta);
 }
 
 std::tuple<Tensor, Tensor> silu_mul_fp8(const Tensor& gate, const Tensor& up) {
@@ -394,9 +427,11 @@ TORCH_LIBRARY(ovbatch_w4a4, m) {
       "rmsnorm_quantize_act_lora_down(Tensor x, Tensor norm_weight, float eps, Tensor? smooth, Tensor pd_t) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("fp8_quantize(Tensor x) -> (Tensor, Tensor)");
   m.def("rms_norm_fp8(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("add_rms_norm_fp8(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul_fp8(Tensor gate, Tensor up) -> (Tensor, Tensor)");
   m.def(
       "qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor cos, Tensor sin, float eps) -> "
@@ -416,9 +451,11 @@ TORCH_LIBRARY_IMPL(ovbatch_w4a4, CUDA, m) {
   m.impl("rmsnorm_quantize_act_lora_down", &rmsnorm_quantize_act_lora_down);
   m.impl("qk_norm_rope", &qk_norm_rope);
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("fp8_quantize", &fp8_quantize);
   m.impl("rms_norm_fp8", &rms_norm_fp8);
+  m.impl("add_rms_norm_fp8", &add_rms_norm_fp8);
   m.impl("silu_mul_fp8", &silu_mul_fp8);
   m.impl("gemm_lora_up", &gemm_lora_up);
   m.impl("w4a4_linear", &w4a4_linear);

@@ -1,11 +1,13 @@
 // Row-wise e4m3 quantization of an FP8 linear's input, inside the kernel that produces that input:
 //   copy:     x                                   (the attention output, o_proj's input)
 //   rms_norm: T(w * T(x * rstd))                  (q/k/v and gate/up inputs; rstd as csrc/rms_norm.cu)
+//   add_rms_norm: rms_norm of x + delta, which is written over x (the block's residual add before its norm)
 //   silu_mul: T(T(silu(gate)) * up)               (down_proj's input; as csrc/silu_mul.cu)
 // Each row r gets scale[r] = a / 448 and codes e4m3(v * (448 / a)), a = max(max|v|, kFp8MinAmax) (IEEE
 // divisions, round to nearest even): engine/fp8/reference.py quantize_rows on the same T values, bit for bit.
 // One warp per row, 16-byte reads, each value produced once and kept in registers until the row's maximum
-// is known (rows of up to kFp8MaxK elements); RMSNorm reads x once more first, for its statistics.
+// is known (rows of up to kFp8MaxK elements); RMSNorm reads x once more first, for its statistics (after the
+// add, the sums are held in registers instead).
 #include <cuda_fp8.h>
 
 #include "w4a4_common.cuh"
@@ -25,7 +27,13 @@ __device__ __forceinline__ uint32_t silu_mul2(uint32_t g, uint32_t u) {
   return pack2<T>(s.x * uf.x, s.y * uf.y);
 }
 
-// The 8 values of the row at column c, as T words.
+template <typename T>
+__device__ __forceinline__ uint4 rms_normed8(uint4 x, uint4 w, float rstd) {
+  return make_uint4(rms_normed2<T>(x.x, w.x, rstd), rms_normed2<T>(x.y, w.y, rstd), rms_normed2<T>(x.z, w.z, rstd),
+                    rms_normed2<T>(x.w, w.w, rstd));
+}
+
+// The 8 values of the row at column c, as T words (add_rms_norm makes its own in the kernel).
 template <typename T, Fp8Source S>
 __device__ __forceinline__ uint4 produce(const T* x, const T* second, int c, float rstd) {
   const uint4 raw = *reinterpret_cast<const uint4*>(x + c);
@@ -34,8 +42,7 @@ __device__ __forceinline__ uint4 produce(const T* x, const T* second, int c, flo
   } else {
     const uint4 s = *reinterpret_cast<const uint4*>(second + c);
     if constexpr (S == Fp8Source::kRmsNorm)
-      return make_uint4(rms_normed2<T>(raw.x, s.x, rstd), rms_normed2<T>(raw.y, s.y, rstd),
-                        rms_normed2<T>(raw.z, s.z, rstd), rms_normed2<T>(raw.w, s.w, rstd));
+      return rms_normed8<T>(raw, s, rstd);
     else
       return make_uint4(silu_mul2<T>(raw.x, s.x), silu_mul2<T>(raw.y, s.y), silu_mul2<T>(raw.z, s.z),
                         silu_mul2<T>(raw.w, s.w));
@@ -55,20 +62,37 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) fp8_quantize_kernel(const 
   const int row = blockIdx.x * kRowsPerBlock + (threadIdx.x >> 5);
   if (row >= a.rows) return;
   const int K = a.K;
-  const T* x = static_cast<const T*>(a.x) + static_cast<int64_t>(row) * a.x_ld;
+  T* x = static_cast<T*>(a.x) + static_cast<int64_t>(row) * a.x_ld;
   const T* second = static_cast<const T*>(a.second);
   if constexpr (S == Fp8Source::kSiluMul) second += static_cast<int64_t>(row) * a.second_ld;
 
+  uint4 values[kChunks];
   float rstd = 0.f;
   if constexpr (S == Fp8Source::kRmsNorm) rstd = warp_row_rstd(x, K, lane, a.eps);
+  if constexpr (S == Fp8Source::kAddRmsNorm) {
+    const T* delta = static_cast<const T*>(a.delta) + static_cast<int64_t>(row) * K;
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int c = (i * 32 + lane) * kVec;
+      if (c < K) {
+        values[i] = add8<T>(*reinterpret_cast<const uint4*>(x + c), *reinterpret_cast<const uint4*>(delta + c));
+        *reinterpret_cast<uint4*>(x + c) = values[i];
+        ss = add_squares8<T>(values[i], ss);
+      }
+    }
+    rstd = warp_rstd(ss, K, a.eps);
+  }
 
-  uint4 values[kChunks];
   float amax = 0.f;
 #pragma unroll
   for (int i = 0; i < kChunks; ++i) {
     const int c = (i * 32 + lane) * kVec;
     if (c < K) {
-      values[i] = produce<T, S>(x, second, c, rstd);
+      if constexpr (S == Fp8Source::kAddRmsNorm)
+        values[i] = rms_normed8<T>(values[i], *reinterpret_cast<const uint4*>(second + c), rstd);
+      else
+        values[i] = produce<T, S>(x, second, c, rstd);
       const uint32_t words[4] = {values[i].x, values[i].y, values[i].z, values[i].w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -122,6 +146,7 @@ cudaError_t launch_source(const Fp8QuantizeArgs& a, Fp8Source source, cudaStream
   switch (source) {
     case Fp8Source::kCopy: return launch_chunks<T, Fp8Source::kCopy>(a, stream);
     case Fp8Source::kRmsNorm: return launch_chunks<T, Fp8Source::kRmsNorm>(a, stream);
+    case Fp8Source::kAddRmsNorm: return launch_chunks<T, Fp8Source::kAddRmsNorm>(a, stream);
     case Fp8Source::kSiluMul: return launch_chunks<T, Fp8Source::kSiluMul>(a, stream);
   }
   return cudaErrorInvalidValue;

@@ -1,5 +1,6 @@
 // RMSNorm of rows (Qwen3's: y = T(w * T(x * rsqrt(mean(x^2) + eps))), float32 inside), for the paths whose
-// consumer is not a W4A4 linear (the bf16 engine's q/k/v and gate/up inputs, the final norm). torch runs
+// consumer is not a W4A4 linear (the bf16 engine's q/k/v and gate/up inputs, the final norm), optionally
+// after the block's residual add (x += delta, as torch's T(x + delta)). torch runs
 // it as a chain of elementwise and reduction kernels with float32 intermediates (bench/fused.py measures
 // both); this reads x once from memory and writes y once.
 // One warp per row, 16-byte accesses: the squares are summed on the first read, the second read of the
@@ -13,15 +14,30 @@ namespace {
 constexpr int kRowsPerBlock = 8;
 constexpr int kVec = 8;  // elements per 16-byte access
 
-template <typename T>
+// With delta (the residual add before the norm, kAdd): x + delta is written over x (one read of each, one
+// write) and normed; the second read of the row comes from L1/L2 as without it.
+template <typename T, bool kAdd>
 __global__ void __launch_bounds__(kRowsPerBlock * 32)
-    rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, int rows, int K, float eps) {
+    rms_norm_kernel(T* x, const T* __restrict__ delta, const T* __restrict__ w, T* __restrict__ y, int rows, int K,
+                    float eps) {
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * kRowsPerBlock + (threadIdx.x >> 5);
   if (row >= rows) return;
-  const T* xr = x + static_cast<int64_t>(row) * K;
+  T* xr = x + static_cast<int64_t>(row) * K;
   T* yr = y + static_cast<int64_t>(row) * K;
-  const float rstd = warp_row_rstd(xr, K, lane, eps);
+  float rstd;
+  if constexpr (kAdd) {
+    const T* dr = delta + static_cast<int64_t>(row) * K;
+    float ss = 0.f;
+    for (int c = lane * kVec; c < K; c += 32 * kVec) {
+      const uint4 sum = add8<T>(*reinterpret_cast<const uint4*>(xr + c), *reinterpret_cast<const uint4*>(dr + c));
+      *reinterpret_cast<uint4*>(xr + c) = sum;
+      ss = add_squares8<T>(sum, ss);
+    }
+    rstd = warp_rstd(ss, K, eps);
+  } else {
+    rstd = warp_row_rstd(xr, K, lane, eps);
+  }
   for (int c = lane * kVec; c < K; c += 32 * kVec) {
     const uint4 raw = *reinterpret_cast<const uint4*>(xr + c);
     const uint4 wraw = *reinterpret_cast<const uint4*>(w + c);
@@ -34,8 +50,14 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32)
 template <typename T>
 cudaError_t launch_typed(const RmsNormArgs& a, cudaStream_t stream) {
   const dim3 grid((a.rows + kRowsPerBlock - 1) / kRowsPerBlock);
-  rms_norm_kernel<T><<<grid, kRowsPerBlock * 32, 0, stream>>>(static_cast<const T*>(a.x), static_cast<const T*>(a.weight),
-                                                               static_cast<T*>(a.y), a.rows, a.K, a.eps);
+  T* x = static_cast<T*>(a.x);
+  const T* w = static_cast<const T*>(a.weight);
+  T* y = static_cast<T*>(a.y);
+  if (a.delta != nullptr)
+    rms_norm_kernel<T, true><<<grid, kRowsPerBlock * 32, 0, stream>>>(x, static_cast<const T*>(a.delta), w, y, a.rows,
+                                                                      a.K, a.eps);
+  else
+    rms_norm_kernel<T, false><<<grid, kRowsPerBlock * 32, 0, stream>>>(x, nullptr, w, y, a.rows, a.K, a.eps);
   return cudaGetLastError();
 }
 

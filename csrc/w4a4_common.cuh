@@ -162,23 +162,41 @@ __device__ __forceinline__ uint32_t rms_normed2(uint32_t x, uint32_t w, float rs
   return pack2<T>(wf.x * xn.x, wf.y * xn.y);
 }
 
+// Two elements of a residual add rounded as torch rounds it: T(a + b).
+template <typename T>
+__device__ __forceinline__ uint32_t add2(uint32_t a, uint32_t b) {
+  const float2 af = unpack2<T>(a), bf = unpack2<T>(b);
+  return pack2<T>(af.x + bf.x, af.y + bf.y);
+}
+template <typename T>
+__device__ __forceinline__ uint4 add8(uint4 a, uint4 b) {
+  return make_uint4(add2<T>(a.x, b.x), add2<T>(a.y, b.y), add2<T>(a.z, b.z), add2<T>(a.w, b.w));
+}
+// ss plus the squares of 8 T values, in the order warp_row_rstd sums them.
+template <typename T>
+__device__ __forceinline__ float add_squares8(uint4 v, float ss) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = unpack2<T>(words[j]);
+    ss = fmaf(f.y, f.y, fmaf(f.x, f.x, ss));
+  }
+  return ss;
+}
+// rsqrt(mean(x^2) + eps) from one lane's sum of squares, the warp adding the lanes' sums.
+__device__ __forceinline__ float warp_rstd(float ss, int K, float eps) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+  return rsqrtf(ss * (1.0f / static_cast<float>(K)) + eps);
+}
+
 // rsqrt(mean(x^2) + eps) of a row of K T values (K a multiple of 8, 16-byte aligned), one warp per row:
 // each lane sums the squares of its 16-byte pieces in order, then the warp adds the lanes' sums.
 template <typename T>
 __device__ __forceinline__ float warp_row_rstd(const T* x, int K, int lane, float eps) {
   float ss = 0.f;
-  for (int c = lane * 8; c < K; c += 32 * 8) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(x + c);
-    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 v = unpack2<T>(words[j]);
-      ss = fmaf(v.y, v.y, fmaf(v.x, v.x, ss));
-    }
-  }
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
-  return rsqrtf(ss * (1.0f / static_cast<float>(K)) + eps);
+  for (int c = lane * 8; c < K; c += 32 * 8) ss = add_squares8<T>(*reinterpret_cast<const uint4*>(x + c), ss);
+  return warp_rstd(ss, K, eps);
 }
 
 }  // namespace w4a4

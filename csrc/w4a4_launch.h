@@ -77,7 +77,8 @@ struct QkNormRopeArgs {
 
 // Row RMSNorm (csrc/rms_norm.cu): K a multiple of 8, every pointer 16-byte aligned.
 struct RmsNormArgs {
-  const void* x;       // [rows, K] contiguous
+  void* x;             // [rows, K] contiguous; with delta, x + delta is written over it before the norm
+  const void* delta;   // [rows, K] contiguous, or nullptr
   const void* weight;  // [K]
   void* y;             // [rows, K] contiguous
   int rows, K;
@@ -96,18 +97,19 @@ struct SiluMulArgs {
 };
 
 // Row-wise e4m3 quantization of an FP8 linear's input in the kernel that produces it (csrc/fp8_quantize.cu).
-enum class Fp8Source { kCopy, kRmsNorm, kSiluMul };
+enum class Fp8Source { kCopy, kRmsNorm, kAddRmsNorm, kSiluMul };
 constexpr float kFp8MinAmax = 1e-12f;  // a row of zeros gets this tiny scale, not 0 (its codes are 0 either way)
 constexpr int kFp8MaxK = 3072;         // a row is held in registers: 12 16-byte pieces per lane of a warp
 struct Fp8QuantizeArgs {
-  const void* x;        // [rows, K], rows x_ld elements apart (silu_mul: gate)
-  int64_t x_ld;
-  const void* second;   // rms_norm: the norm weight [K]; silu_mul: up [rows, K], rows second_ld apart
+  void* x;              // [rows, K], rows x_ld elements apart (silu_mul: gate); add_rms_norm writes x + delta
+  int64_t x_ld;         //   over it, then norms that
+  const void* delta;    // add_rms_norm: [rows, K] contiguous
+  const void* second;   // (add_)rms_norm: the norm weight [K]; silu_mul: up [rows, K], rows second_ld apart
   int64_t second_ld;
   void* q;              // [rows, K] e4m3 codes, contiguous
   float* scale;         // [rows]
   int rows, K;          // K a multiple of 8, at most kFp8MaxK; pointers and row strides 16-byte aligned
-  float eps;            // rms_norm only
+  float eps;            // (add_)rms_norm only
   bool bf16;            // else fp16; x and second have this dtype
 };
 

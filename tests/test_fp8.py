@@ -150,16 +150,28 @@ def test_quantize_kernels_equal_the_reference_bit_for_bit(dtype, m, k):
         want = quantize_rows(values)
         assert torch.equal(got[1], want[1]), "scales differ"
         assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), "codes differ"
+    delta = torch.randn(m, k, generator=g, device="cuda").to(dtype)
+    stream, summed = x.clone(), x + delta
+    got = ops.add_rms_norm_fp8(stream, delta, w, 1e-6)
+    assert torch.equal(stream, summed), "x must hold x + delta"
+    want = quantize_rows(ops.rms_norm(summed, w, 1e-6))
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+
     gate_up = torch.randn(m, 2 * k, generator=g, device="cuda").to(dtype)
     gate, up = gate_up.split(k, dim=-1)  # strided rows, as a merged gate/up output's halves
     got = ops.silu_mul_fp8(gate, up)
     want = quantize_rows(ops.silu_mul(gate, up))
     assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
 
-    real = [ops.fp8_quantize(x), ops.rms_norm_fp8(x, w, 1e-6), got]
+    real = [ops.fp8_quantize(x), ops.rms_norm_fp8(x, w, 1e-6), ops.add_rms_norm_fp8(x, delta, w, 1e-6), got]
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:  # the fakes give the kernels' shapes
-        fx, fw, fgate, fup = (mode.from_tensor(t) for t in (x, w, gate, up))
-        fake = [ops.fp8_quantize(fx), ops.rms_norm_fp8(fx, fw, 1e-6), ops.silu_mul_fp8(fgate, fup)]
+        fx, fw, fd, fgate, fup = (mode.from_tensor(t) for t in (x, w, delta, gate, up))
+        fake = [
+            ops.fp8_quantize(fx),
+            ops.rms_norm_fp8(fx, fw, 1e-6),
+            ops.add_rms_norm_fp8(fx, fd, fw, 1e-6),
+            ops.silu_mul_fp8(fgate, fup),
+        ]
     for f, r in zip(fake, real, strict=True):
         assert [(t.shape, t.dtype) for t in f] == [(t.shape, t.dtype) for t in r]
 
@@ -193,13 +205,20 @@ def test_fused_fp8_paths_equal_the_unfused_ones():
     unfused = prepare_for_inference(
         backbone_to_fp8(small_model(hidden=256).to("cuda", torch.bfloat16)), FastPaths(fused_kernels=False)
     )
-    x = torch.randn(333, 256, generator=g, device="cuda", dtype=torch.bfloat16)
+    x, delta = (torch.randn(333, 256, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     a, b = fused.llm.layers[0], unfused.llm.layers[0]
-    norm = a.post_attention_layernorm
-    assert rel_err(a.mlp(x, norm), b.mlp(x, b.post_attention_layernorm)) < 2e-2
-    q, _, _ = a.self_attn.project(x, a.input_layernorm)
-    q_ref, _, _ = b.self_attn.project(x, b.input_layernorm)
-    assert rel_err(q, q_ref) < 2e-2
+    for pending in (None, delta):  # with a delta the norm kernel adds the previous block's output first
+        x_a, x_b = x.clone(), x.clone()
+        h, h_ref = (
+            a.mlp(x_a, pending, a.post_attention_layernorm),
+            b.mlp(x_b, pending, b.post_attention_layernorm),
+        )
+        assert torch.equal(x_a, x_b) and torch.equal(h[0], x_a)
+        assert rel_err(h[1], h_ref[1]) < 2e-2
+        x_a, x_b = x.clone(), x.clone()
+        q, _, _ = a.self_attn.project(x_a, a.input_layernorm, pending)
+        q_ref, _, _ = b.self_attn.project(x_b, b.input_layernorm, pending)
+        assert torch.equal(x_a, x_b) and rel_err(q, q_ref) < 2e-2
 
 
 FULL_SIZE = dict(

@@ -10,7 +10,7 @@ import torch
 from engine.config import EngineConfig, FastPaths
 from engine.errors import InputError
 from engine.kernels.fused import fused_ops
-from engine.loading import load_model
+from engine.loading import backbone_to_fp8, load_model
 from engine.model import DenseLinear
 from engine.model.layers import RMSNorm
 from engine.quantizer.rtn import w4a4_copy
@@ -55,8 +55,17 @@ def test_projections_are_merged_once_at_load_with_the_same_outputs(tmp_path):
     torch.testing.assert_close(q, ref.q_proj(norm(x)), rtol=0, atol=1e-5)
     torch.testing.assert_close(v, ref.v_proj(norm(x)), rtol=0, atol=1e-5)
     torch.testing.assert_close(
-        mlp(x, norm), apart.llm.layers[0].mlp(x, norm), rtol=0, atol=1e-5
+        stream(mlp(x.clone(), None, norm)),
+        stream(apart.llm.layers[0].mlp(x.clone(), None, norm)),
+        rtol=0,
+        atol=1e-5,
     )  # fp32 on the CPU: one GEMM or three differ only in summation order
+
+
+def stream(pair):
+    """The residual stream x + delta a block hands on as (x, delta)."""
+    x, delta = pair
+    return x if delta is None else x + delta
 
 
 def test_dense_merge_keeps_biases_and_declines_mixed_inputs():
@@ -120,3 +129,25 @@ def test_w4a4_group_on_the_reference_runs_its_members_one_by_one(tmp_path):
     assert torch.equal(group(x), torch.cat([m(x) for m in members], dim=-1))
     norm = layer.input_layernorm
     assert torch.equal(group.forward_normed(x, norm), torch.cat([m(norm(x)) for m in members], dim=-1))
+
+
+@pytest.mark.parametrize("precision", ("dense", "fp8", "w4a4"))
+@pytest.mark.parametrize("grouped", (False, True))
+def test_a_pending_residual_add_lands_in_x_before_the_norm(precision, grouped, tmp_path):
+    """forward_normed / forward_swiglu with delta (the previous block's output not yet added): x + delta is
+    written over x, and the result is the Linear of norm(x + delta), as the torch composition gives it."""
+    _, model = load_model(ensure_tiny_checkpoint(tmp_path), fast_paths=FastPaths(grouped_projections=grouped))
+    model = {"dense": lambda m: m, "fp8": backbone_to_fp8, "w4a4": w4a4_copy}[precision](model)
+    layer = model.llm.layers[0]
+    attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
+    linear = attn.qkv_proj if grouped else attn.q_proj
+    g = torch.Generator().manual_seed(1)
+    x, delta = (torch.randn(7, linear.in_features, generator=g) for _ in range(2))
+    stream = x.clone()
+    assert torch.equal(linear.forward_normed(stream, norm, delta), linear(norm(x + delta)))
+    assert torch.equal(stream, x + delta)
+    if grouped:
+        stream = x.clone()
+        want = mlp.down_proj(mlp.gate_up_proj.forward_swiglu(x + delta, norm))  # fp8 hands on codes
+        assert torch.equal(mlp.down_proj(mlp.gate_up_proj.forward_swiglu(stream, norm, delta)), want)
+        assert torch.equal(stream, x + delta)

@@ -138,6 +138,32 @@ def test_rms_norm_matches_torch(m, dtype, k):
 
 @pytest.mark.parametrize("m", (*ODD_M, 17001))
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", (64, 1024, 1032))
+def test_add_rms_norm_equals_the_add_then_the_norm_kernel(m, dtype, k):
+    """The residual add inside the norm: x + delta written over x as torch's add rounds it, and the norm of
+    that bit for bit as the plain norm kernel gives it (the same summation order)."""
+    g = fresh_generator()
+    x, delta = residual_stream(m, k, dtype, g), residual_stream(m, k, dtype, g)
+    norm = random_norm(k, dtype, g)
+    summed = x + delta
+    want = kops.load().rms_norm(summed, norm.weight, norm.eps)
+    poison(((m, k), dtype))
+    got = kops.load().add_rms_norm(x, delta, norm.weight, norm.eps)
+    torch.cuda.synchronize()
+    assert torch.equal(x, summed), "x must hold x + delta"
+    assert torch.equal(got, want)
+
+
+def test_add_rms_norm_rejects_a_delta_of_another_shape():
+    x = torch.ones(4, 64, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"delta \[3, 64\] must have x's shape \[4, 64\]"):
+        kops.load().add_rms_norm(x, x[:3].clone(), x[0], 1e-6)
+    with pytest.raises(RuntimeError, match="delta must be contiguous"):
+        kops.load().add_rms_norm(x[:, :32], x[:, 32:], x[0, :32], 1e-6)
+
+
+@pytest.mark.parametrize("m", (*ODD_M, 17001))
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_equals_torch(m, dtype):
     g = fresh_generator()
     gate, up = (random_activations(m, 3072, dtype, g) * 0.3 for _ in range(2))

@@ -4,7 +4,8 @@ On CUDA the GEMM is cuBLASLt's row-wise scaled FP8 GEMM (torch._scaled_mm, fp32 
 out, the bias in its epilogue), and the activations are quantized by the kernel that produces them
 (csrc/fp8_quantize.cu): RMSNorm -> codes for q/k/v and gate/up, silu(gate) * up -> codes for down_proj,
 and a copy pass for o_proj (the attention kernel is a library's). Elsewhere, or with the fused kernels off,
-the same numerics run in torch.
+the same numerics run in torch. The block's residual add runs in the next norm's kernel (RMSNorm -> codes
+after x + delta).
 
 A merged (gate, up) Fp8Linear hands down_proj its output already quantized (Fp8Activation): every backbone
 Linear of an fp8 model is an Fp8Linear (engine/loading.py), so down_proj accepts it.
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from engine.fp8.reference import E4M3, KERNEL_MAX_K, fp8_matmul_reference, quantize_rows
 from engine.kernels.fused import fused_ops
-from engine.model.layers import silu_mul
+from engine.model.layers import fits_row_kernels, silu_mul
 from engine.model.linear import DenseLinear, Linear, QuantizedLinear
 
 
@@ -92,16 +93,21 @@ class Fp8Linear(QuantizedLinear):
         y = y.view(*a.lead, self.out_features)
         return y if residual is None else residual + y
 
-    def forward_normed(self, x: Tensor, norm) -> Tensor:
+    def forward_normed(self, x: Tensor, norm, delta: Tensor | None = None) -> Tensor:
         ops = self._kernels(x)
-        if ops is None or norm.weight.dtype != x.dtype:
-            return self(norm(x))
-        q, scale = ops.rms_norm_fp8(_rows(x), norm.weight, norm.eps)
+        if ops is None or norm.weight.dtype != x.dtype or not all(map(fits_row_kernels, (x, delta))):
+            return self(norm(x, delta))
+        rows = x.view(-1, x.shape[-1])
+        if delta is None:
+            q, scale = ops.rms_norm_fp8(rows, norm.weight, norm.eps)
+        else:
+            q, scale = ops.add_rms_norm_fp8(rows, delta.view(rows.shape), norm.weight, norm.eps)
         return self(Fp8Activation(q, scale, tuple(x.shape[:-1]), x.dtype))
 
-    def forward_swiglu(self, x: Tensor, norm) -> Fp8Activation:
-        """silu(gate) * up of norm(x), quantized for down_proj (by the silu_mul kernel on CUDA)."""
-        gate, up = self.forward_normed(x, norm).split(self.splits, dim=-1)
+    def forward_swiglu(self, x: Tensor, norm, delta: Tensor | None = None) -> Fp8Activation:
+        """silu(gate) * up of norm(x) (x + delta as forward_normed), quantized for down_proj (by the silu_mul
+        kernel on CUDA)."""
+        gate, up = self.forward_normed(x, norm, delta).split(self.splits, dim=-1)
         ops = self._kernels(gate)
         lead = tuple(gate.shape[:-1])
         if ops is not None:

@@ -83,10 +83,14 @@ def load() -> object:
     torch.library.register_fake("ovbatch_w4a4::rmsnorm_quantize_act_lora_down")(_fake_rmsnorm_quantize)
     torch.library.register_fake("ovbatch_w4a4::qk_norm_rope")(_fake_qk_norm_rope)
     torch.library.register_fake("ovbatch_w4a4::rms_norm")(lambda x, weight, eps: x.new_empty(x.shape))
+    torch.library.register_fake("ovbatch_w4a4::add_rms_norm")(
+        lambda x, delta, weight, eps: x.new_empty(x.shape)
+    )
     torch.library.register_fake("ovbatch_w4a4::silu_mul")(lambda gate, up: gate.new_empty(gate.shape))
     torch.library.register_fake("ovbatch_w4a4::gemm_lora_up")(_fake_gemm)
     torch.library.register_fake("ovbatch_w4a4::w4a4_linear")(_fake_linear)
     torch.library.register_fake("ovbatch_w4a4::fp8_quantize")(_fake_fp8_rows)
     torch.library.register_fake("ovbatch_w4a4::rms_norm_fp8")(lambda x, weight, eps: _fake_fp8_rows(x))
+    torch.library.register_fake("ovbatch_w4a4::add_rms_norm_fp8")(lambda x, delta, w, eps: _fake_fp8_rows(x))
     torch.library.register_fake("ovbatch_w4a4::silu_mul_fp8")(lambda gate, up: _fake_fp8_rows(gate))
     return torch.ops.ovbatch_w4a4

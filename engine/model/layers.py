@@ -30,12 +30,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.fused = True
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, delta: Tensor | None = None) -> Tensor:
+        """norm(x); with delta, the block's residual add first: x + delta is written over x and normed."""
         k = x.shape[-1]
         ops = fused_ops(x) if self.fused else None
-        if ops is None or k % 8 or self.weight.dtype != x.dtype or not x.is_contiguous() or x.data_ptr() % 16:
+        if ops is None or k % 8 or self.weight.dtype != x.dtype or not all(map(fits_row_kernels, (x, delta))):
+            if delta is not None:
+                x.add_(delta)
             return rms_norm(x, self.weight, self.eps)
-        return ops.rms_norm(x.view(-1, k), self.weight, self.eps).view(x.shape)
+        if delta is None:
+            return ops.rms_norm(x.view(-1, k), self.weight, self.eps).view(x.shape)
+        return ops.add_rms_norm(x.view(-1, k), delta.view(-1, k), self.weight, self.eps).view(x.shape)
+
+
+def fits_row_kernels(t: Tensor | None) -> bool:
+    """Whether a row kernel can read t as contiguous rows with 16-byte accesses (None: nothing to read)."""
+    return t is None or (t.is_contiguous() and t.data_ptr() % 16 == 0)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -104,7 +114,8 @@ class SiblingBlock(nn.Module):
 
 
 class SwiGLU(SiblingBlock):
-    """The MLP block with its residual: x + down(silu(gate(h)) * up(h)) for h = norm(x)."""
+    """The MLP block with its residual: x + down(silu(gate(h)) * up(h)) for h = norm(x), x the residual
+    stream (x + delta when the previous block left its add to this block's norm)."""
 
     SIBLINGS, MERGED = ("gate_proj", "up_proj"), "gate_up_proj"
 
@@ -116,11 +127,11 @@ class SwiGLU(SiblingBlock):
         self.gate_up_proj = None
         self.fused = True
 
-    def forward(self, x: Tensor, norm: RMSNorm) -> Tensor:
+    def forward(self, x: Tensor, delta: Tensor | None, norm: RMSNorm) -> tuple[Tensor, Tensor | None]:
+        """The residual stream after the block, as Linear.forward_residual returns it."""
         if self.gate_up_proj is not None:
-            h = self.gate_up_proj.forward_swiglu(x, norm)
+            h = self.gate_up_proj.forward_swiglu(x, norm, delta)
         else:
-            h = silu_mul(
-                self.gate_proj.forward_normed(x, norm), self.up_proj.forward_normed(x, norm), self.fused
-            )
-        return self.down_proj(h, residual=x)
+            gate = self.gate_proj.forward_normed(x, norm, delta)  # x + delta is in x from here on
+            h = silu_mul(gate, self.up_proj.forward_normed(x, norm), self.fused)
+        return self.down_proj.forward_residual(h, x)

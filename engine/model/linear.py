@@ -3,8 +3,8 @@
 engine/loading.py decides each Linear's implementation when it loads a checkpoint (DenseLinear here,
 W4A4Linear in engine/w4a4/linear.py), and merges the Linears that read one input (q/k/v, gate/up) into
 one with `merge`. The model calls only the methods below. An implementation overrides those it can run
-faster: the input's RMSNorm inside its activation quantization, the residual add in its GEMM's epilogue,
-silu(gate) * up written by the GEMM itself.
+faster: the input's RMSNorm inside its activation quantization, the residual add in its GEMM's epilogue
+(else the next RMSNorm adds it), silu(gate) * up written by the GEMM itself.
 """
 
 from __future__ import annotations
@@ -29,14 +29,19 @@ class Linear(nn.Module):
         """x W^T, plus `residual` (the output's shape) when given."""
         raise NotImplementedError
 
-    def forward_normed(self, x: Tensor, norm: RMSNorm) -> Tensor:
-        """self(norm(x))."""
-        return self(norm(x))
+    def forward_normed(self, x: Tensor, norm: RMSNorm, delta: Tensor | None = None) -> Tensor:
+        """self(norm(x)); with delta, of norm(x + delta), x + delta written over x (RMSNorm.forward)."""
+        return self(norm(x, delta))
 
-    def forward_swiglu(self, x: Tensor, norm: RMSNorm) -> Tensor:
-        """silu(gate) * up for a merged (gate, up) Linear on norm(x)."""
-        gate, up = self.forward_normed(x, norm).split(self.splits, dim=-1)
+    def forward_swiglu(self, x: Tensor, norm: RMSNorm, delta: Tensor | None = None) -> Tensor:
+        """silu(gate) * up for a merged (gate, up) Linear on norm(x) (x + delta as forward_normed)."""
+        gate, up = self.forward_normed(x, norm, delta).split(self.splits, dim=-1)
         return silu_mul(gate, up, self.fused)
+
+    def forward_residual(self, h: Tensor, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The residual stream x + self(h) as a block hands it on: (x, self(h)), the add left to the next
+        norm's kernel (RMSNorm.forward's delta), or (x + self(h), None) where the GEMM adds it itself."""
+        return x, self(h)
 
     @classmethod
     def merge(cls, linears: list[Linear]) -> Linear | None:

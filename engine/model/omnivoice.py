@@ -54,18 +54,27 @@ class SelfAttention(SiblingBlock):
         self.qkv_proj = None  # q/k/v as one Linear, where merge_projections could merge them
         self.fused = True
 
-    def project(self, x: Tensor, norm: RMSNorm) -> list[Tensor]:
-        """q, k and v of norm(x)."""
+    def project(self, x: Tensor, norm: RMSNorm, delta: Tensor | None = None) -> list[Tensor]:
+        """q, k and v of norm(x); with delta, of norm(x + delta), x + delta written over x."""
         if self.qkv_proj is not None:
-            return list(self.qkv_proj.forward_normed(x, norm).split(self.qkv_proj.splits, dim=-1))
-        return [linear.forward_normed(x, norm) for linear in (self.q_proj, self.k_proj, self.v_proj)]
+            return list(self.qkv_proj.forward_normed(x, norm, delta).split(self.qkv_proj.splits, dim=-1))
+        q = self.q_proj.forward_normed(x, norm, delta)  # x + delta is in x from here on
+        return [q, self.k_proj.forward_normed(x, norm), self.v_proj.forward_normed(x, norm)]
 
     def forward(
-        self, x: Tensor, norm: RMSNorm, cos: Tensor, sin: Tensor, batch: PackedBatch, attend
-    ) -> Tensor:
-        """The attention block with its residual: x + o_proj(attention over norm(x))."""
+        self,
+        x: Tensor,
+        delta: Tensor | None,
+        norm: RMSNorm,
+        cos: Tensor,
+        sin: Tensor,
+        batch: PackedBatch,
+        attend,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The attention block with its residual: x + o_proj(attention over norm(x)), x the residual stream
+        (x + delta when the previous block left its add to this norm), handed on as forward_residual does."""
         t, d = x.shape[0], self.head_dim
-        q, k, v = self.project(x, norm)
+        q, k, v = self.project(x, norm, delta)
         q, k = qk_norm_rope(
             q.view(t, self.num_heads, d),
             k.view(t, self.num_kv_heads, d),
@@ -77,7 +86,7 @@ class SelfAttention(SiblingBlock):
         )
         v = v.view(t, self.num_kv_heads, d)
         out = attend(q, k, v, batch.cu_seqlens, batch.max_seqlen)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim), residual=x)
+        return self.o_proj.forward_residual(out.reshape(t, self.num_heads * self.head_dim), x)
 
 
 class DecoderLayer(nn.Module):
@@ -89,9 +98,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(f"{prefix}.mlp", cfg.hidden_size, cfg.intermediate_size, linear_factory)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: PackedBatch, attend) -> Tensor:
-        x = self.self_attn(x, self.input_layernorm, cos, sin, batch, attend)
-        return self.mlp(x, self.post_attention_layernorm)
+    def forward(
+        self, x: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor, batch: PackedBatch, attend
+    ) -> tuple[Tensor, Tensor | None]:
+        """The residual stream after the layer, as (x, delta) for x + delta (delta None: nothing pending)."""
+        x, delta = self.self_attn(x, delta, self.input_layernorm, cos, sin, batch, attend)
+        return self.mlp(x, delta, self.post_attention_layernorm)
 
 
 class Qwen3Backbone(nn.Module):
@@ -109,9 +121,10 @@ class Qwen3Backbone(nn.Module):
     def forward(self, x: Tensor, batch: PackedBatch, attend) -> Tensor:
         """Hidden states [T, H] before the final norm."""
         cos, sin = rope_cos_sin(batch.position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        delta = None  # a block's output not yet added to x: the next norm adds it in its kernel
         for layer in self.layers:
-            x = layer(x, cos, sin, batch, attend)
-        return x
+            x, delta = layer(x, delta, cos, sin, batch, attend)
+        return x if delta is None else x + delta
 
 
 class OmniVoiceModel(nn.Module):

@@ -66,10 +66,12 @@ class _Prepared(nn.Module):
 
         return fused_ops(x) is not None
 
-    def _normed(self, x: Tensor, norm, backend, packed) -> Tensor:
+    def _normed(self, x: Tensor, norm, backend, packed, delta: Tensor | None) -> Tensor:
         if self._fuses(x, backend.has_fused_rmsnorm):
+            if delta is not None:
+                x.add_(delta)
             return backend.forward_rmsnorm(x, norm.weight, norm.eps, packed)
-        return backend.forward(norm(x), packed)
+        return backend.forward(norm(x, delta), packed)
 
 
 class W4A4Linear(_Prepared, QuantizedLinear):
@@ -126,8 +128,14 @@ class W4A4Linear(_Prepared, QuantizedLinear):
             return backend.forward(x, packed, residual=residual)  # added in the GEMM's epilogue
         return residual + backend.forward(x, packed)
 
-    def forward_normed(self, x: Tensor, norm) -> Tensor:
-        return self._normed(x, norm, *self._layer(x))
+    def forward_normed(self, x: Tensor, norm, delta: Tensor | None = None) -> Tensor:
+        return self._normed(x, norm, *self._layer(x), delta)
+
+    def forward_residual(self, h: Tensor, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        backend, _ = self._layer(h)
+        if self._fuses(h, backend.has_fused_residual):
+            return self(h, residual=x), None  # added in the GEMM's epilogue
+        return super().forward_residual(h, x)
 
     @classmethod
     def merge(cls, linears: list[Linear]) -> W4A4Group | None:
@@ -175,18 +183,20 @@ class W4A4Group(_Prepared, Linear):
         y = torch.cat([m(x) for m in self.members], dim=-1) if packed is None else backend.forward(x, packed)
         return y if residual is None else residual + y
 
-    def forward_normed(self, x: Tensor, norm) -> Tensor:
+    def forward_normed(self, x: Tensor, norm, delta: Tensor | None = None) -> Tensor:
         backend, packed = self._group(x)
         if packed is None:
-            return torch.cat([m.forward_normed(x, norm) for m in self.members], dim=-1)
-        return self._normed(x, norm, backend, packed)
+            first, *rest = self.members
+            outputs = [first.forward_normed(x, norm, delta)]  # x + delta is in x from here on
+            return torch.cat(outputs + [m.forward_normed(x, norm) for m in rest], dim=-1)
+        return self._normed(x, norm, backend, packed, delta)
 
-    def forward_swiglu(self, x: Tensor, norm) -> Tensor:
+    def forward_swiglu(self, x: Tensor, norm, delta: Tensor | None = None) -> Tensor:
         if self.swiglu_gemm and len(self.members) == 2 and self._fuses(x, True):
             backend, packed = self._get_packed("swiglu", x, self._prepare_swiglu)
             if packed is not None:
-                return self._normed(x, norm, backend, packed)
-        return super().forward_swiglu(x, norm)
+                return self._normed(x, norm, backend, packed, delta)
+        return super().forward_swiglu(x, norm, delta)
 
     def _prepare_swiglu(self, backend):
         prepare = getattr(backend, "prepare_swiglu", None)
