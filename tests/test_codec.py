@@ -1,9 +1,15 @@
+"""Our codec: layout, parity with transformers' HiggsAudioV2TokenizerModel (the reference the official
+OmniVoice runs; a test dependency only), batching, bad input, checkpoints. Module-level parity of the
+DAC, HuBERT and config parts: tests/test_codec_modules.py."""
+
 import hashlib
 import importlib.util
 import json
 import math
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +19,7 @@ from transformers import HiggsAudioV2TokenizerConfig
 
 from engine.codec import Codec
 from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG, training_only_shapes
+from engine.codec.config import CodecConfig
 from engine.errors import CheckpointError, InputError
 from engine.resample import resample
 from engine.tiny.codec import write_tiny_codec
@@ -58,11 +65,16 @@ def reference_model_class():
     return sys.modules[name].HiggsAudioV2TokenizerModel
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_dir, codec):
-    model = reference_model_class()(codec.config)
-    model.load_state_dict(load_file(tiny_dir / "model.safetensors"), strict=True)
+def reference_from_dir(folder):
+    config = HiggsAudioV2TokenizerConfig.from_dict(json.loads((folder / "config.json").read_text()))
+    model = reference_model_class()(config)
+    model.load_state_dict(load_file(folder / "model.safetensors"), strict=True)
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    return reference_from_dir(tiny_dir)
 
 
 def clips(seed: int, lengths: list[int]) -> list[torch.Tensor]:
@@ -105,10 +117,14 @@ def test_tiny_codec_output_follows_its_input(codec):
     assert (audio[0] - audio[1]).abs().max().item() > 0.1
 
 
-def test_real_size_has_the_official_tensor_names():
-    cfg = HiggsAudioV2TokenizerConfig.from_dict(OMNIVOICE_CODEC_CONFIG)
+def test_real_size_has_the_official_tensor_names_and_shapes():
+    cfg = CodecConfig.from_dict(OMNIVOICE_CODEC_CONFIG)
     with torch.device("meta"):
-        names = set(Codec(cfg).state_dict()) | set(training_only_shapes(cfg))
+        ours = {k: tuple(v.shape) for k, v in Codec(cfg).state_dict().items()} | training_only_shapes(cfg)
+        config = HiggsAudioV2TokenizerConfig.from_dict(OMNIVOICE_CODEC_CONFIG)
+        theirs = {k: tuple(v.shape) for k, v in reference_model_class()(config).state_dict().items()}
+    assert ours == theirs
+    names = set(ours)
     assert len(names) == 527  # tensors in OmniVoice's audio_tokenizer/model.safetensors
     assert {
         "acoustic_encoder.block.4.conv1.weight",
@@ -134,6 +150,8 @@ def test_tiny_file_has_exactly_transformers_names(tiny_dir, reference):
 
 
 def test_codes_and_audio_match_transformers(codec, reference):
+    """Equal codes and bit-for-bit equal decoded audio: one clip at a time the codec runs the reference's
+    operations in the reference's order (CPU, float32)."""
     # multiples of the hop (as OmniVoice trims references), odd lengths (the padded acoustic path), short
     for wav in clips(1, [HOP * 5, HOP * 23, HOP * 14 + 17, 24000 + 480, 1000]):
         with torch.no_grad():
@@ -144,7 +162,7 @@ def test_codes_and_audio_match_transformers(codec, reference):
             want_audio = reference.decode(want[None], return_dict=False)[0, 0]
         got_audio = codec.decode([want])[0]
         assert got_audio.shape == want_audio.shape == (want.shape[1] * HOP,)
-        assert (got_audio - want_audio).abs().max().item() <= 1e-4
+        assert torch.equal(got_audio, want_audio)
 
 
 # ------------------------------------------------------------------------------------------ batching
@@ -161,9 +179,9 @@ def test_batched_semantic_features_equal_each_clip_alone(codec):
     """HuBERT runs the clips as one padded batch: each clip's features are its solo features up to
     summation order (1e-5 absolute on features of magnitude ~3; a GroupNorm over the padding would be off
     by 0.5-2.7 here)."""
-    from engine.codec.semantic import LengthAwareGroupNorm, semantic_features
+    from engine.codec.semantic import semantic_features
 
-    assert isinstance(codec.semantic_model.feature_extractor.conv_layers[0].layer_norm, LengthAwareGroupNorm)
+    assert isinstance(codec.semantic_model.feature_extractor.conv_layers[0].layer_norm, torch.nn.GroupNorm)
     wavs = clips(5, [HOP * 12, HOP * 3, HOP * 20, 24000 + 333, HOP * 2])
     with torch.inference_mode():
         batched = semantic_features(codec.semantic_model, wavs, codec.config)
@@ -290,11 +308,82 @@ def test_identity_tracks_weights_and_dtype(tiny_dir, tmp_path, codec):
     assert rebuilt.identity == codec.identity
 
 
+DROP = object()
+
+
+def test_config_errors_name_the_field_and_the_file(tiny_dir, tmp_path):
+    config = json.loads((tiny_dir / "config.json").read_text())
+    acoustic, semantic = "acoustic_model_config", "semantic_model_config"
+    cases = [  # (section or None for the top level, key, new value or DROP, the message)
+        (semantic, "conv_kernel", DROP, "semantic_model_config.conv_kernel is missing"),
+        (None, "codebook_size", DROP, "codebook_size is missing"),
+        (None, "kernel_size", "3", "kernel_size must be a positive integer, got '3'"),
+        (None, "strides", [1, 0], "strides must be a non-empty list of positive integers"),
+        (None, "target_bandwidths", [], "target_bandwidths must be a non-empty list of positive numbers"),
+        (semantic, "layer_norm_eps", True, "layer_norm_eps must be a positive number, got True"),
+        (semantic, "conv_bias", "no", "conv_bias must be true or false"),
+        (acoustic, "model_type", "encodec", "acoustic_model_config.model_type is 'encodec', expected 'dac'"),
+        (None, semantic, [], "semantic_model_config must be a JSON object"),
+        (semantic, "hidden_act", "relu", "hidden_act is 'relu'; this codec implements 'gelu' only"),
+        (semantic, "feat_extract_norm", "batch", "'group' or 'layer' only"),
+        (semantic, "do_stable_layer_norm", True, "do_stable_layer_norm is true"),
+        (semantic, "conv_pos_batch_norm", True, "conv_pos_batch_norm is true"),
+        (semantic, "conv_stride", [5, 2], "one entry per feature-extractor layer"),
+        (semantic, "num_attention_heads", 3, "hidden_size 32 is not a multiple of num_attention_heads 3"),
+        (acoustic, "upsampling_ratios", [8, 5, 4, 2], "upsample by 320, but .* hop of 960"),
+        (None, "target_bandwidths", [0.1], "leave no codebook"),
+        (None, "channel_ratios", [1], "differ in length"),
+    ]
+    for i, (section, key, value, message) in enumerate(cases):
+        bad = json.loads(json.dumps(config))
+        target = bad if section is None else bad[section]
+        if value is DROP:
+            del target[key]
+        else:
+            target[key] = value
+        folder = _copy(tiny_dir, tmp_path / f"case{i}", config=json.dumps(bad))
+        with pytest.raises(CheckpointError, match=f"{folder / 'config.json'}: .*{message}"):
+            Codec.from_dir(folder)
+
+
+def test_folder_saved_by_transformers_loads(reference, codec, tmp_path):
+    """save_pretrained writes every config key transformers knows (dropouts, DAC's quantizer, ...): our
+    reader takes what it needs and the codec is the same."""
+    reference.save_pretrained(tmp_path)
+    assert "vocab_size" in json.loads((tmp_path / "config.json").read_text())["semantic_model_config"]
+    saved = Codec.from_dir(tmp_path)
+    assert saved.config == codec.config
+    wav = clips(12, [HOP * 6])
+    assert torch.equal(saved.encode(wav)[0], codec.encode(wav)[0])
+
+
 def test_inconsistent_frame_rates_are_refused(tiny_dir, tmp_path):
     config = json.loads((tiny_dir / "config.json").read_text())
     config["acoustic_model_config"]["downsampling_ratios"] = [8, 5, 4, 2]
     with pytest.raises(CheckpointError, match="75 frames/s.*50 frames/s"):
         Codec.from_dir(_copy(tiny_dir, tmp_path / "rates", config=json.dumps(config)))
+
+
+# ------------------------------------------------------------------------------------ import weight
+
+
+def test_engine_and_codec_run_without_transformers(tiny_dir):
+    """transformers takes seconds to import (torch._dynamo, sklearn, ...): the engine and the codec must
+    not pull it in. A fresh interpreter imports engine.api, loads the codec, encodes and decodes."""
+    script = (
+        "import sys, torch, engine.api\n"
+        "from engine.codec import Codec\n"
+        "codec = Codec.from_dir(sys.argv[1])\n"
+        "audio = codec.decode(codec.encode([torch.rand(9600) - 0.5]))[0]\n"
+        "assert audio.shape == (9600,) and 'engine.codec.hubert' in sys.modules\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tiny_dir)], cwd=repo, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 # ---------------------------------------------------------------------------------------------- CUDA
@@ -313,9 +402,7 @@ def fp32_cuda():
 def test_cuda_matches_transformers_and_batches(tiny_dir, fp32_cuda):
     pytest.importorskip("torchaudio")
     gpu = Codec.from_dir(tiny_dir, device="cuda")
-    reference = reference_model_class()(gpu.config)
-    reference.load_state_dict(load_file(tiny_dir / "model.safetensors"), strict=True)
-    reference = reference.cuda().eval()
+    reference = reference_from_dir(tiny_dir).cuda()
     wavs = [w.cuda() for w in clips(6, [HOP * 50, HOP * 13 + 5, HOP * 120])]
     batched = gpu.encode(wavs)
     for wav, codes in zip(wavs, batched):

@@ -1,49 +1,130 @@
-"""The DAC acoustic encoder and decoder: transformers' modules, run length-aware over padded batches."""
+"""The DAC acoustic encoder and decoder, run length-aware over right-padded batches.
+
+Parameter names are those of the official file (`acoustic_encoder.block.0.res_unit1.conv1.weight`, ...).
+Its convolutions were weight-normed in training; the file stores the resulting plain weights.
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
-from transformers.models.dac.configuration_dac import DacConfig
-from transformers.models.dac.modeling_dac import DacDecoder, DacEncoder, DacResidualUnit
 
+from engine.codec.config import AcousticConfig
 from engine.codec.lengths import masked_conv
 
-
-def build_decoder(cfg: DacConfig) -> DacDecoder:
-    """DacDecoder as HiggsAudioV2 uses it: every transposed conv gets output_padding = stride % 2 so that
-    F frames become exactly F * hop samples; the final tanh is not applied (see decode_acoustic)."""
-    decoder = DacDecoder(cfg)
-    for module in decoder.modules():
-        if isinstance(module, nn.ConvTranspose1d):
-            module.output_padding = (module.stride[0] % 2,)
-    return decoder
+DILATIONS = (1, 3, 9)  # of the three residual units in every block
 
 
-def _residual(unit: DacResidualUnit, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    y, _ = masked_conv(unit.conv1, unit.snake1(x), lengths)
-    return x + unit.conv2(unit.snake2(y))
+class Snake(nn.Module):
+    """x + sin^2(alpha x) / alpha, one alpha per channel."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(shape[0], shape[1], -1)
+        # 1e-9 keeps a zero alpha finite; the order of operations is the reference's, for equal results
+        x = x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
+        return x.reshape(shape)
 
 
-def encode_acoustic(
-    encoder: DacEncoder, wav: torch.Tensor, lengths: list[int]
-) -> tuple[torch.Tensor, list[int]]:
-    """wav [B, 1, T] right-padded, lengths in samples -> latents [B, hidden, F] and frames per item."""
-    x, lengths = masked_conv(encoder.conv1, wav, lengths)
-    for block in encoder.block:
-        for unit in (block.res_unit1, block.res_unit2, block.res_unit3):
-            x = _residual(unit, x, lengths)
-        x, lengths = masked_conv(block.conv1, block.snake1(x), lengths)
-    return masked_conv(encoder.conv2, encoder.snake1(x), lengths)
+class ResidualUnit(nn.Module):
+    def __init__(self, channels: int, dilation: int):
+        super().__init__()
+        self.snake1 = Snake(channels)
+        self.conv1 = nn.Conv1d(channels, channels, kernel_size=7, dilation=dilation, padding=3 * dilation)
+        self.snake2 = Snake(channels)
+        self.conv2 = nn.Conv1d(channels, channels, kernel_size=1)
+
+    def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        y, _ = masked_conv(self.conv1, self.snake1(x), lengths)
+        return x + self.conv2(self.snake2(y))
 
 
-def decode_acoustic(
-    decoder: DacDecoder, x: torch.Tensor, lengths: list[int]
-) -> tuple[torch.Tensor, list[int]]:
-    """latents [B, hidden, F] right-padded, lengths in frames -> audio [B, 1, F * hop], samples per item."""
-    x, lengths = masked_conv(decoder.conv1, x, lengths)
-    for block in decoder.block:
-        x, lengths = masked_conv(block.conv_t1, block.snake1(x), lengths)
-        for unit in (block.res_unit1, block.res_unit2, block.res_unit3):
-            x = _residual(unit, x, lengths)
-    return masked_conv(decoder.conv2, decoder.snake1(x), lengths)
+class EncoderBlock(nn.Module):
+    """Three residual units, then a strided conv that doubles the channels."""
+
+    def __init__(self, channels: int, stride: int):
+        super().__init__()
+        self.res_unit1, self.res_unit2, self.res_unit3 = (ResidualUnit(channels, d) for d in DILATIONS)
+        self.snake1 = Snake(channels)
+        self.conv1 = nn.Conv1d(
+            channels, 2 * channels, kernel_size=2 * stride, stride=stride, padding=math.ceil(stride / 2)
+        )
+
+    def forward(self, x: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, list[int]]:
+        for unit in (self.res_unit1, self.res_unit2, self.res_unit3):
+            x = unit(x, lengths)
+        return masked_conv(self.conv1, self.snake1(x), lengths)
+
+
+class DecoderBlock(nn.Module):
+    """A transposed conv that halves the channels and upsamples by `stride`, then three residual units.
+    output_padding = stride % 2 makes F frames exactly F * stride samples for odd strides too."""
+
+    def __init__(self, channels: int, stride: int):
+        super().__init__()
+        self.snake1 = Snake(channels)
+        self.conv_t1 = nn.ConvTranspose1d(
+            channels,
+            channels // 2,
+            kernel_size=2 * stride,
+            stride=stride,
+            padding=math.ceil(stride / 2),
+            output_padding=stride % 2,
+        )
+        self.res_unit1, self.res_unit2, self.res_unit3 = (ResidualUnit(channels // 2, d) for d in DILATIONS)
+
+    def forward(self, x: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, list[int]]:
+        x, lengths = masked_conv(self.conv_t1, self.snake1(x), lengths)
+        for unit in (self.res_unit1, self.res_unit2, self.res_unit3):
+            x = unit(x, lengths)
+        return x, lengths
+
+
+class AcousticEncoder(nn.Module):
+    def __init__(self, cfg: AcousticConfig):
+        super().__init__()
+        width = cfg.encoder_hidden_size
+        self.conv1 = nn.Conv1d(1, width, kernel_size=7, padding=3)
+        blocks = []
+        for stride in cfg.downsampling_ratios:
+            blocks.append(EncoderBlock(width, stride))
+            width *= 2
+        self.block = nn.ModuleList(blocks)
+        self.snake1 = Snake(width)
+        self.conv2 = nn.Conv1d(width, cfg.hidden_size, kernel_size=3, padding=1)
+
+    def forward(self, wav: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """wav [B, 1, T] right-padded, lengths in samples -> latents [B, hidden, F] and frames per item."""
+        x, lengths = masked_conv(self.conv1, wav, lengths)
+        for block in self.block:
+            x, lengths = block(x, lengths)
+        return masked_conv(self.conv2, self.snake1(x), lengths)
+
+
+class AcousticDecoder(nn.Module):
+    """Ends with the last conv: HiggsAudioV2 applies no tanh to the decoded audio."""
+
+    def __init__(self, cfg: AcousticConfig):
+        super().__init__()
+        width = cfg.decoder_hidden_size
+        self.conv1 = nn.Conv1d(cfg.hidden_size, width, kernel_size=7, padding=3)
+        blocks = []
+        for stride in cfg.upsampling_ratios:
+            blocks.append(DecoderBlock(width, stride))
+            width //= 2
+        self.block = nn.ModuleList(blocks)
+        self.snake1 = Snake(width)
+        self.conv2 = nn.Conv1d(width, 1, kernel_size=7, padding=3)
+
+    def forward(self, x: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """latents [B, hidden, F] right-padded, lengths in frames -> audio [B, 1, F * hop], samples each."""
+        x, lengths = masked_conv(self.conv1, x, lengths)
+        for block in self.block:
+            x, lengths = block(x, lengths)
+        return masked_conv(self.conv2, self.snake1(x), lengths)

@@ -1,4 +1,4 @@
-"""Reading `<checkpoint>/audio_tokenizer/`: config.json and model.safetensors (transformers' names)."""
+"""Reading `<checkpoint>/audio_tokenizer/`: config.json and model.safetensors (the official names)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import HiggsAudioV2TokenizerConfig
 
+from engine.codec.config import CodecConfig
 from engine.errors import CheckpointError
 
 MODEL_TYPE = "higgs_audio_v2_tokenizer"
 
-# Older conversions carry HuBERT's SpecAugment embedding; transformers skips it on load, and so do we.
+# Older conversions carry HuBERT's SpecAugment embedding, which inference never reads: skipped on load.
 SKIPPED_IF_PRESENT = ("semantic_model.masked_spec_embed",)
 
 # The architecture of OmniVoice's audio_tokenizer/config.json (24 kHz, hop 960 = 25 frames/s, 8 codebooks
@@ -57,8 +57,8 @@ OMNIVOICE_CODEC_CONFIG = {
 }
 
 
-def read_codec_config(path: Path) -> HiggsAudioV2TokenizerConfig:
-    """Parse `config.json` of a HiggsAudioV2 tokenizer (transformers' config class, so defaults match)."""
+def read_codec_config(path: Path) -> CodecConfig:
+    """Parse `config.json` of a HiggsAudioV2 tokenizer; errors name the file and the field."""
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
@@ -76,16 +76,14 @@ def read_codec_config(path: Path) -> HiggsAudioV2TokenizerConfig:
             f"{path} has model_type {got!r}, expected {MODEL_TYPE!r}; point the codec at the "
             "audio_tokenizer folder of an OmniVoice checkpoint."
         )
-    try:
-        cfg = HiggsAudioV2TokenizerConfig.from_dict(raw)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path} is not a usable HiggsAudioV2 tokenizer config: {e}") from None
+    cfg = CodecConfig.from_dict(raw, str(path))
     check_codec_config(cfg, str(path))
     return cfg
 
 
-def check_codec_config(cfg: HiggsAudioV2TokenizerConfig, where: str) -> None:
-    """The acoustic and semantic branches must produce frames at the same rate, or nothing encodes."""
+def check_codec_config(cfg: CodecConfig, where: str) -> None:
+    """What no single field shows: the acoustic and semantic branches must produce frames at the same
+    rate (or nothing encodes), the decoder must upsample by the hop, and at least one codebook."""
     if len(cfg.strides) != len(cfg.channel_ratios):
         raise CheckpointError(
             f"{where}: strides {list(cfg.strides)} and channel_ratios {list(cfg.channel_ratios)} differ in "
@@ -105,9 +103,21 @@ def check_codec_config(cfg: HiggsAudioV2TokenizerConfig, where: str) -> None:
             f"frames/s (semantic_sample_rate {cfg.semantic_sample_rate} / semantic hop {hubert_hop}); "
             "fix downsampling_ratios or downsample_factor so both rates agree and the hop is even."
         )
+    upsampling = cfg.acoustic_model_config.upsampling_ratios
+    if math.prod(upsampling) != cfg.hop_length:
+        raise CheckpointError(
+            f"{where}: acoustic_model_config.upsampling_ratios {list(upsampling)} upsample by "
+            f"{math.prod(upsampling)}, but downsampling_ratios make a hop of {cfg.hop_length}; decoding must "
+            "give back one hop of audio per frame."
+        )
+    if cfg.num_quantizers < 1:
+        raise CheckpointError(
+            f"{where}: target_bandwidths {list(cfg.target_bandwidths)} leave no codebook at "
+            f"{cfg.frame_rate} frames/s; the last bandwidth sets the number of codebooks."
+        )
 
 
-def training_only_shapes(cfg: HiggsAudioV2TokenizerConfig) -> dict[str, tuple[int, ...]]:
+def training_only_shapes(cfg: CodecConfig) -> dict[str, tuple[int, ...]]:
     """Tensors the official file carries that encode/decode never read: the semantic decoder and fc1
     (reconstruction losses) and the codebooks' EMA statistics. The loader accepts and skips exactly
     these; the tiny checkpoint writes them to keep the official layout."""
@@ -145,7 +155,7 @@ def _listing(names: list[str], limit: int = 8) -> str:
 
 
 def read_codec_weights(
-    path: Path, expected: dict[str, torch.Size], cfg: HiggsAudioV2TokenizerConfig
+    path: Path, expected: dict[str, torch.Size], cfg: CodecConfig
 ) -> dict[str, torch.Tensor]:
     """Load the tensors named in `expected` (name -> shape) from model.safetensors, on CPU.
 
@@ -177,7 +187,7 @@ def read_codec_weights(
             if unknown:
                 raise CheckpointError(
                     f"{path} has {len(unknown)} weight(s) this HiggsAudioV2 codec does not know: "
-                    f"{_listing(unknown)}. It is not a HiggsAudioV2 tokenizer file in transformers' naming."
+                    f"{_listing(unknown)}. It is not a HiggsAudioV2 tokenizer file in the official naming."
                 )
             if wrong:
                 raise CheckpointError(

@@ -1,9 +1,12 @@
-"""Codec: our HiggsAudioV2 audio tokenizer, loading the official weights by transformers' names.
+"""Codec: our HiggsAudioV2 audio tokenizer, loading the official weights by their names.
 
 Encode: 24 kHz audio -> acoustic latents (DAC encoder) + semantic latents (HuBERT on 16 kHz, then a conv
 encoder), concatenated, projected by `fc`, residual-vector-quantized -> codes [C, F].
 Decode: codes -> summed codewords -> `fc2` -> DAC decoder -> audio [F * hop].
 Batches are right-padded and every conv is length-aware, so each item's result equals its solo result.
+The reference is transformers' HiggsAudioV2TokenizerModel, which the official OmniVoice runs: our modules
+compute what it computes, operation for operation (tests/test_codec.py, tests/test_codec_modules.py),
+without importing transformers.
 """
 
 from __future__ import annotations
@@ -15,14 +18,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModel, HiggsAudioV2TokenizerConfig
-from transformers.models.dac.modeling_dac import DacEncoder
 
-from engine.codec.acoustic import build_decoder, decode_acoustic, encode_acoustic
+from engine.codec.acoustic import AcousticDecoder, AcousticEncoder
 from engine.codec.checkpoint import check_codec_config, read_codec_config, read_codec_weights
+from engine.codec.config import CodecConfig
+from engine.codec.hubert import Hubert
 from engine.codec.lengths import conv_output_lengths, pad_stack
 from engine.codec.quantizer import ResidualVectorQuantizer
-from engine.codec.semantic import SemanticEncoder, length_aware_hubert, semantic_features
+from engine.codec.semantic import SemanticEncoder, semantic_features
 from engine.errors import InputError
 
 # Padded audio one encode batch may hold: bounds its activations (HuBERT's first conv writes 512 channels
@@ -30,16 +33,8 @@ from engine.errors import InputError
 ENCODE_BATCH_SECONDS = 240.0
 
 
-def _hubert_config(cfg: HiggsAudioV2TokenizerConfig):
-    # Inference never applies SpecAugment; without masking HuBERT has no masked_spec_embed parameter.
-    semantic = cfg.semantic_model_config.__class__.from_dict(cfg.semantic_model_config.to_dict())
-    semantic.mask_time_prob = 0.0
-    semantic.mask_feature_prob = 0.0
-    return semantic
-
-
 class Codec(nn.Module):
-    def __init__(self, cfg: HiggsAudioV2TokenizerConfig):
+    def __init__(self, cfg: CodecConfig):
         super().__init__()
         check_codec_config(cfg, "codec config")
         self.config = cfg
@@ -48,10 +43,11 @@ class Codec(nn.Module):
         self.frame_rate: float = float(cfg.frame_rate)
         self.num_codebooks: int = cfg.num_quantizers
         self.codebook_size: int = cfg.codebook_size
-        self.acoustic_encoder = DacEncoder(cfg.acoustic_model_config)
-        self.acoustic_decoder = build_decoder(cfg.acoustic_model_config)
+        # Built in the reference's order: under a fixed seed the random init draws the reference's weights.
+        self.acoustic_encoder = AcousticEncoder(cfg.acoustic_model_config)
+        self.acoustic_decoder = AcousticDecoder(cfg.acoustic_model_config)
         self.encoder_semantic = SemanticEncoder(cfg)
-        self.semantic_model = length_aware_hubert(AutoModel.from_config(_hubert_config(cfg)).eval())
+        self.semantic_model = Hubert(cfg.semantic_model_config)
         self.fc = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.fc2 = nn.Linear(cfg.hidden_size, cfg.acoustic_model_config.hidden_size)
         self.quantizer = ResidualVectorQuantizer(cfg)
@@ -62,7 +58,7 @@ class Codec(nn.Module):
     def from_dir(
         cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ) -> Codec:
-        """Load `<checkpoint>/audio_tokenizer/` (config.json + model.safetensors, transformers' names)."""
+        """Load `<checkpoint>/audio_tokenizer/` (config.json + model.safetensors, the official names)."""
         path = Path(path)
         cfg = read_codec_config(path / "config.json")
         with torch.device("meta"):
@@ -113,8 +109,8 @@ class Codec(nn.Module):
             pad_stack([s.t() for s in semantic]), [s.shape[0] for s in semantic]
         )
         clips = [self._acoustic_input(w, f) for w, f in zip(wavs, frames)]
-        e_acoustic, acoustic_frames = encode_acoustic(
-            self.acoustic_encoder, pad_stack([c[None] for c in clips]), [c.shape[-1] for c in clips]
+        e_acoustic, acoustic_frames = self.acoustic_encoder(
+            pad_stack([c[None] for c in clips]), [c.shape[-1] for c in clips]
         )
         assert acoustic_frames == frames, (acoustic_frames, frames)
         latents = torch.cat([e_acoustic, e_semantic], dim=1)
@@ -130,7 +126,7 @@ class Codec(nn.Module):
         return lengths[0]
 
     def _acoustic_input(self, wav: torch.Tensor, frames: int) -> torch.Tensor:
-        """As transformers: the clip as is when the DAC encoder yields as many frames as HuBERT does,
+        """As the reference: the clip as is when the DAC encoder yields as many frames as HuBERT does,
         else padded by half a hop on both sides. With frame rates that agree (check_codec_config) one of
         the two matches for every length; encode asserts it."""
         if self._acoustic_frames(wav.shape[-1]) == frames:
@@ -169,7 +165,7 @@ class Codec(nn.Module):
         frames = [c.shape[1] for c in codes]
         vectors = self.quantizer.decode(pad_stack(codes))
         latents = self.fc2(vectors.transpose(1, 2)).transpose(1, 2)
-        audio, samples = decode_acoustic(self.acoustic_decoder, latents, frames)
+        audio, samples = self.acoustic_decoder(latents, frames)
         return [audio[i, 0, :n].float() for i, n in enumerate(samples)]
 
     def _checked_codes(self, codes: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -203,9 +199,9 @@ class Codec(nn.Module):
         return codes
 
 
-def _identity(cfg: HiggsAudioV2TokenizerConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> str:
+def _identity(cfg: CodecConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> str:
     digest = hashlib.sha256()
-    digest.update(json.dumps(_without_version(cfg.to_dict()), sort_keys=True, default=str).encode())
+    digest.update(json.dumps(cfg.to_dict(), sort_keys=True).encode())
     digest.update(str(dtype).encode())
     for name in sorted(weights):
         tensor = weights[name].detach().to("cpu")
@@ -213,10 +209,3 @@ def _identity(cfg: HiggsAudioV2TokenizerConfig, weights: dict[str, torch.Tensor]
         digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
-
-
-def _without_version(d):
-    """The config as data: transformers stamps its own version into to_dict(), which is no model property."""
-    if isinstance(d, dict):
-        return {k: _without_version(v) for k, v in d.items() if k != "transformers_version"}
-    return d

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import HiggsAudioV2TokenizerConfig
+
+from engine.codec.config import CodecConfig
 
 
 class Codebook(nn.Module):
@@ -15,14 +16,14 @@ class Codebook(nn.Module):
 
     def nearest(self, h: torch.Tensor) -> torch.Tensor:
         """h [N, dim] -> index [N] of the closest codeword. The distance is written term by term as
-        transformers writes it, so near-ties round the same way and the codes agree."""
+        the reference writes it, so near-ties round the same way and the codes agree."""
         embed = self.embed.t()
         dist = -(h.pow(2).sum(1, keepdim=True) - 2 * h @ embed + embed.pow(2).sum(0, keepdim=True))
         return dist.max(dim=-1).indices
 
 
 class VectorQuantizer(nn.Module):
-    def __init__(self, cfg: HiggsAudioV2TokenizerConfig):
+    def __init__(self, cfg: CodecConfig):
         super().__init__()
         self.project_in = nn.Linear(cfg.hidden_size, cfg.codebook_dim)
         self.project_out = nn.Linear(cfg.codebook_dim, cfg.hidden_size)
@@ -39,7 +40,7 @@ class VectorQuantizer(nn.Module):
 
 
 class ResidualVectorQuantizer(nn.Module):
-    def __init__(self, cfg: HiggsAudioV2TokenizerConfig):
+    def __init__(self, cfg: CodecConfig):
         super().__init__()
         self.quantizers = nn.ModuleList(VectorQuantizer(cfg) for _ in range(cfg.num_quantizers))
 

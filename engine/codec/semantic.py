@@ -1,6 +1,6 @@
 """The semantic branch: HuBERT features of the 16 kHz signal, then a small conv encoder.
 
-Parameter names follow transformers' HiggsAudioV2 tokenizer (`encoder_semantic.*`, `semantic_model.*`).
+Parameter names are those of the official file (`encoder_semantic.*`; HuBERT's `semantic_model.*`).
 """
 
 from __future__ import annotations
@@ -8,17 +8,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import HiggsAudioV2TokenizerConfig, HubertModel
 
-from engine.codec.lengths import conv_output_lengths, masked_conv, pad_stack
+from engine.codec.config import CodecConfig
+from engine.codec.hubert import Hubert
+from engine.codec.lengths import masked_conv, pad_stack
 from engine.resample import resample
 
-# transformers pads the 16 kHz signal by 160 samples (half of HuBERT's 320-sample hop) on both sides.
+# HiggsAudioV2 pads the 16 kHz signal by 160 samples (half of HuBERT's 320-sample hop) on both sides.
 HUBERT_EDGE_PAD = 160
 
 
 class SemanticResidualUnit(nn.Module):
-    def __init__(self, cfg: HiggsAudioV2TokenizerConfig, channels: int, dilation: int):
+    def __init__(self, cfg: CodecConfig, channels: int, dilation: int):
         super().__init__()
         k = cfg.unit_kernel_size
         self.conv1 = nn.Conv1d(
@@ -32,7 +33,7 @@ class SemanticResidualUnit(nn.Module):
 
 
 class SemanticEncoderBlock(nn.Module):
-    def __init__(self, cfg: HiggsAudioV2TokenizerConfig, c_in: int, c_out: int, stride: int):
+    def __init__(self, cfg: CodecConfig, c_in: int, c_out: int, stride: int):
         super().__init__()
         self.res_units = nn.ModuleList(SemanticResidualUnit(cfg, c_in, d) for d in cfg.block_dilations)
         kernel = 3 if stride == 1 else 2 * stride
@@ -45,7 +46,7 @@ class SemanticEncoderBlock(nn.Module):
 
 
 class SemanticEncoder(nn.Module):
-    def __init__(self, cfg: HiggsAudioV2TokenizerConfig):
+    def __init__(self, cfg: CodecConfig):
         super().__init__()
         hidden, k = cfg.semantic_hidden_size, cfg.kernel_size
         self.conv = nn.Conv1d(hidden, hidden, k, padding=k // 2, bias=False)
@@ -64,65 +65,14 @@ class SemanticEncoder(nn.Module):
         return x, lengths
 
 
-class LengthAwareGroupNorm(nn.GroupNorm):
-    """HuBERT's first-layer GroupNorm (statistics over time) taking each item's statistics over its own
-    frames while `lengths` is set, so that a right-padded batch normalises each clip as it would alone.
-    Frames past an item's length keep whatever they held: the valid (unpadded) convolutions after it never
-    read them into a valid frame."""
-
-    lengths: list[int] | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lengths is None:
-            return super().forward(x)
-        out = x.clone()
-        for i, n in enumerate(self.lengths):
-            out[i, :, :n] = super().forward(x[i : i + 1, :, :n])[0]
-        return out
-
-
-def length_aware_hubert(hubert: HubertModel) -> HubertModel:
-    """Swap the first conv layer's GroupNorm for a LengthAwareGroupNorm (same parameters and names)."""
-    first = hubert.feature_extractor.conv_layers[0]
-    norm = getattr(first, "layer_norm", None)
-    if type(norm) is nn.GroupNorm:  # feat_extract_norm "group"; "layer" normalises each frame alone
-        aware = LengthAwareGroupNorm(norm.num_groups, norm.num_channels, norm.eps, norm.affine)
-        aware.weight, aware.bias = norm.weight, norm.bias
-        first.layer_norm = aware
-    return hubert
-
-
-def semantic_features(
-    hubert: HubertModel, wavs: list[torch.Tensor], cfg: HiggsAudioV2TokenizerConfig
-) -> list[torch.Tensor]:
-    """Clips [T] at cfg.sample_rate -> each one's HuBERT features [F, hidden] at the codec frame rate.
-
-    One right-padded batch: attention masks the padding, HuBERT zeroes padded frames before its
-    positional convolution, and the first GroupNorm (length_aware_hubert) takes each clip's statistics
-    over its own frames, so each clip's features are its features alone up to summation order.
-    """
+def semantic_features(hubert: Hubert, wavs: list[torch.Tensor], cfg: CodecConfig) -> list[torch.Tensor]:
+    """Clips [T] at cfg.sample_rate -> each one's HuBERT features [F, hidden] at the codec frame rate:
+    the mean of HuBERT's hidden states, every semantic_downsample_factor-th frame. The clips run as one
+    right-padded batch; each clip's features are its features alone up to summation order (Hubert)."""
     signals = [
         F.pad(resample(w, cfg.sample_rate, cfg.semantic_sample_rate), (HUBERT_EDGE_PAD,) * 2) for w in wavs
     ]
-    samples = [x.shape[-1] for x in signals]
-    batch = pad_stack(signals)
-    padded = min(samples) < batch.shape[-1]  # clips of one length need no mask (nor its slower attention)
-    first = hubert.feature_extractor.conv_layers[0]
-    aware = padded and isinstance(getattr(first, "layer_norm", None), LengthAwareGroupNorm)
-    if aware:
-        first.layer_norm.lengths = conv_output_lengths(first.conv, samples)
-    try:
-        attention_mask = None
-        if padded:
-            limits = torch.tensor(samples, device=batch.device)[:, None]
-            attention_mask = (torch.arange(batch.shape[-1], device=batch.device) < limits).long()
-        hidden_states = hubert(batch, attention_mask=attention_mask, output_hidden_states=True).hidden_states
-    finally:
-        if aware:
-            first.layer_norm.lengths = None
+    hidden_states, frames = hubert(pad_stack(signals), [x.shape[-1] for x in signals])
     features = torch.stack(hidden_states, dim=1).mean(dim=1)  # [B, frames, hidden]
-    frames = samples
-    for layer in hubert.feature_extractor.conv_layers:  # each clip's frames through the valid convolutions
-        frames = conv_output_lengths(layer.conv, frames)
     step = max(cfg.semantic_downsample_factor, 1)
     return [features[i, :f][::step] for i, f in enumerate(frames)]
