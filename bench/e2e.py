@@ -53,8 +53,8 @@ from pipeline.sizing import frontend_sizer  # noqa: E402
 
 PARTS = ("official", "engine", "job_local", "job_ray")
 OFFICIAL_BATCHES = (16, 32, 64)
-# Graph buckets up to 32,768 packed tokens (the defaults, stepping on by 1024): batches of ~30 rows.
-BUCKETS = str([512, 1024, 2048, *range(3072, 32769, 1024)]).replace(" ", "")
+# Graph buckets up to 32,768 packed tokens (the defaults, stepping on by 512): batches of ~30 rows.
+BUCKETS = str(list(range(512, 32769, 512))).replace(" ", "")
 SETTINGS = {
     "full": ["engine.device=cuda", f"engine.buckets={BUCKETS}", "engine.max_batch_tokens=32768"],
     "tiny": ["engine.buckets=[256,512,1024,2048,4096]", "engine.max_batch_tokens=4096"],
