@@ -240,9 +240,14 @@ def plan_rows(result: dict) -> list[str]:
 
 
 def e2e_rows(result: dict) -> list[str]:
-    """README: the engine alone and the job from submit to the last row, each entry of one run."""
+    """README: the engine alone and the job from submit to the last row, each entry of one run; "vs engine"
+    only against the engine entry of the same precision over the same number of rows."""
     entries = result["entries"]
-    engine = {e["variant"][len("engine_") :]: e["x_realtime"] for e in entries if "engine_" in e["variant"]}
+    engine = {
+        (e["variant"][len("engine_") :], e["rows"]): e["x_realtime"]
+        for e in entries
+        if "engine_" in e["variant"]
+    }
 
     def cell(e: dict, key: str, form: str) -> str:
         return "-" if e.get(key) is None else format(e[key], form)
@@ -251,7 +256,7 @@ def e2e_rows(result: dict) -> list[str]:
     for e in entries:
         if e["variant"].startswith("official"):
             continue
-        base = engine.get(e["variant"].split("_")[-1])
+        base = engine.get((e["variant"].split("_")[-1], e["rows"]))
         out.append(
             row(
                 e["variant"],

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.tables import GENERATE_CASES, generate_rows, tables
+from bench.tables import GENERATE_CASES, e2e_rows, generate_rows, tables
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -43,3 +43,20 @@ def test_generation_row_reads_every_variant():
     rows = generate_rows({"cases": dict.fromkeys(GENERATE_CASES, case)})
     want = "| 1 | 1000 | 300 | 100 | 60.0 | 10.00x | 110 | 220 | 150 (1.50x bf16) | 155 | 160 | 300 |"
     assert rows[0] == want
+
+
+def test_e2e_rows_compare_a_job_only_with_the_engine_over_as_many_rows():
+    def entry(variant, rows, x):
+        return {"variant": variant, "rows": rows, "audio_seconds": 10.0, "wall_seconds": 1.0, "x_realtime": x}
+
+    rows = e2e_rows(
+        {
+            "entries": [
+                entry("engine_bf16", 2000, 80.0),
+                entry("job_local_bf16", 2000, 88.0),
+                entry("job_ray_bf16", 1000, 60.0),
+            ]
+        }
+    )
+    assert rows[1].split(" | ")[5] == "1.10"
+    assert rows[2].split(" | ")[5] == "-"
