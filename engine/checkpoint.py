@@ -129,19 +129,23 @@ def weight_files(ckpt_dir: Path) -> list[Path]:
 
 
 def checkpoint_fingerprint(ckpt_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
-    """The identity of a checkpoint's weights: sha256 over the sha256 of config.json and of each weight
-    file, in weight_files order (64 hex digits). Engine.model_id shows its first 12 digits; a W4A4
-    checkpoint records its source's fingerprint as quantization.source_hash.
-
-    Hashing reads every byte (seconds for a full-size checkpoint), so the result is kept in
-    `cache_dir` (default <cache_root>/fingerprints) under the files' paths, sizes and modification times:
-    an engine start on an unchanged checkpoint reads no weights to name it. A file rewritten in place with
-    the same size and modification time would keep its old fingerprint."""
+    """The identity of a checkpoint's weights: files_fingerprint of config.json and of each weight file, in
+    weight_files order. Engine.model_id shows its first 12 digits; a W4A4 checkpoint records its source's
+    fingerprint as quantization.source_hash."""
     ckpt_dir = Path(ckpt_dir)
     config = ckpt_dir / "config.json"
     if not config.is_file():
         raise CheckpointError(f"{config} not found: a checkpoint directory needs config.json.")
-    files = [config, *weight_files(ckpt_dir)]
+    return files_fingerprint([config, *weight_files(ckpt_dir)], cache_dir)
+
+
+def files_fingerprint(files: list[Path], cache_dir: str | os.PathLike | None = None) -> str:
+    """sha256 over the sha256 of each file, in order (64 hex digits).
+
+    Hashing reads every byte (seconds for a full-size checkpoint), so the result is kept in `cache_dir`
+    (default <cache_root>/fingerprints) under the files' paths, sizes and modification times: a load of
+    unchanged files reads none of them to name them. A file rewritten in place with the same size and
+    modification time would keep its old fingerprint."""
     stamps = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     key = hashlib.sha256(json.dumps(stamps).encode()).hexdigest()
     cached = Path(cache_dir or cache_root() / "fingerprints") / key
@@ -161,14 +165,14 @@ def checkpoint_fingerprint(ckpt_dir: str | os.PathLike, cache_dir: str | os.Path
 
 
 def _remember(path: Path, text: str) -> None:
-    """Write `path` whole or not at all (a read-only cache folder is not an error: the next start hashes)."""
+    """Write `path` whole or not at all (a read-only cache folder is not an error: the next load hashes)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(text + "\n")
         os.replace(tmp, path)
     except OSError as e:
-        log.warning("checkpoint fingerprint not cached in %s (%s)", path.parent, e)
+        log.warning("fingerprint not cached in %s (%s)", path.parent, e)
 
 
 def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:

@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import shutil
 import subprocess
 import sys
 import types
@@ -297,15 +298,40 @@ def test_masked_spec_embed_is_skipped(tiny_dir, tmp_path, codec):
     assert torch.equal(loaded.encode(wav)[0], codec.encode(wav)[0])
 
 
-def test_identity_tracks_weights_and_dtype(tiny_dir, tmp_path, codec):
-    assert Codec.from_dir(tiny_dir).identity == codec.identity
-    assert Codec.from_dir(tiny_dir, dtype=torch.float64).identity != codec.identity
+def test_identity_tracks_config_weights_and_dtype(tiny_dir, tmp_path, codec, monkeypatch):
+    """from_dir names the weights by its files' fingerprint, kept on disk: a load of unchanged files hashes
+    no weight, and a copy elsewhere shares the identity (and so the prompt cache)."""
+    cache = tmp_path / "fingerprints"
+    loaded = Codec.from_dir(tiny_dir, cache_dir=cache).identity
+    assert loaded == codec.identity
+    assert Codec.from_dir(shutil.copytree(tiny_dir, tmp_path / "copy"), cache_dir=cache).identity == loaded
+
+    def no_reading(*args):
+        raise AssertionError("the codec's files were hashed again")
+
+    monkeypatch.setattr(hashlib, "file_digest", no_reading)
+    assert Codec.from_dir(tiny_dir, cache_dir=cache).identity == loaded
+    assert Codec.from_dir(tiny_dir, dtype=torch.float64, cache_dir=cache).identity != loaded
+    monkeypatch.undo()
     weights = load_file(tiny_dir / "model.safetensors")
     weights["fc.bias"] = weights["fc.bias"] + 1e-3
-    assert Codec.from_dir(_copy(tiny_dir, tmp_path / "changed", weights)).identity != codec.identity
+    assert Codec.from_dir(_copy(tiny_dir, tmp_path / "changed", weights), cache_dir=cache).identity != loaded
+    config = json.loads((tiny_dir / "config.json").read_text())
+    config["semantic_model_config"]["layer_norm_eps"] = 1e-6
+    other_config = _copy(tiny_dir, tmp_path / "config", config=json.dumps(config))
+    assert Codec.from_dir(other_config, cache_dir=cache).identity != loaded
+    # A codec built from a config hashes its tensors: its identity follows them, and differs from the
+    # files' naming of the same tensors (one prompt-cache miss between the two, never a wrong hit).
     rebuilt = Codec(codec.config)
     rebuilt.load_state_dict(codec.state_dict())
-    assert rebuilt.identity == codec.identity
+    same = Codec(codec.config)
+    same.load_state_dict(codec.state_dict())
+    built = rebuilt.identity
+    assert built == same.identity != loaded
+    with torch.no_grad():
+        same.fc.bias.add_(1e-3)
+    assert same.identity != built
+    assert rebuilt.to(torch.float64).identity != built
 
 
 DROP = object()

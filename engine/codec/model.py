@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.checkpoint import files_fingerprint
 from engine.codec.acoustic import AcousticDecoder, AcousticEncoder
 from engine.codec.checkpoint import check_codec_config, read_codec_config, read_codec_weights
 from engine.codec.config import CodecConfig
@@ -56,26 +57,34 @@ class Codec(nn.Module):
 
     @classmethod
     def from_dir(
-        cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+        cls,
+        path: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        cache_dir: str | Path | None = None,
     ) -> Codec:
-        """Load `<checkpoint>/audio_tokenizer/` (config.json + model.safetensors, the official names)."""
+        """Load `<checkpoint>/audio_tokenizer/` (config.json + model.safetensors, the official names).
+        cache_dir: where the files' fingerprint is kept (engine.checkpoint.files_fingerprint)."""
         path = Path(path)
         cfg = read_codec_config(path / "config.json")
         with torch.device("meta"):
             codec = cls(cfg)
         expected = {name: t.shape for name, t in codec.state_dict().items()}
         weights = read_codec_weights(path / "model.safetensors", expected, cfg)
-        codec._identity = _identity(cfg, weights, dtype)
+        files = files_fingerprint([path / "config.json", path / "model.safetensors"], cache_dir)
+        codec._identity = _identity(cfg, dtype, f"files:{files}")
         codec.load_state_dict(weights, strict=True, assign=True)
         return codec.to(device=device, dtype=dtype).eval()
 
     @property
     def identity(self) -> str:
-        """sha256 of the config, every weight and the compute dtype: equal identities encode alike.
-        from_dir fixes it at load time; a codec built from a config hashes its current weights."""
+        """sha256 of the config, the compute dtype and the weights: equal identities encode alike.
+        from_dir names the weights by its files' fingerprint (cached on disk: no weight is hashed at a
+        load of unchanged files); a codec built from a config hashes its current tensors. The two
+        namings differ, so a loaded codec and one built with the same tensors have different identities."""
         if self._identity is not None:
             return self._identity
-        return _identity(self.config, self.state_dict(), self.fc.weight.dtype)
+        return _identity(self.config, self.fc.weight.dtype, f"tensors:{_tensors_digest(self.state_dict())}")
 
     @property
     def device(self) -> torch.device:
@@ -199,10 +208,16 @@ class Codec(nn.Module):
         return codes
 
 
-def _identity(cfg: CodecConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> str:
+def _identity(cfg: CodecConfig, dtype: torch.dtype, weights: str) -> str:
     digest = hashlib.sha256()
     digest.update(json.dumps(cfg.to_dict(), sort_keys=True).encode())
     digest.update(str(dtype).encode())
+    digest.update(weights.encode())
+    return digest.hexdigest()
+
+
+def _tensors_digest(weights: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
     for name in sorted(weights):
         tensor = weights[name].detach().to("cpu")
         tensor = (tensor.float() if tensor.is_floating_point() else tensor).contiguous()
