@@ -225,3 +225,19 @@ def test_codec_init_draws_what_the_reference_modules_drew():
     assert set(ours) == set(want)
     for name, tensor in ours.items():
         assert torch.equal(tensor, want[name]), name
+
+
+def test_a_codec_built_on_the_meta_device_skips_the_hubert_init(monkeypatch):
+    """Codec.from_dir builds on meta and assigns the file's weights: transformers' re-initialisation of
+    HuBERT would only spend time there."""
+    import engine.codec.hubert
+
+    def no_init(hubert):
+        raise AssertionError("HuBERT drew its random init")
+
+    monkeypatch.setattr(engine.codec.hubert, "init_as_transformers", no_init)
+    cfg = CodecConfig.from_dict(TINY_CODEC_CONFIG)
+    with torch.device("meta"):
+        assert Codec(cfg).semantic_model.encoder.layer_norm.weight.is_meta
+    with pytest.raises(AssertionError, match="random init"):
+        Codec(cfg)

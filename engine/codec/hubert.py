@@ -178,7 +178,8 @@ class Hubert(nn.Module):
         self.feature_extractor = FeatureEncoder(cfg)
         self.feature_projection = FeatureProjection(cfg)
         self.encoder = Encoder(cfg)
-        init_as_transformers(self)
+        if not self.encoder.layer_norm.weight.is_meta:  # on meta the weights come from a file next
+            init_as_transformers(self)
 
     def forward(self, wav: torch.Tensor, lengths: list[int]) -> tuple[list[torch.Tensor], list[int]]:
         """wav [B, T] right-padded, lengths in samples -> hidden states (the first layer's input and
