@@ -65,6 +65,32 @@ def test_extension_without_sources_or_cache_dir_reports_why(monkeypatch, tmp_pat
     assert not ok and "binding.cpp" in reason and "source checkout" in reason
 
 
+def test_a_cached_library_loads_without_the_build_tools(monkeypatch, tmp_path):
+    """The kernel cache's library (where cpp_extension.load leaves it) loads with torch.ops.load_library,
+    not through cpp_extension.load (ninja and a compiler probe at every process start); a library that is
+    missing or does not load goes through the build."""
+    import torch.utils.cpp_extension
+
+    monkeypatch.setattr(torch.version, "cuda", "12.4")  # as on a CUDA build of torch
+    monkeypatch.setenv("OVBATCH_KERNEL_CACHE", str(tmp_path))
+    loaded, built = [], []
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: built.append(kw["build_directory"]))
+    library = build.cache_dir() / "ovbatch_w4a4.so"
+    assert load_extension.__wrapped__() == (True, "")
+    assert built == [str(library.parent)] and loaded == []
+    library.write_bytes(b"")  # what the build leaves
+    assert load_extension.__wrapped__() == (True, "")
+    assert loaded == [str(library)] and len(built) == 1
+
+    def cut_short(path):
+        raise OSError(f"{path}: file too short")
+
+    monkeypatch.setattr(torch.ops, "load_library", cut_short)
+    assert load_extension.__wrapped__() == (True, "")
+    assert len(built) == 2
+
+
 def test_reference_backend_runs_the_contract():
     g = torch.Generator().manual_seed(1)
     layer = W4A4Tensors(

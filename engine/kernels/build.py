@@ -1,8 +1,8 @@
 """Build and load the CUDA extension in csrc/ (torch.utils.cpp_extension + ninja), cached on disk.
 
 `python -m engine.kernels.build` builds it (same as `make build-ext`) and prints where it went. The build
-directory is keyed by the sources' hash, the torch version and the CUDA version, so an edit or an
-upgrade rebuilds and an unchanged tree loads the cached library in well under a second.
+directory is keyed by the sources' hash, the flags, the torch version and the CUDA version, so an edit or
+an upgrade rebuilds and an unchanged tree loads the cached library directly (torch.ops.load_library).
 Set OVBATCH_KERNEL_CACHE to move the cache (default: <$OVBATCH_CACHE or ~/.cache/ovbatch>/kernels, so
 containers keep their builds on the shared volume); OVBATCH_KERNEL_DEFINES passes tuning knobs (see
 `tuning_defines`).
@@ -63,22 +63,35 @@ def cache_dir() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def load_extension() -> tuple[bool, str]:
-    """Build (if needed) and load the extension once per process -> (loaded, reason when not)."""
+    """Build (if needed) and load the extension once per process -> (loaded, reason when not).
+
+    A cache folder that already holds the built library loads it directly, without
+    torch.utils.cpp_extension.load, which would run ninja and probe the compiler at every process start.
+    A library that does not load (a build cut short) goes through the build."""
     if torch.version.cuda is None:
         return False, f"torch {torch.__version__} was built without CUDA"
-    try:
-        from torch.utils.cpp_extension import load
-    except ImportError as exc:  # pragma: no cover - part of every torch
-        return False, f"torch.utils.cpp_extension is unavailable: {exc}"
     missing = [name for name in SOURCES + HEADERS if not (CSRC / name).is_file()]
     if missing:
         return False, f"the CUDA sources {missing} are not in {CSRC}: run from a source checkout"
     build_dir = cache_dir()
+    start = time.perf_counter()
+    library = build_dir / f"{EXTENSION_NAME}.so"
+    if library.is_file():
+        try:
+            torch.ops.load_library(str(library))
+        except Exception as exc:  # noqa: BLE001 - rebuilt below
+            log.warning("the cached %s does not load (%s: %s): building it", library, type(exc).__name__, exc)
+        else:
+            log.info("loaded %s from %s in %.1f s", EXTENSION_NAME, build_dir, time.perf_counter() - start)
+            return True, ""
+    try:
+        from torch.utils.cpp_extension import load
+    except ImportError as exc:  # pragma: no cover - part of every torch
+        return False, f"torch.utils.cpp_extension is unavailable: {exc}"
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         return False, f"cannot create the kernel cache {build_dir} ({exc}): set OVBATCH_KERNEL_CACHE"
-    start = time.perf_counter()
     try:
         load(
             name=EXTENSION_NAME,
@@ -92,7 +105,7 @@ def load_extension() -> tuple[bool, str]:
         )
     except Exception as exc:  # a failed compile or load: report it, the caller falls back
         return False, f"building the CUDA extension in {build_dir} failed: {type(exc).__name__}: {exc}"
-    log.info("loaded %s from %s in %.1f s", EXTENSION_NAME, build_dir, time.perf_counter() - start)
+    log.info("built and loaded %s in %s in %.1f s", EXTENSION_NAME, build_dir, time.perf_counter() - start)
     return True, ""
 
 
