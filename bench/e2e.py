@@ -18,10 +18,12 @@ nvidia-smi utilization over the entry; jobs also gpu_busy_execution, from the wo
 padding_fraction (token-weighted share of each batch's graph bucket that holds no row), mean_sm_clock_mhz,
 startup_seconds (jobs: from the end of planning until the engines are loaded and their CUDA graphs
 captured; capture_seconds of it; the CUDA extension is built before the first part, as a machine that has
-run a job before has it), planning_seconds; the engine's seconds per phase (phases_seconds: prepare, the
-clips read and encoded; generate; decode; postprocess) and the job summary's time split (time_split:
-planning, start, capture, phases, other). Each part starts from an empty prompt cache. A device command is
-limited to 10 minutes: run some parts or precisions per call; entries merge into --out by variant name.
+run a job before has it), planning_seconds; the engine's load by phase (load_breakdown, Engine.load_timings:
+weights, merge, codec, ...; jobs: of the slowest actor, beside its import_seconds, load_seconds and
+boot_seconds); the engine's seconds per phase (phases_seconds: prepare, the clips read and encoded;
+generate; decode; postprocess) and the job summary's time split (time_split: planning, start, capture,
+phases, other). Each part starts from an empty prompt cache. A device command is limited to 10 minutes:
+run some parts or precisions per call; entries merge into --out by variant name.
 
     python bench/e2e.py [--parts official,engine,job_local,job_ray] [--precisions bf16,w4a4,fp8]
                         [--rows 2000] [--official-rows 512] [--size full|tiny] [--device auto]
@@ -131,6 +133,7 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
         capture_seconds=run["capture_seconds"],
         import_seconds=run.get("import_seconds"),  # the engine's modules imported in the worker
         load_seconds=run.get("load_seconds"),  # the engines' load in the worker (slowest actor)
+        load_breakdown=run.get("load_breakdown"),  # its seconds by phase (Engine.load_timings)
         boot_seconds=run.get("boot_seconds"),  # Ray: until the actor's process was up
         graphs=run["graphs"],
         rows_not_ok=len(results) - len(ok),
@@ -180,6 +183,7 @@ def engine_entry(precision: str, manifest: Path, warmup: Path, settings: list[st
         gpu,
         padding_fraction=padding_fraction(tokens, list(cfg.engine.buckets)),
         batches=len(timed),
+        load_breakdown=engine.load_timings,  # the same load in this process, to set against the jobs'
         phases_seconds={k: round(v, 2) for k, v in phases.items()},
     )
 

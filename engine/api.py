@@ -36,7 +36,8 @@ from engine.frontend.text import TextFrontend
 from engine.generate.batching import even_batches
 from engine.generate.loop import Runner
 from engine.generate.packing import GenItem, packed_tokens
-from engine.loading import load_model
+from engine.kernels.fused import fused_ops
+from engine.loading import LoadTimer, load_model
 
 log = logging.getLogger(__name__)
 
@@ -121,11 +122,16 @@ def _chunk_seed(seed: int, index: int) -> int:
 
 class Engine:
     def __init__(self, cfg: EngineConfig):
+        start = time.perf_counter()
         self.cfg = cfg
         self.gen = cfg.generation
         ckpt_dir, name = locate_checkpoint(cfg.checkpoint)
         self.checkpoint_dir = ckpt_dir
         self.device = resolve_device(cfg.device)
+        timer = LoadTimer(self.device)
+        if self.device.type == "cuda":
+            with timer.phase("cuda_init"):  # runtime and context, else paid by the first weight copied
+                torch.zeros(1, device=self.device)
         _, raw_config = read_config(ckpt_dir)
         self.precision, self.dtype = resolve_precision(
             cfg.precision, self.device, "quantization" in raw_config
@@ -137,10 +143,12 @@ class Engine:
             attention=cfg.attention,
             fast_paths=cfg.fast_paths,
             fp8=self.precision == "fp8",
+            timer=timer,
         )
         self.model_id = f"{name}@{checkpoint_fingerprint(ckpt_dir)[:12]}"
         self.text = TextFrontend(ckpt_dir / "tokenizer.json")
-        self.codec = Codec.from_dir(ckpt_dir / "audio_tokenizer", device=self.device)
+        with timer.phase("codec"):
+            self.codec = Codec.from_dir(ckpt_dir / "audio_tokenizer", device=self.device)
         if self.codec.num_codebooks != self.model_config.num_audio_codebook:
             raise CheckpointError(
                 f"{ckpt_dir}: the codec has {self.codec.num_codebooks} codebooks, the model "
@@ -157,9 +165,24 @@ class Engine:
             self.codec.identity,
             self.reference_settings.fingerprint(self.codec.sample_rate, self.codec.hop_length),
         )
-        self.runner = Runner(self.model, cfg, self.device, self.dtype)
+        if self.device.type == "cuda" and cfg.fast_paths.fused_kernels:
+            with timer.phase("extension"):  # loaded here rather than by the first forward (graph capture)
+                fused_ops(torch.empty(0, device=self.device, dtype=self.dtype))
+        with timer.phase("runner"):  # on CUDA it picks the attention backend (imports flash-attn)
+            self.runner = Runner(self.model, cfg, self.device, self.dtype)
         self._references: dict[str, PreparedReference | AudioError] = {}  # preload(): cache key -> ready
-        log.info("engine ready: %s, %s on %s", self.model_id, self.precision, self.device)
+        total = time.perf_counter() - start
+        # Seconds of this load by phase; "other": the rest (config, fingerprint, tokenizer, frontends).
+        self.load_timings = {phase: round(t, 3) for phase, t in timer.seconds.items()}
+        self.load_timings["other"] = round(total - sum(timer.seconds.values()), 3)
+        log.info(
+            "engine ready: %s, %s on %s, loaded in %.2f s (%s)",
+            self.model_id,
+            self.precision,
+            self.device,
+            total,
+            ", ".join(f"{phase} {t:.2f}" for phase, t in self.load_timings.items()),
+        )
 
     # ------------------------------------------------------------------------------------- prepare
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -37,6 +40,23 @@ log = logging.getLogger(__name__)
 WEIGHTS = "model.safetensors"
 
 
+class LoadTimer:
+    """Seconds of each named phase of a load. On CUDA a phase ends with a synchronize, so that device work
+    counts in the phase that launched it."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds[name] = time.perf_counter() - start
+
+
 def load_model(
     path_or_repo: str | os.PathLike,
     device: torch.device | str = "cpu",
@@ -45,28 +65,36 @@ def load_model(
     attention: str = "auto",
     fast_paths: FastPaths | None = None,
     fp8: bool = False,
+    timer: LoadTimer | None = None,
 ) -> tuple[ModelConfig, OmniVoiceModel]:
     """Read a checkpoint (official or W4A4) into an OmniVoiceModel on `device` in `dtype`, in eval mode,
     with `fast_paths` fixed (None: the defaults, all on); `fp8`: the backbone Linears of an unquantized
-    checkpoint become Fp8Linear (weights quantized here, per output channel)."""
+    checkpoint become Fp8Linear (weights quantized here, per output channel). `timer` gets the seconds of
+    the phases weights, fp8 (if any) and merge (prepare_for_inference)."""
+    timer = timer or LoadTimer(device)
     ckpt_dir = resolve_checkpoint(path_or_repo)
     cfg, raw = read_config(ckpt_dir)
     if "quantization" in raw:
         if fp8:
             raise QuantError(f"{ckpt_dir} is a W4A4 checkpoint; fp8 is made from an unquantized one.")
-        model = build_w4a4_model(ckpt_dir, cfg, device=device, dtype=dtype, attention=attention)
-        return cfg, prepare_for_inference(model, fast_paths)
-    files = weight_files(ckpt_dir)
-    with torch.device("meta"):
-        model = OmniVoiceModel(cfg, linear_factory=linear_factory, attention=attention)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    check_shapes(expected, tensor_shapes(files), files[0] if len(files) == 1 else ckpt_dir)
-    model.load_state_dict(read_tensors(files, device, dtype), strict=True, assign=True)
-    model.requires_grad_(False)
-    if fp8:
-        backbone_to_fp8(model)
-    log.info("loaded %s (%s%s on %s)", ckpt_dir, dtype, ", fp8 Linears" if fp8 else "", device)
-    return cfg, prepare_for_inference(model.eval(), fast_paths)
+        with timer.phase("weights"):
+            model = build_w4a4_model(ckpt_dir, cfg, device=device, dtype=dtype, attention=attention)
+    else:
+        with timer.phase("weights"):
+            files = weight_files(ckpt_dir)
+            with torch.device("meta"):
+                model = OmniVoiceModel(cfg, linear_factory=linear_factory, attention=attention)
+            expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+            check_shapes(expected, tensor_shapes(files), files[0] if len(files) == 1 else ckpt_dir)
+            model.load_state_dict(read_tensors(files, device, dtype), strict=True, assign=True)
+            model.requires_grad_(False)
+        if fp8:
+            with timer.phase("fp8"):
+                backbone_to_fp8(model)
+        log.info("loaded %s (%s%s on %s)", ckpt_dir, dtype, ", fp8 Linears" if fp8 else "", device)
+    with timer.phase("merge"):
+        model = prepare_for_inference(model.eval(), fast_paths)
+    return cfg, model
 
 
 def backbone_to_fp8(model: OmniVoiceModel) -> OmniVoiceModel:

@@ -415,9 +415,9 @@ class Workers:
         self.started_at = time.perf_counter()
         self.start_seconds = self.started_at - start  # Ray's start; the engines load meanwhile
 
-    def ready(self, tasks: list[ShardTask]) -> dict[str, float]:
+    def ready(self, tasks: list[ShardTask]) -> dict[str, Any]:
         """Wait for the engines, then have them capture the CUDA graphs the tasks will replay: graphs
-        captured and the seconds capture took."""
+        captured, the seconds capture took, and what starting the engines took (ShardRunner.capture)."""
         if self.pool is not None:
             return self.pool.capture(tasks)
         self.loading.result()  # an engine that could not load stops the run here, with its own error

@@ -49,7 +49,7 @@ class ShardActor:
         self.runner = ShardRunner(job_path, cfg)
         self.runner.load_engines(variants)
 
-    def capture(self, tasks: list[ShardTask]) -> dict[str, float]:
+    def capture(self, tasks: list[ShardTask]) -> dict[str, Any]:
         return {**self.runner.capture(tasks), "started": self.started}
 
     def run_shard(self, task: ShardTask, progress: Any = None) -> list[ResultRow]:
@@ -174,11 +174,12 @@ class ActorPool:
         )
         return _Slot(actor, name, group)
 
-    def capture(self, tasks: list[ShardTask]) -> dict[str, float]:
+    def capture(self, tasks: list[ShardTask]) -> dict[str, Any]:
         """Every actor captures the graphs its variants' shards will replay, before any shard runs: graphs
         captured (all actors), and the slowest actor's seconds of capture, of the engine's imports, of engine
-        loading and of boot (from the pool's creation until Ray had the actor's process up). An actor that
-        cannot start or dies here is left to run(), which reports or replaces it."""
+        loading (and the load's phases, load_breakdown, of the actor slowest to load) and of boot (from the
+        pool's creation until Ray had the actor's process up). An actor that cannot start or dies here is
+        left to run(), which reports or replaces it."""
         import ray
 
         refs = []
@@ -192,11 +193,13 @@ class ActorPool:
                 reports.append(ray.get(ref))
             except Exception as e:  # noqa: BLE001 - run() deals with the actor
                 log.warning("an actor did not capture its graphs ahead: %s", first_line(e))
+        slowest = max(reports, key=lambda r: r["load_seconds"], default={})
         return {
             "graphs": sum(r["graphs"] for r in reports),
             "capture_seconds": max((r["capture_seconds"] for r in reports), default=0.0),
             "import_seconds": max((r["import_seconds"] for r in reports), default=0.0),
             "load_seconds": max((r["load_seconds"] for r in reports), default=0.0),
+            "load_breakdown": slowest.get("load_breakdown", {}),
             "boot_seconds": round(max((r["started"] - self.created for r in reports), default=0.0), 3),
         }
 

@@ -176,6 +176,7 @@ class ShardRunner:
         self.import_seconds = time.perf_counter() - start  # the engine's modules (torch, transformers, ...)
         self.engines: dict[str, Any] = {}  # variant -> its engine
         self.load_seconds = 0.0  # spent in load_engines
+        self.load_breakdown: dict[str, float] = {}  # the engines' load_timings, summed by phase
         self.host = socket.gethostname()
         self.worker = f"{self.host}:{os.getpid()}"
         self.writers = ThreadPoolExecutor(cfg.writer_threads, thread_name_prefix="ovbatch-writer")
@@ -185,7 +186,9 @@ class ShardRunner:
 
     def engine(self, variant: str) -> Any:
         if variant not in self.engines:
-            self.engines[variant] = self.factory(self.cfg.engine_config(variant))
+            engine = self.engines[variant] = self.factory(self.cfg.engine_config(variant))
+            for phase, seconds in getattr(engine, "load_timings", {}).items():  # a factory's may have none
+                self.load_breakdown[phase] = self.load_breakdown.get(phase, 0.0) + seconds
         return self.engines[variant]
 
     def load_engines(self, variants: list[str]) -> None:
@@ -195,10 +198,10 @@ class ShardRunner:
             self.engine(variant)
         self.load_seconds += time.perf_counter() - start
 
-    def capture(self, tasks: list[ShardTask]) -> dict[str, float]:
+    def capture(self, tasks: list[ShardTask]) -> dict[str, Any]:
         """Have each variant's engine capture the CUDA graphs the tasks' batches will replay (engines
-        without capture() skip it): graphs captured, seconds spent, and the seconds the engine's imports and
-        load_engines took."""
+        without capture() skip it): graphs captured, seconds spent, the seconds the engine's imports and
+        load_engines took, and the engines' load seconds by phase (load_breakdown)."""
         start = time.perf_counter()
         graphs = 0
         for variant in sorted({t.variant for t in tasks}):
@@ -218,6 +221,7 @@ class ShardRunner:
             "capture_seconds": round(time.perf_counter() - start, 3),
             "import_seconds": round(self.import_seconds, 3),
             "load_seconds": round(self.load_seconds, 3),
+            "load_breakdown": {phase: round(t, 3) for phase, t in self.load_breakdown.items()},
         }
 
     def run_shard(self, task: ShardTask, on_batch: BatchCallback | None = None) -> list[ResultRow]:

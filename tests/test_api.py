@@ -1,4 +1,5 @@
 import json
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,6 +48,16 @@ def test_engine_identity(engine):
     assert engine.precision == "fp32" and engine.device == torch.device("cpu")
     assert engine.model_id.startswith("tiny@") and len(engine.model_id) == len("tiny@") + 12
     assert engine.sample_rate == engine.codec.sample_rate == 24000
+
+
+def test_the_engine_says_where_its_load_went(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="engine.api"):
+        engine = Engine(EngineConfig(prompt_cache_dir=str(tmp_path), generation=FAST))
+    timings = engine.load_timings  # on CPU: no CUDA context, extension or fp8 conversion
+    assert list(timings) == ["weights", "merge", "codec", "runner", "other"]
+    assert all(t >= 0 for t in timings.values())
+    (ready,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
+    assert f"weights {timings['weights']:.2f}, merge" in ready and f"codec {timings['codec']:.2f}" in ready
 
 
 def test_clone_on_a_real_clip_returns_float32_audio_of_the_target_length(engine):

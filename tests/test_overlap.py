@@ -147,6 +147,7 @@ class CapturingEngine(StagedEngine):
     """StagedEngine that records the batch shapes it is asked to capture graphs for."""
 
     shapes: list[list[tuple[int, int]]] = []
+    load_timings = {"weights": 0.25, "codec": 0.125}  # as Engine reports its load
 
     def capture(self, batches):
         CapturingEngine.shapes += batches
@@ -185,6 +186,7 @@ def test_the_engines_capture_the_batches_of_the_run_before_its_first_shard(tmp_p
     (run,) = outcome.summary["runs"]
     assert run["graphs"] == 1 and run["capture_seconds"] >= 0 and run["ready_seconds"] > 0
     assert 0 <= run["load_seconds"] <= run["ready_seconds"]  # the engines loaded before the run was ready
+    assert run["load_breakdown"] == CapturingEngine.load_timings  # where the load's seconds went
     assert "capture" in outcome.summary["time"]
 
 

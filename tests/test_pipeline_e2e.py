@@ -156,6 +156,9 @@ def test_end_to_end_on_local_ray(ray_session, tiny, prompt_cache, tmp_path: Path
     (run,) = s["runs"]  # what getting the actors ready took: their boot, engine load, capture
     assert 0 < run["boot_seconds"] < run["ready_seconds"] and 0 < run["load_seconds"] < run["ready_seconds"]
     assert 0 < run["import_seconds"] < run["ready_seconds"]  # a fresh actor process imports the engine
+    breakdown = run["load_breakdown"]  # the slowest actor's Engine.load_timings
+    assert {"weights", "merge", "codec", "other"} <= set(breakdown)
+    assert sum(breakdown.values()) <= run["load_seconds"] + 0.01  # each phase rounded to 1 ms
     plan = json.loads(job.plan_path.read_text())
     assert all(
         len({r["id"][:4] for r in sh["rows"]}) >= 1 and sh["bucket"] in (128, 256, 512, 1024)
