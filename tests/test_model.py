@@ -148,11 +148,13 @@ def test_bf16_fast_backend_matches_fp32_sdpa(backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("separate", [True, False], ids=["contiguous", "qkv_views"])
 @pytest.mark.parametrize("backend_name", FAST_BACKENDS)
-def test_fast_attention_matches_sdpa_on_odd_lengths(backend_name):
+def test_fast_attention_matches_sdpa_on_odd_lengths(backend_name, separate):
     """16 query heads over 8 k/v heads (the full model's grouping), odd lengths, empty sequence slots and
-    padding rows in no sequence (as a graph layout packs them): the rows in sequences match the fp32
-    reference to 1e-2 (bf16 inputs); a CUDA-graph replay equals the eager call bit for bit."""
+    padding rows in no sequence (as a graph layout packs them), q/k/v contiguous or strided views of one
+    buffer: the rows in sequences match the fp32 reference to 1e-2 (bf16 inputs); a CUDA-graph replay
+    equals the eager call bit for bit."""
     backend = BACKENDS[backend_name]()
     ok, reason = backend.can_use(torch.device("cuda"), torch.bfloat16)
     if not ok:
@@ -161,9 +163,11 @@ def test_fast_attention_matches_sdpa_on_odd_lengths(backend_name):
     lengths = [37, 300, 1, 128, 0, 0]
     real = sum(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    q, k, v = (
-        torch.randn(real + 45, h, 128, generator=g, device="cuda").to(torch.bfloat16) for h in (16, 8, 8)
-    )
+    qkv = torch.randn(real + 45, 16 + 8 + 8, 128, generator=g, device="cuda").to(torch.bfloat16)
+    if separate:
+        q, k, v = (t.contiguous() for t in qkv.split([16, 8, 8], dim=1))
+    else:  # views of one grouped projection's output, as the model hands them over
+        q, k, v = qkv.split([16, 8, 8], dim=1)
     got = backend(q, k, v, cu, 512)
     want = BACKENDS["sdpa"]()(q.float(), k.float(), v.float(), cu, 512)
     assert got.shape == want.shape
