@@ -30,6 +30,7 @@ from bench.codec_parity import random_reference  # noqa: E402
 from bench.environment import environment, write_result  # noqa: E402
 from engine.codec import Codec  # noqa: E402
 from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG  # noqa: E402
+from engine.codec.config import CodecConfig  # noqa: E402
 from engine.tiny.codec import TINY_CODEC_CONFIG  # noqa: E402
 
 SAMPLE_RATE = 24000
@@ -152,10 +153,8 @@ def run(size: str, seconds: float, repeats: int, device: str, seed: int) -> dict
         fp32 = Codec.from_dir(folder, device=device)
         bf16 = Codec.from_dir(folder, device=device, dtype=torch.bfloat16)
     else:
-        from transformers import HiggsAudioV2TokenizerConfig
-
         config = OMNIVOICE_CODEC_CONFIG if size == "full" else TINY_CODEC_CONFIG
-        fp32 = Codec(HiggsAudioV2TokenizerConfig.from_dict(config)).to(device)
+        fp32 = Codec(CodecConfig.from_dict(config)).to(device)
         bf16 = Codec(fp32.config).to(device, torch.bfloat16)
         bf16.load_state_dict(fp32.state_dict())
     rows = []

@@ -256,7 +256,7 @@ def quantize_checkpoint(
     _, model = load_model(src, device=device, dtype=dtype, fast_paths=FastPaths(grouped_projections=False))
     c, audio_vocab = model.cfg.num_audio_codebook, model.cfg.audio_vocab_size
     if calib_requests is not None:
-        from engine.codec import Codec  # heavy (transformers): only manifests need it
+        from engine.codec import Codec  # only manifests need it
 
         codec = Codec.from_dir(src / "audio_tokenizer", device=device)
         items = manifest_items(frontend, codec, calib_requests[: options.samples], calib_source or "manifest")
