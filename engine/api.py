@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -171,6 +172,7 @@ class Engine:
         with timer.phase("runner"):  # on CUDA it picks the attention backend (imports flash-attn)
             self.runner = Runner(self.model, cfg, self.device, self.dtype)
         self._references: dict[str, PreparedReference | AudioError] = {}  # preload(): cache key -> ready
+        self._ahead: tuple[list[SynthRequest], list[PreparedRequest], float] | None = None  # prepare_ahead()
         total = time.perf_counter() - start
         # Seconds of this load by phase; "other": the rest (config, fingerprint, tokenizer, frontends).
         self.load_timings = {phase: round(t, 3) for phase, t in timer.seconds.items()}
@@ -286,26 +288,54 @@ class Engine:
         per request, as a plan sizes them); returns how many were new (0 where graphs are off)."""
         return self.runner.capture([[(packed - target, target) for packed, target in b] for b in batches])
 
-    def generate(self, reqs: list[SynthRequest]) -> list[Generated]:
-        """synthesize() up to the decoded audio; each Generated's finish() does the rest on the host."""
+    def prepare_ahead(self, reqs: list[SynthRequest]) -> None:
+        """prepare_many(reqs) now, for the generate() call that comes with these same request objects: a
+        caller runs it while the device generates the batch before (generate's `then`), so that the next
+        batch's host work overlaps the device's. What fails here is left for that generate() to raise."""
+        start = time.perf_counter()
+        try:
+            prepared = self.prepare_many(reqs)
+        except Exception as e:  # noqa: BLE001 - generate() prepares again and reports it with its batch
+            log.debug("prepare_ahead left %d requests to generate(): %s", len(reqs), e)
+            self._ahead = None
+            return
+        self._ahead = (reqs, prepared, time.perf_counter() - start)
+
+    def _prepared(self, reqs: list[SynthRequest]) -> tuple[list[PreparedRequest], float]:
+        """The requests prepared (by prepare_ahead when it had these very objects) and the seconds it took."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and len(ahead[0]) == len(reqs) and all(a is b for a, b in zip(ahead[0], reqs)):
+            return ahead[1], ahead[2]
+        start = time.perf_counter()
+        prepared = self.prepare_many(reqs)
+        return prepared, time.perf_counter() - start
+
+    def generate(self, reqs: list[SynthRequest], then: Callable[[], None] | None = None) -> list[Generated]:
+        """synthesize() up to the decoded audio; each Generated's finish() does the rest on the host.
+        then: called once the generation is queued on the device and before its audio is waited for (the
+        host's work for the next batch, e.g. its prepare_ahead); its seconds count in no phase here."""
         if not reqs:
             return []
-        start = time.perf_counter()
         with record_function("ovbatch.prepare"):
-            prepared = self.prepare_many(reqs)
+            prepared, prepare = self._prepared(reqs)
         t0 = time.perf_counter()
         began = self._device_mark()
         with record_function("ovbatch.generate"):
             tokens, work = self._generate_tokens(prepared)
         ended = self._device_mark()
         t1 = time.perf_counter()
+        if then is not None:
+            with record_function("ovbatch.then"):
+                then()
+        t_then = time.perf_counter()
         with record_function("ovbatch.decode"):
             audio = self._decode([t for per_request in tokens for t in per_request])
         t2 = time.perf_counter()
         # The host returns from queueing the generation before the device has run it (the decode waits for
-        # it): on CUDA the generation's time is the device's, read once the decode's copies have waited.
+        # it): on CUDA the generation's time is the device's, read once the decode's copies have waited, and
+        # the decode's starts when both the generation and `then` are done.
         generate = began.elapsed_time(ended) / 1e3 if began is not None else t1 - t0
-        timings = {"prepare": t0 - start, "generate": generate, "decode": t2 - t0 - generate}
+        timings = {"prepare": prepare, "generate": generate, "decode": t2 - max(t_then, t0 + generate)}
         decoded = iter(audio)
         return [
             Generated(

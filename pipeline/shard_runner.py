@@ -2,10 +2,11 @@
 
 The same ShardRunner serves local mode (in this process) and each Ray actor (pipeline.ray_runner). The
 engine's device waits for as little host work as it can: while a batch generates, a preload thread
-prepares the next batch's reference clips (Engine.preload) and writer threads post-process and write the
-batches before it (each Engine.generate output's finish()). A worker holds SHARDS_IN_FLIGHT shards at once,
-one generating at a time: the next shard's first clips are prepared while the one before generates, and it
-generates while the one before waits for its last writes.
+prepares the next batch's reference clips (Engine.preload), the generating thread prepares the next batch
+once this one is queued on the device (Engine.prepare_ahead, as generate's `then`), and writer threads
+post-process and write the batches before it (each Engine.generate output's finish()). A worker holds
+SHARDS_IN_FLIGHT shards at once, one generating at a time: the next shard's first clips are prepared while
+the one before generates, and it generates while the one before waits for its last writes.
 A batch that raises is split in halves and each half retried, down to single rows, so one bad row
 fails alone and a CUDA out-of-memory error retries smaller batches. A row's synth_seconds is its share
 of its batch's wall time in proportion to its token work (packed tokens x decoding steps). Each batch that
@@ -150,11 +151,14 @@ class _Part:
     settled: list[ResultRow] | None = None
 
 
-def _engine_outputs(engine: Any, reqs: list[Any]) -> list[Any]:
+def _engine_outputs(engine: Any, reqs: list[Any], then: Callable[[], None] | None = None) -> list[Any]:
     """engine.generate where the engine has it (outputs whose finish() post-processes them, run on a writer
-    thread), else engine.synthesize (an engine_factory's engine may offer only that)."""
+    thread), else engine.synthesize (an engine_factory's engine may offer only that). then: only for
+    engines with prepare_ahead (ShardRunner._ahead), whose generate takes it."""
     generate = getattr(engine, "generate", None)
-    return generate(reqs) if generate is not None else engine.synthesize(reqs)
+    if generate is None:
+        return engine.synthesize(reqs)
+    return generate(reqs, then=then) if then is not None else generate(reqs)
 
 
 class ShardRunner:
@@ -233,7 +237,13 @@ class ShardRunner:
             results.extend(_reported(pending.popleft().result(), task, on_batch))
 
         batches = pack_batches(task.rows, self.cfg.engine_config(task.variant))
-        preloading = self._preload(engine, batches[:1])  # while the shard before generates
+        requests = {id(r): synth_request(r) for r in task.rows}  # one object per row: prepare_ahead's key
+
+        def requests_of(rows: list[RequestRow]) -> list[Any]:
+            return [requests[id(r)] for r in rows]
+
+        # The first batch's clips, while the shard before generates.
+        preloading = self._preload(engine, requests_of(batches[0]) if batches else [])
         try:
             with _traced("ovbatch.wait_device"):
                 self.generating.acquire()
@@ -244,8 +254,10 @@ class ShardRunner:
                             raise Stopped(f"shard {task.index} stopped before batch {i + 1}")
                         with _traced("ovbatch.wait_preload"):
                             wait([preloading])  # this batch's clips; the next ones are prepared meanwhile
-                        preloading = self._preload(engine, batches[i + 1 : i + 2])
-                        for part in self._generate(engine, task, batch):
+                        upcoming = requests_of(batches[i + 1]) if i + 1 < len(batches) else []
+                        preloading = self._preload(engine, upcoming)
+                        then = self._ahead(engine, upcoming, preloading)
+                        for part in self._generate(engine, task, batch, requests_of, then):
                             pending.append(self.writers.submit(self._settle, engine, task, part))
                         while pending and pending[0].done():
                             take_oldest()
@@ -260,11 +272,10 @@ class ShardRunner:
             wait([*pending, preloading])  # no writer outlives its shard, even one that stopped on an error
         return results
 
-    def _preload(self, engine: Any, batches: list[list[RequestRow]]) -> Future:
-        """engine.preload (host-side clip preparation) of the batches' requests on the preload thread; a
-        no-op for engines without it. Its errors are the batch's to report, when it runs."""
+    def _preload(self, engine: Any, reqs: list[Any]) -> Future:
+        """engine.preload (host-side clip preparation) of the requests on the preload thread; a no-op for
+        engines without it. Its errors are the batch's to report, when it runs."""
         preload = getattr(engine, "preload", None)
-        reqs = [synth_request(r) for batch in batches for r in batch]
 
         def run() -> None:
             try:
@@ -293,19 +304,43 @@ class ShardRunner:
             **measured,
         )
 
-    def _generate(self, engine: Any, task: ShardTask, rows: list[RequestRow]) -> list[_Part]:
-        """The engine's outputs for `rows`. A call that raises is split in halves, each half tried again,
-        down to single rows: one bad row fails alone, and an out-of-memory error retries smaller batches."""
+    @staticmethod
+    def _ahead(engine: Any, reqs: list[Any], preloading: Future) -> Callable[[], None] | None:
+        """What the engine does for the next batch while the device generates this one (generate's `then`):
+        its clips from the preload thread, then engine.prepare_ahead. None for engines without it."""
+        prepare_ahead = getattr(engine, "prepare_ahead", None)
+        if prepare_ahead is None or not reqs:
+            return None
+
+        def then() -> None:
+            wait([preloading])
+            prepare_ahead(reqs)
+
+        return then
+
+    def _generate(
+        self,
+        engine: Any,
+        task: ShardTask,
+        rows: list[RequestRow],
+        requests_of: Callable[[list[RequestRow]], list[Any]],
+        then: Callable[[], None] | None = None,
+    ) -> list[_Part]:
+        """The engine's outputs for `rows` (then: see _ahead). A call that raises is split in halves, each
+        half tried again, down to single rows: one bad row fails alone, and an out-of-memory error retries
+        smaller batches."""
         started = _now()
         t0 = time.perf_counter()
         try:
-            outputs = _engine_outputs(engine, [synth_request(r) for r in rows])
+            outputs = _engine_outputs(engine, requests_of(rows), then)
         except Exception as e:  # noqa: BLE001 - any engine failure is isolated to the rows that cause it
             if is_out_of_memory(e):
                 _release_cuda_cache()
             if len(rows) > 1:
                 half = len(rows) // 2
-                return self._generate(engine, task, rows[:half]) + self._generate(engine, task, rows[half:])
+                return self._generate(engine, task, rows[:half], requests_of) + self._generate(
+                    engine, task, rows[half:], requests_of
+                )
             # An input the engine refuses will be refused again: that row is rejected, not failed.
             status = "rejected" if isinstance(e, InputError) else "failed"
             failed = self._result(

@@ -326,3 +326,44 @@ def test_decode_calls_take_clips_of_like_length_and_keep_their_order(engine, mon
     for n, wav in zip(lengths[:3], engine._decode(codes[:3])):  # each clip's audio is its own alone
         (alone,) = engine._decode([codes[lengths.index(n)]])
         np.testing.assert_allclose(wav, alone, atol=1e-5)
+
+
+def test_a_batch_prepared_ahead_generates_as_one_prepared_in_its_call(tmp_path, monkeypatch):
+    """generate(batch_a, then=...) runs `then` once, after batch_a's generation is queued; prepare_ahead
+    there prepares batch_b, whose generate() then prepares nothing (the same code ran earlier: the audio is
+    bit-equal to a cold engine's). Only the very request objects given to prepare_ahead count; what it
+    cannot prepare is raised by that batch's own generate()."""
+    clips = sorted(n for n in CLIPS if n.endswith((".wav", ".flac")))
+    batch_a = [
+        SynthRequest(text="First batch.", ref_audio=DATA / clips[0], ref_text=CLIPS[clips[0]]["transcript"])
+    ]
+    batch_b = [
+        SynthRequest(text=f"Line {i}.", ref_audio=DATA / n, ref_text=CLIPS[n]["transcript"], seed=i)
+        for i, n in enumerate(clips[1:])
+    ]
+    cold = lambda: Engine(EngineConfig(prompt_cache_dir=None, generation=FAST))  # noqa: E731
+    want = cold().synthesize(batch_b)
+
+    engine = cold()
+    prepares = []
+    real = engine.prepare_many
+    monkeypatch.setattr(engine, "prepare_many", lambda reqs: prepares.append(len(reqs)) or real(reqs))
+    calls = []
+    engine.generate(batch_a, then=lambda: calls.append(1) or engine.prepare_ahead(batch_b))
+    assert calls == [1] and prepares == [1, len(batch_b)]
+    got = [g.finish() for g in engine.generate(batch_b)]
+    assert prepares == [1, len(batch_b)]  # batch_b was not prepared again
+    for a, b in zip(got, want, strict=True):
+        assert np.array_equal(a.audio, b.audio) and np.array_equal(a.tokens, b.tokens)
+        assert a.timings["prepare"] > 0
+
+    engine.prepare_ahead(batch_b)
+    engine.generate([replace(r) for r in batch_b])  # equal requests, other objects: prepared in the call
+    assert prepares == [1, len(batch_b), len(batch_b), len(batch_b)]
+
+    broken = tmp_path / "broken.wav"
+    broken.write_bytes(b"RIFF....WAVE")
+    bad = [SynthRequest(text="x", ref_audio=broken, ref_text="words")]
+    engine.prepare_ahead(bad)  # no error here
+    with pytest.raises(AudioError, match="broken.wav"):
+        engine.generate(bad)

@@ -255,3 +255,38 @@ def test_a_local_run_that_stops_early_starts_no_further_shard(tmp_path: Path):
     assert task.index == 0 and [r.id for r in results] == ["r00"]
     assert ["row 2"] not in StagedEngine.batches  # shard 2 never started
     assert not runner.stopping.is_set()  # the runner can run again
+
+
+class AheadEngine(StagedEngine):
+    """Records prepare_ahead calls and where generate runs `then`."""
+
+    events: list[tuple[str, tuple[str, ...]]] = []
+
+    def prepare_ahead(self, reqs):
+        AheadEngine.events.append(("ahead", tuple(r.text for r in reqs)))
+        self.ahead = reqs
+
+    def generate(self, reqs, then=None):
+        AheadEngine.events.append(("generate", tuple(r.text for r in reqs)))
+        if getattr(self, "ahead", None) is not None:
+            assert self.ahead == reqs and all(a is b for a, b in zip(self.ahead, reqs)), (
+                "not the same objects"
+            )
+        outputs = super().generate(reqs)
+        if then is not None:
+            then()
+        return outputs
+
+
+def test_each_batch_after_the_first_is_prepared_while_the_one_before_generates(tmp_path: Path):
+    StagedEngine.gate.set()
+    AheadEngine.events = []
+    cfg = _cfg(writers=1)
+    cfg.engine_factory = f"{__name__}:AheadEngine"
+    rows = _rows([f"row {i}" for i in range(4)])  # one row a batch
+    ShardRunner(tmp_path, cfg).run_shard(ShardTask(0, "default", 128, 1, rows))
+    texts = [(r.text,) for r in rows]
+    want = [("generate", texts[0])]
+    for batch in texts[1:]:
+        want += [("ahead", batch), ("generate", batch)]
+    assert AheadEngine.events == want
