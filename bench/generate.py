@@ -12,7 +12,9 @@ q/k norm + RoPE around the Linears), which is what they save; the `_ungrouped` v
 as separate layers (FastPaths.grouped_projections; each computes its input's RMSNorm) instead of one GEMM
 each; `_silu_mul` runs W4A4 gate/up as the grouped GEMM + the silu_mul kernel instead of the GEMM that
 writes silu(gate) * up (FastPaths.swiglu_gemm). Each variant is its own model, loaded with its switches.
-Medians of the repetitions; RTF = wall time / audio time.
+Medians of the repetitions; RTF = wall time / audio time. Each case also reports every variant's 32-step
+token agreement with ours_bf16_graphs (the same requests and seeds; with random weights a figure for how far
+a precision's numerics move the sampled codes, not a quality measure).
 
     python bench/generate.py [--out bench/results/generate-h200.json] [--reps 5] [--cases B32_vary]
                              [--variants ours_bf16_graphs,ours_fp8_graphs] [--attention varlen]
@@ -52,6 +54,7 @@ REF_FRAMES, TARGET_FRAMES = 125, 150
 # case, up to B = 32 with varied lengths, replays a graph.
 BUCKETS = tuple(range(512, 32769, 512))
 CASES = {"B1": (1, False), "B8_same": (8, False), "B16_vary": (16, True), "B32_vary": (32, True)}
+REFERENCE = "ours_bf16_graphs"  # what each variant's 32-step tokens are compared with (same seeds)
 
 
 def requests(batch: int, vary: bool) -> list[Request]:
@@ -82,6 +85,12 @@ def median_seconds(reps: int, fn, *args) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def token_agreement(tokens: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """The share of codes (every codebook, every target frame, every request) equal to the reference's."""
+    same = sum(int((a.cpu() == b.cpu()).sum()) for a, b in zip(tokens, reference, strict=True))
+    return same / sum(b.numel() for b in reference)
 
 
 def timing(seconds: float, audio_s: float) -> dict:
@@ -155,10 +164,16 @@ def main() -> None:
             row = {"B": batch, "audio_s": audio_s}
             official_s = median_seconds(reps, official._generate_iterative, task, official_gen)
             row["official_fp16_eager"] = timing(official_s, audio_s)
+            tokens = {}
             for label, runner in runners.items():
                 row[label] = timing(median_seconds(reps, runner.generate, items, gen), audio_s)
+                tokens[label] = runner.generate(items, gen)
             for label in runners:
                 row[f"speedup_{label}"] = round(row["official_fp16_eager"]["ms"] / row[label]["ms"], 2)
+            if REFERENCE in tokens:
+                row[f"token_agreement_vs_{REFERENCE}"] = {
+                    label: round(token_agreement(t, tokens[REFERENCE]), 4) for label, t in tokens.items()
+                }
             print(name, json.dumps(row), flush=True)
             results[name] = row
     report = {
