@@ -204,13 +204,19 @@ class PreloadingEngine(StagedEngine):
         return super().generate(reqs)
 
 
-def test_each_batch_is_preloaded_once_before_it_generates(tmp_path: Path):
+def _run_one_row_batches(tmp_path: Path, engine_class: type) -> list[RequestRow]:
+    """One shard of four rows, one row a batch, on `engine_class` (its `events` emptied first)."""
     StagedEngine.gate.set()
-    PreloadingEngine.events = []
+    engine_class.events = []
     cfg = _cfg(writers=1)
-    cfg.engine_factory = f"{__name__}:PreloadingEngine"
-    rows = _rows([f"row {i}" for i in range(4)])  # one row a batch
+    cfg.engine_factory = f"{__name__}:{engine_class.__name__}"
+    rows = _rows([f"row {i}" for i in range(4)])
     ShardRunner(tmp_path, cfg).run_shard(ShardTask(0, "default", 128, 1, rows))
+    return rows
+
+
+def test_each_batch_is_preloaded_once_before_it_generates(tmp_path: Path):
+    rows = _run_one_row_batches(tmp_path, PreloadingEngine)
     preloaded = [batch for kind, batch in PreloadingEngine.events if kind == "preloaded"]
     generated = [batch for kind, batch in PreloadingEngine.events if kind == "generate"]
     assert preloaded == generated == [(r.text,) for r in rows]
@@ -279,12 +285,7 @@ class AheadEngine(StagedEngine):
 
 
 def test_each_batch_after_the_first_is_prepared_while_the_one_before_generates(tmp_path: Path):
-    StagedEngine.gate.set()
-    AheadEngine.events = []
-    cfg = _cfg(writers=1)
-    cfg.engine_factory = f"{__name__}:AheadEngine"
-    rows = _rows([f"row {i}" for i in range(4)])  # one row a batch
-    ShardRunner(tmp_path, cfg).run_shard(ShardTask(0, "default", 128, 1, rows))
+    rows = _run_one_row_batches(tmp_path, AheadEngine)
     texts = [(r.text,) for r in rows]
     want = [("generate", texts[0])]
     for batch in texts[1:]:
