@@ -169,5 +169,5 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.precision != "auto" and self.precision not in PRECISIONS:
             raise InputError(f"precision={self.precision!r}: choose one of auto, {', '.join(PRECISIONS)}.")
-        if self.attention not in ("auto", "flash", "varlen", "sdpa"):
-            raise InputError(f"attention={self.attention!r}: choose auto, flash, varlen or sdpa.")
+        if self.attention not in ("auto", "flash", "flash4", "varlen", "sdpa"):
+            raise InputError(f"attention={self.attention!r}: choose auto, flash, flash4, varlen or sdpa.")

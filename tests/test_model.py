@@ -121,6 +121,7 @@ def test_attention_chooser_on_cpu(caplog):
         assert choose_attention("auto", torch.device("cpu"), torch.float32).name == "sdpa"
     assert "attention backend: sdpa" in caplog.text
     assert "skipped varlen: needs a CUDA device" in caplog.text
+    assert "skipped flash4: " in caplog.text
     with pytest.raises(BackendUnavailable, match="varlen.*CUDA"):
         choose_attention("varlen", torch.device("cpu"), torch.float32)
     with pytest.raises(BackendUnavailable, match="unknown"):

@@ -10,11 +10,13 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine.config import cache_root
 from engine.errors import BackendUnavailable
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,55 @@ class FlashAttnBackend:
         return self._fn(
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=False
         )
+
+
+class FlashAttn4Backend:
+    """flash-attn-4's varlen forward (CuTe DSL kernels for sm_90 and sm_100, compiled on the first call of
+    each configuration: a layout is run once before graph capture, as the runner's warm-up does)."""
+
+    name = "flash4"
+    # sm_90, head_dim 128, on the engine's layouts (bench/attention.py, ~64 sequences of 200-500 tokens):
+    # 192 x 96 tiles without the register-sourced P@V ran 1.39x torch's varlen kernel, the library's
+    # default 128 x 128 with it 1.23x.
+    SM90_HEAD_DIM_128 = {"tile_mn": (192, 96), "mma_pv_is_rs": False}
+
+    def __init__(self) -> None:
+        self._fn = None
+        self._tuned = False
+
+    def can_use(self, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+        # Its compiled kernels kept on disk (read when the package imports): a process after the first
+        # loads them instead of compiling for seconds.
+        os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+        os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(cache_root() / "flash4"))
+        try:
+            from flash_attn.cute.interface import _flash_attn_fwd
+        except Exception as e:  # not installed, or installed without a working nvidia-cutlass-dsl
+            return False, f"flash_attn.cute does not import ({e}); pip install flash-attn-4"
+        self._fn = _flash_attn_fwd
+        ok, reason = _needs_cuda_half(device, dtype)
+        if not ok:
+            return ok, reason
+        major, _ = torch.cuda.get_device_capability(device)
+        if major not in (9, 10):
+            return False, "flash-attn-4 runs on Hopper (sm_90) and Blackwell (sm_100) only"
+        self._tuned = major == 9
+        return True, ""
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+        tuning = self.SM90_HEAD_DIM_128 if self._tuned and q.shape[-1] == 128 else {}
+        out, _ = self._fn(
+            q,
+            k,
+            v,
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_k=cu_seqlens,
+            max_seqlen_q=max_seqlen,
+            max_seqlen_k=max_seqlen,
+            causal=False,
+            **tuning,
+        )[:2]
+        return out
 
 
 class TorchVarlenBackend:
@@ -111,8 +162,13 @@ class SdpaBackend:
         return out
 
 
-BACKENDS = {"flash": FlashAttnBackend, "varlen": TorchVarlenBackend, "sdpa": SdpaBackend}
-PRIORITY = ("flash", "varlen", "sdpa")
+BACKENDS = {
+    "flash": FlashAttnBackend,
+    "flash4": FlashAttn4Backend,
+    "varlen": TorchVarlenBackend,
+    "sdpa": SdpaBackend,
+}
+PRIORITY = ("flash", "flash4", "varlen", "sdpa")
 
 
 def choose_attention(choice: str, device: torch.device, dtype: torch.dtype):
