@@ -179,3 +179,20 @@ def test_fast_attention_matches_sdpa_on_odd_lengths(backend_name, separate):
         captured = backend(q, k, v, cu, 512)
     graph.replay()
     torch.testing.assert_close(captured[:real], backend(q, k, v, cu, 512)[:real], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_flash4_leaves_rows_outside_sequences_zero():
+    """flash-attn-4 reads K/V rows past a sequence's end (masked, but 0 x NaN is NaN), so the rows of a graph
+    layout that belong to no sequence must never turn non-finite: its output is zero there."""
+    backend = BACKENDS["flash4"]()
+    ok, reason = backend.can_use(torch.device("cuda"), torch.bfloat16)
+    if not ok:
+        pytest.skip(reason)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    cu = torch.tensor([0, 200, 350, 350], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(400, h, 128, generator=g, device="cuda").to(torch.bfloat16) for h in (16, 8, 8))
+    torch.empty(400 * 16 * 128, device="cuda", dtype=torch.bfloat16).fill_(float("nan"))  # freed memory: NaN
+    out = backend(q, k, v, cu, 256)
+    assert torch.isfinite(out[:350]).all()
+    assert (out[350:] == 0).all()

@@ -95,6 +95,10 @@ class FlashAttn4Backend:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         tuning = self.SM90_HEAD_DIM_128 if self._tuned and q.shape[-1] == 128 else {}
+        # Its kernel loads whole K/V tiles past a sequence's end and masks their scores, and P = 0 times a
+        # NaN V row is NaN: rows in no sequence (a graph layout's padding) must stay finite layer after
+        # layer, so the output starts at zero there instead of whatever memory held.
+        out = q.new_zeros(*q.shape[:2], v.shape[-1])
         out, _ = self._fn(
             q,
             k,
@@ -104,6 +108,7 @@ class FlashAttn4Backend:
             max_seqlen_q=max_seqlen,
             max_seqlen_k=max_seqlen,
             causal=False,
+            out=out,
             **tuning,
         )[:2]
         return out
