@@ -42,7 +42,7 @@ def generate_rows(result: dict) -> list[str]:
     rows = []
     for key, label in GENERATE_CASES.items():
         case = result["cases"][key]
-        ms = {name: round(v["ms"]) for name, v in case.items() if isinstance(v, dict)}
+        ms = {name: round(v["ms"]) for name, v in case.items() if isinstance(v, dict) and "ms" in v}
         w4a4_ratio = case["ours_w4a4_graphs"]["ms"] / case["ours_bf16_graphs"]["ms"]
         rows.append(
             row(
