@@ -11,6 +11,7 @@ target length and chunks come from engine.frontend.requests, which a job's plann
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -51,6 +52,8 @@ DECODE_CALL_FRAMES = 160
 LONG_REFERENCE_S = 20.0
 # Clips preload() keeps prepared at most (a batch's worth is taken by its generate()).
 PRELOADED_CLIPS = 512
+# Batches prepared ahead and not yet generated: the next batch of each shard a worker holds (two).
+PREPARED_AHEAD = 4
 
 
 @dataclass
@@ -172,7 +175,10 @@ class Engine:
         with timer.phase("runner"):  # on CUDA it picks the attention backend (imports flash-attn)
             self.runner = Runner(self.model, cfg, self.device, self.dtype)
         self._references: dict[str, PreparedReference | AudioError] = {}  # preload(): cache key -> ready
-        self._ahead: tuple[list[SynthRequest], list[PreparedRequest], float] | None = None  # prepare_ahead()
+        # prepare_ahead(): the request objects' ids -> (those requests, their preparation, its seconds)
+        self._ahead: dict[tuple[int, ...], tuple[list[SynthRequest], list[PreparedRequest], float]] = {}
+        # _references and _ahead change on several threads: preload's, and each shard's in a worker.
+        self._lock = threading.Lock()
         total = time.perf_counter() - start
         # Seconds of this load by phase; "other": the rest (config, fingerprint, tokenizer, frontends).
         self.load_timings = {phase: round(t, 3) for phase, t in timer.seconds.items()}
@@ -217,7 +223,8 @@ class Engine:
 
         def make_many(misses: list[tuple[int, bytes, str]]) -> list[VoicePrompt | AudioError]:
             clips = [(raw, wanted[j][1], wanted[j][2]) for j, raw, _ in misses]
-            ready = [self._references.pop(key, None) for _, _, key in misses]  # what preload() prepared
+            with self._lock:  # what preload() prepared
+                ready = [self._references.pop(key, None) for _, _, key in misses]
             return build_prompts(clips, self.codec, self.reference_settings, ready)
 
         made = self.prompts.get_or_create_many(
@@ -242,7 +249,10 @@ class Engine:
                     continue
                 raw = read_clip_bytes(req.ref_audio)
                 key = self.prompts.key(raw, clip[1])
-                if key in self._references or self.prompts.has(key):
+                with self._lock:
+                    if key in self._references:
+                        continue
+                if self.prompts.has(key):
                     continue
                 rate, hop = self.codec.sample_rate, self.codec.hop_length
                 ref = prepare_reference(clip[0], rate, hop, self.reference_settings, raw=raw)
@@ -250,9 +260,10 @@ class Engine:
                 ref = e
             except InputError:
                 continue
-            self._references[key] = ref
-            while len(self._references) > PRELOADED_CLIPS:  # entries a failed batch never used
-                self._references.pop(next(iter(self._references)))
+            with self._lock:
+                self._references[key] = ref
+                while len(self._references) > PRELOADED_CLIPS:  # entries a failed batch never used
+                    self._references.pop(next(iter(self._references)))
 
     def _checked_prompt(self, prompt: VoicePrompt) -> VoicePrompt:
         tokens = prompt.tokens
@@ -290,21 +301,25 @@ class Engine:
 
     def prepare_ahead(self, reqs: list[SynthRequest]) -> None:
         """prepare_many(reqs) now, for the generate() call that comes with these same request objects: a
-        caller runs it while the device generates the batch before (generate's `then`), so that the next
-        batch's host work overlaps the device's. What fails here is left for that generate() to raise."""
+        caller runs it while the device generates another batch (generate's `then`, or another thread's
+        generate), so that this batch's host work overlaps the device's. The last PREPARED_AHEAD batches
+        are kept. What fails here is left for that generate() to raise."""
         start = time.perf_counter()
         try:
             prepared = self.prepare_many(reqs)
         except Exception as e:  # noqa: BLE001 - generate() prepares again and reports it with its batch
             log.debug("prepare_ahead left %d requests to generate(): %s", len(reqs), e)
-            self._ahead = None
             return
-        self._ahead = (reqs, prepared, time.perf_counter() - start)
+        with self._lock:
+            self._ahead[tuple(map(id, reqs))] = (reqs, prepared, time.perf_counter() - start)
+            while len(self._ahead) > PREPARED_AHEAD:
+                self._ahead.pop(next(iter(self._ahead)))
 
     def _prepared(self, reqs: list[SynthRequest]) -> tuple[list[PreparedRequest], float]:
         """The requests prepared (by prepare_ahead when it had these very objects) and the seconds it took."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and len(ahead[0]) == len(reqs) and all(a is b for a, b in zip(ahead[0], reqs)):
+        with self._lock:  # an entry holds its requests, so their ids are not reused while it is kept
+            ahead = self._ahead.pop(tuple(map(id, reqs)), None)
+        if ahead is not None:
             return ahead[1], ahead[2]
         start = time.perf_counter()
         prepared = self.prepare_many(reqs)

@@ -5,8 +5,9 @@ engine's device waits for as little host work as it can: while a batch generates
 prepares the next batch's reference clips (Engine.preload), the generating thread prepares the next batch
 once this one is queued on the device (Engine.prepare_ahead, as generate's `then`), and writer threads
 post-process and write the batches before it (each Engine.generate output's finish()). A worker holds
-SHARDS_IN_FLIGHT shards at once, one generating at a time: the next shard's first clips are prepared while
-the one before generates, and it generates while the one before waits for its last writes.
+SHARDS_IN_FLIGHT shards at once, one generating at a time: the next shard's first batch is prepared (its
+clips, then Engine.prepare_ahead) while the one before generates, and it generates while the one before
+waits for its last writes.
 A batch that raises is split in halves and each half retried, down to single rows, so one bad row
 fails alone and a CUDA out-of-memory error retries smaller batches. A row's synth_seconds is its share
 of its batch's wall time in proportion to its token work (packed tokens x decoding steps). Each batch that
@@ -242,9 +243,14 @@ class ShardRunner:
         def requests_of(rows: list[RequestRow]) -> list[Any]:
             return [requests[id(r)] for r in rows]
 
-        # The first batch's clips, while the shard before generates.
-        preloading = self._preload(engine, requests_of(batches[0]) if batches else [])
+        # The first batch's clips, and then the batch itself, while the shard before generates.
+        first = requests_of(batches[0]) if batches else []
+        preloading = self._preload(engine, first)
         try:
+            prepare_first = self._ahead(engine, first, preloading)
+            if prepare_first is not None:
+                with _traced("ovbatch.prepare_first"):
+                    prepare_first()
             with _traced("ovbatch.wait_device"):
                 self.generating.acquire()
             try:
@@ -306,8 +312,9 @@ class ShardRunner:
 
     @staticmethod
     def _ahead(engine: Any, reqs: list[Any], preloading: Future) -> Callable[[], None] | None:
-        """What the engine does for the next batch while the device generates this one (generate's `then`):
-        its clips from the preload thread, then engine.prepare_ahead. None for engines without it."""
+        """What the engine does for a batch while the device generates another (the batch before, as
+        generate's `then`, or the shard before's): its clips from the preload thread, then
+        engine.prepare_ahead. None for engines without it."""
         prepare_ahead = getattr(engine, "prepare_ahead", None)
         if prepare_ahead is None or not reqs:
             return None

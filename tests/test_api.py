@@ -331,8 +331,8 @@ def test_decode_calls_take_clips_of_like_length_and_keep_their_order(engine, mon
 def test_a_batch_prepared_ahead_generates_as_one_prepared_in_its_call(tmp_path, monkeypatch):
     """generate(batch_a, then=...) runs `then` once, after batch_a's generation is queued; prepare_ahead
     there prepares batch_b, whose generate() then prepares nothing (the same code ran earlier: the audio is
-    bit-equal to a cold engine's). Only the very request objects given to prepare_ahead count; what it
-    cannot prepare is raised by that batch's own generate()."""
+    bit-equal to a cold engine's). Only the very request objects given to prepare_ahead count, and batches
+    prepared ahead are kept apart; what it cannot prepare is raised by that batch's own generate()."""
     clips = sorted(n for n in CLIPS if n.endswith((".wav", ".flac")))
     batch_a = [
         SynthRequest(text="First batch.", ref_audio=DATA / clips[0], ref_text=CLIPS[clips[0]]["transcript"])
@@ -360,6 +360,12 @@ def test_a_batch_prepared_ahead_generates_as_one_prepared_in_its_call(tmp_path, 
     engine.prepare_ahead(batch_b)
     engine.generate([replace(r) for r in batch_b])  # equal requests, other objects: prepared in the call
     assert prepares == [1, len(batch_b), len(batch_b), len(batch_b)]
+    batch_c = [replace(r) for r in batch_b]
+    engine.prepare_ahead(batch_b)  # e.g. the next batches of two shards in one worker
+    engine.prepare_ahead(batch_c)
+    engine.generate(batch_c)
+    engine.generate(batch_b)
+    assert len(prepares) == 6  # each generate() found its own batch's preparation
 
     broken = tmp_path / "broken.wav"
     broken.write_bytes(b"RIFF....WAVE")
