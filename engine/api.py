@@ -177,7 +177,7 @@ class Engine:
         self._references: dict[str, PreparedReference | AudioError] = {}  # preload(): cache key -> ready
         # prepare_ahead(): the request objects' ids -> (those requests, their preparation, its seconds)
         self._ahead: dict[tuple[int, ...], tuple[list[SynthRequest], list[PreparedRequest], float]] = {}
-        # _references and _ahead change on several threads: preload's, and each shard's in a worker.
+        # _references changes on the preload thread and the generating one; _ahead on each shard's thread.
         self._lock = threading.Lock()
         total = time.perf_counter() - start
         # Seconds of this load by phase; "other": the rest (config, fingerprint, tokenizer, frontends).
@@ -301,9 +301,9 @@ class Engine:
 
     def prepare_ahead(self, reqs: list[SynthRequest]) -> None:
         """prepare_many(reqs) now, for the generate() call that comes with these same request objects: a
-        caller runs it while the device generates another batch (generate's `then`, or another thread's
-        generate), so that this batch's host work overlaps the device's. The last PREPARED_AHEAD batches
-        are kept. What fails here is left for that generate() to raise."""
+        caller runs it while the device generates another batch (generate's `then`), so that this batch's
+        host work overlaps the device's. The last PREPARED_AHEAD batches prepared are kept. What fails here
+        is left for that generate() to raise."""
         start = time.perf_counter()
         try:
             prepared = self.prepare_many(reqs)

@@ -5,9 +5,10 @@ engine's device waits for as little host work as it can: while a batch generates
 prepares the next batch's reference clips (Engine.preload), the generating thread prepares the next batch
 once this one is queued on the device (Engine.prepare_ahead, as generate's `then`), and writer threads
 post-process and write the batches before it (each Engine.generate output's finish()). A worker holds
-SHARDS_IN_FLIGHT shards at once, one generating at a time: the next shard's first batch is prepared (its
-clips, then Engine.prepare_ahead) while the one before generates, and it generates while the one before
-waits for its last writes.
+SHARDS_IN_FLIGHT shards at once, one generating at a time: the next shard's first batch is prepared while
+the one before generates (its clips on the preload thread, the batch by the last batch's `then` of the
+shard before, so that only the thread holding the device puts work on it), and it generates while the one
+before waits for its last writes.
 A batch that raises is split in halves and each half retried, down to single rows, so one bad row
 fails alone and a CUDA out-of-memory error retries smaller batches. A row's synth_seconds is its share
 of its batch's wall time in proportion to its token work (packed tokens x decoding steps). Each batch that
@@ -187,6 +188,9 @@ class ShardRunner:
         self.writers = ThreadPoolExecutor(cfg.writer_threads, thread_name_prefix="ovbatch-writer")
         self.preloader = ThreadPoolExecutor(1, thread_name_prefix="ovbatch-preload")
         self.generating = threading.Lock()  # held by the shard whose batches are on the device
+        # (index, variant) -> (engine, first batch's requests, their preload) of shards waiting for the device
+        self.waiting: dict[tuple[int, str], tuple[Any, list[Any], Future]] = {}
+        self.waiting_lock = threading.Lock()
         self.stopping = threading.Event()  # set: running shards stop before their next batch
 
     def engine(self, variant: str) -> Any:
@@ -243,16 +247,18 @@ class ShardRunner:
         def requests_of(rows: list[RequestRow]) -> list[Any]:
             return [requests[id(r)] for r in rows]
 
-        # The first batch's clips, and then the batch itself, while the shard before generates.
+        # The first batch's clips now, while the shard before generates; the batch itself is prepared by
+        # that shard's last batch (its `then`), so that device work stays on the thread holding the device.
         first = requests_of(batches[0]) if batches else []
         preloading = self._preload(engine, first)
+        key = (task.index, task.variant)
+        with self.waiting_lock:
+            self.waiting[key] = (engine, first, preloading)
         try:
-            prepare_first = self._ahead(engine, first, preloading)
-            if prepare_first is not None:
-                with _traced("ovbatch.prepare_first"):
-                    prepare_first()
             with _traced("ovbatch.wait_device"):
                 self.generating.acquire()
+            with self.waiting_lock:
+                self.waiting.pop(key, None)
             try:
                 with _traced("ovbatch.shard_on_device"):
                     for i, batch in enumerate(batches):
@@ -262,7 +268,11 @@ class ShardRunner:
                             wait([preloading])  # this batch's clips; the next ones are prepared meanwhile
                         upcoming = requests_of(batches[i + 1]) if i + 1 < len(batches) else []
                         preloading = self._preload(engine, upcoming)
-                        then = self._ahead(engine, upcoming, preloading)
+                        then = (
+                            self._ahead(engine, upcoming, preloading)
+                            if upcoming
+                            else self._next_shards_first(engine)
+                        )
                         for part in self._generate(engine, task, batch, requests_of, then):
                             pending.append(self.writers.submit(self._settle, engine, task, part))
                         while pending and pending[0].done():
@@ -275,6 +285,8 @@ class ShardRunner:
             while pending:  # the next shard generates meanwhile
                 take_oldest()
         finally:
+            with self.waiting_lock:
+                self.waiting.pop(key, None)
             wait([*pending, preloading])  # no writer outlives its shard, even one that stopped on an error
         return results
 
@@ -312,9 +324,8 @@ class ShardRunner:
 
     @staticmethod
     def _ahead(engine: Any, reqs: list[Any], preloading: Future) -> Callable[[], None] | None:
-        """What the engine does for a batch while the device generates another (the batch before, as
-        generate's `then`, or the shard before's): its clips from the preload thread, then
-        engine.prepare_ahead. None for engines without it."""
+        """What the engine does for the next batch while the device generates this one (generate's `then`):
+        its clips from the preload thread, then engine.prepare_ahead. None for engines without it."""
         prepare_ahead = getattr(engine, "prepare_ahead", None)
         if prepare_ahead is None or not reqs:
             return None
@@ -322,6 +333,23 @@ class ShardRunner:
         def then() -> None:
             wait([preloading])
             prepare_ahead(reqs)
+
+        return then
+
+    def _next_shards_first(self, engine: Any) -> Callable[[], None] | None:
+        """generate's `then` for a shard's last batch: the first batch of the shard that has waited longest
+        for the device, prepared ahead on its own engine (None where this engine takes no `then`)."""
+        if getattr(engine, "prepare_ahead", None) is None:
+            return None
+
+        def then() -> None:
+            with self.waiting_lock:
+                if not self.waiting:
+                    return
+                next_engine, reqs, preloading = self.waiting.pop(next(iter(self.waiting)))
+            ahead = self._ahead(next_engine, reqs, preloading)
+            if ahead is not None:
+                ahead()
 
         return then
 

@@ -284,42 +284,50 @@ class AheadEngine(StagedEngine):
         return outputs
 
 
-def test_each_batch_is_prepared_ahead_the_first_before_its_shard_takes_the_device(tmp_path: Path):
-    """The first batch is prepared before its shard takes the device, each later one while the batch
-    before it generates (generate's `then`)."""
+def test_each_batch_after_the_first_is_prepared_while_the_one_before_generates(tmp_path: Path):
     rows = _run_one_row_batches(tmp_path, AheadEngine)
-    want = [event for r in rows for event in (("ahead", (r.text,)), ("generate", (r.text,)))]
+    texts = [(r.text,) for r in rows]
+    want = [("generate", texts[0])]
+    for batch in texts[1:]:
+        want += [("ahead", batch), ("generate", batch)]
     assert AheadEngine.events == want
 
 
-class CrossShardEngine(StagedEngine):
-    """Shard 0's batch generates only once shard 1's first batch has been prepared ahead (or 10 s passed)."""
+class HandOffEngine(StagedEngine):
+    """Records prepare_ahead and generate; the first batch to generate runs its `then` only once the other
+    shard waits for the device (so that the test does not depend on the threads' timing)."""
 
-    second_prepared = threading.Event()
+    runner: ShardRunner | None = None
+    events: list[tuple[str, str]] = []
 
     def prepare_ahead(self, reqs):
-        if reqs[0].text == "second shard":
-            CrossShardEngine.second_prepared.set()
+        HandOffEngine.events.append(("ahead", reqs[0].text))
 
     def generate(self, reqs, then=None):
-        if reqs[0].text == "first shard":
-            assert CrossShardEngine.second_prepared.wait(10), "shard 1 was not prepared during shard 0"
+        HandOffEngine.events.append(("generate", reqs[0].text))
         outputs = super().generate(reqs)
+        if len(HandOffEngine.events) == 1:
+            deadline = time.monotonic() + 10
+            while not HandOffEngine.runner.waiting and time.monotonic() < deadline:
+                time.sleep(0.01)
         if then is not None:
             then()
         return outputs
 
 
-def test_the_next_shard_prepares_its_first_batch_while_the_one_before_holds_the_device(tmp_path: Path):
+def test_a_shards_last_batch_prepares_the_first_batch_of_the_shard_waiting_for_the_device(tmp_path: Path):
     from pipeline.shard_runner import run_local
 
     StagedEngine.gate.set()
-    CrossShardEngine.second_prepared = threading.Event()
+    HandOffEngine.events = []
     cfg = _cfg(writers=1)
-    cfg.engine_factory = f"{__name__}:CrossShardEngine"
+    cfg.engine_factory = f"{__name__}:HandOffEngine"
+    runner = HandOffEngine.runner = ShardRunner(tmp_path, cfg)
     rows = _rows(["first shard", "second shard"])
     tasks = [ShardTask(0, "default", 128, 1, rows[:1]), ShardTask(1, "default", 128, 1, rows[1:])]
-    # Whichever shard takes the device first, shard 0 generates only once shard 1 was prepared.
-    results = list(run_local(ShardRunner(tmp_path, cfg), tasks))
+    results = list(run_local(runner, tasks))
     assert [(task.index, [r.status for r in rs]) for task, rs in results] == [(0, ["ok"]), (1, ["ok"])]
-    assert sorted(StagedEngine.batches) == [["first shard"], ["second shard"]]
+    # whichever shard took the device first prepared the other's batch in its `then`, before it generated
+    first, second = (text for kind, text in HandOffEngine.events if kind == "generate")
+    assert HandOffEngine.events == [("generate", first), ("ahead", second), ("generate", second)]
+    assert not runner.waiting
