@@ -82,7 +82,10 @@ class FlashAttn4Backend:
         try:
             from flash_attn.cute.interface import _flash_attn_fwd
         except Exception as e:  # not installed, or installed without a working nvidia-cutlass-dsl
-            return False, f"flash_attn.cute does not import ({e}); pip install flash-attn-4"
+            return False, (
+                f"flash_attn.cute does not import ({e}); pip install -e '.[flash4-cu13]' (CUDA 13 torch) "
+                "or '.[flash4]' (CUDA 12)"
+            )
         self._fn = _flash_attn_fwd
         ok, reason = _needs_cuda_half(device, dtype)
         if not ok:
