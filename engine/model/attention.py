@@ -176,7 +176,9 @@ BACKENDS = {
     "varlen": TorchVarlenBackend,
     "sdpa": SdpaBackend,
 }
-PRIORITY = ("flash", "flash4", "varlen", "sdpa")
+# Fastest first: flash4 ran 1.1-1.2x torch's varlen kernel on the H200 (bench/attention.py); torch vendors
+# FlashAttention-2's kernels, which the flash-attn 2 package ("flash") calls too (not measured here).
+PRIORITY = ("flash4", "flash", "varlen", "sdpa")
 
 
 def choose_attention(choice: str, device: torch.device, dtype: torch.dtype):
