@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 ENGINE = REPO / "engine"
 QUANTIZATION = ("engine.w4a4", "engine.fp8", "engine.quantizer")
 FORWARD_PATH = ("engine/model", "engine/generate", "engine/w4a4", "engine/fp8", "engine/kernels")
-# Builds the CUDA extension once per process (its cache directory and extra compiler flags): not per forward.
+# Builds the CUDA extension once per process (its cache directory and extra compiler flags) and points
+# flash-attn-4's kernel cache: not per forward.
 FORWARD_PATH_EXEMPT = ("engine/kernels/build.py",)
 
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.config import cache_root
 from engine.errors import BackendUnavailable
+from engine.kernels.build import keep_flash4_kernels
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +74,7 @@ class FlashAttn4Backend:
         self._tuned = False
 
     def can_use(self, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-        # Its compiled kernels kept on disk (read when the package imports): a process after the first
-        # loads them instead of compiling for seconds.
-        os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-        os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(cache_root() / "flash4"))
+        keep_flash4_kernels()
         try:
             from flash_attn.cute.interface import _flash_attn_fwd
         except Exception as e:  # not installed, or installed without a working nvidia-cutlass-dsl
