@@ -7,11 +7,14 @@ module level or inside a function):
 - the model (engine/model) imports no quantization module: Linear implementations are handed to it at load;
 - nothing on the forward path reads the environment: the fast-path switches are EngineConfig fields;
 - comments in engine/ and csrc/ carry no version tags (history lives in git).
+- a CPU engine loads and synthesizes without importing torch._dynamo (seconds in every worker).
 """
 
 import ast
 import io
 import re
+import subprocess
+import sys
 import tokenize
 from pathlib import Path
 
@@ -101,6 +104,21 @@ def test_nothing_on_the_forward_path_reads_the_environment():
         if str(p.relative_to(REPO)) not in FORWARD_PATH_EXEMPT
     }
     assert not {k: v for k, v in offenders.items() if v}
+
+
+def test_a_cpu_engine_loads_and_synthesizes_without_importing_torch_dynamo():
+    """torch._dynamo takes seconds to import (2-3 s on 2 cores), in every worker process: loading builds
+    the model on the meta device, where nn.Embedding's init and weight_norm's norm run torch's reference
+    ops that import it, and torch's varlen attention module imports it too (loaded on CUDA only)."""
+    code = (
+        "import sys\n"
+        "from engine.api import Engine, SynthRequest\n"
+        "from engine.config import EngineConfig\n"
+        "Engine(EngineConfig(device='cpu')).synthesize([SynthRequest(text='Hi.', seed=1)])\n"
+        "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_the_checks_see_what_they_look_for(tmp_path):

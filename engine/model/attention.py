@@ -74,6 +74,9 @@ class FlashAttn4Backend:
         self._tuned = False
 
     def can_use(self, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+        ok, reason = _needs_cuda_half(device, dtype)  # first: the package takes seconds to import
+        if not ok:
+            return ok, reason
         keep_flash4_kernels()
         try:
             from flash_attn.cute.interface import _flash_attn_fwd
@@ -83,9 +86,6 @@ class FlashAttn4Backend:
                 "or '.[flash4]' (CUDA 12)"
             )
         self._fn = _flash_attn_fwd
-        ok, reason = _needs_cuda_half(device, dtype)
-        if not ok:
-            return ok, reason
         major, _ = torch.cuda.get_device_capability(device)
         if major not in (9, 10):
             return False, "flash-attn-4 runs on Hopper (sm_90) and Blackwell (sm_100) only"
@@ -123,13 +123,16 @@ class TorchVarlenBackend:
         self._native_gqa = False
 
     def can_use(self, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+        ok, reason = _needs_cuda_half(device, dtype)  # first: the module imports torch._dynamo (seconds)
+        if not ok:
+            return ok, reason
         try:
             from torch.nn.attention.varlen import varlen_attn
         except ImportError:
             return False, f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn"
         self._fn = varlen_attn
         self._native_gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
-        return _needs_cuda_half(device, dtype)
+        return True, ""
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         if q.shape[1] == k.shape[1]:

@@ -106,13 +106,21 @@ class DecoderLayer(nn.Module):
         return self.mlp(x, delta, self.post_attention_layernorm)
 
 
+def embedding(rows: int, dim: int) -> nn.Embedding:
+    """nn.Embedding; on the meta device (load_model builds there and assigns the file's weights after)
+    without its random init, whose normal_ on meta imports torch._dynamo: seconds, once a process."""
+    if torch.empty(0).is_meta:
+        return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+    return nn.Embedding(rows, dim)
+
+
 class Qwen3Backbone(nn.Module):
     """Qwen3 without its LM head (the official checkpoint's `llm.*`), bidirectional within a sequence."""
 
     def __init__(self, cfg: LLMConfig, linear_factory: LinearFactory) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(i, cfg, linear_factory) for i in range(cfg.num_hidden_layers)
         )
@@ -136,7 +144,7 @@ class OmniVoiceModel(nn.Module):
         self.attention = attention
         hidden, codebook_rows = cfg.llm.hidden_size, cfg.num_audio_codebook * cfg.audio_vocab_size
         self.llm = Qwen3Backbone(cfg.llm, linear_factory or default_linear)
-        self.audio_embeddings = nn.Embedding(codebook_rows, hidden)
+        self.audio_embeddings = embedding(codebook_rows, hidden)
         self.audio_heads = nn.Linear(hidden, codebook_rows, bias=False)
         self._backend = None
         self._backend_key = None
