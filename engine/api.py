@@ -52,7 +52,8 @@ DECODE_CALL_FRAMES = 160
 LONG_REFERENCE_S = 20.0
 # Clips preload() keeps prepared at most (a batch's worth is taken by its generate()).
 PRELOADED_CLIPS = 512
-# Batches prepared ahead and not yet generated: the next batch of each shard a worker holds (two).
+# Batches prepare_ahead keeps: one is taken by the next generate(); the bound drops the ones never asked
+# for (a batch that failed is retried in halves, which are other request lists).
 PREPARED_AHEAD = 4
 
 

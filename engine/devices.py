@@ -11,6 +11,13 @@ from engine.errors import InputError
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def building_on_meta() -> bool:
+    """Whether modules built now land on the meta device (the loaders build there, then assign the file's
+    weights), where some of torch's random inits and weight_norm run its reference ops, which import
+    torch._dynamo: seconds, once a process."""
+    return torch.empty(0).is_meta
+
+
 def resolve_device(name: str) -> torch.device:
     """A device name (auto | cpu | cuda | cuda:N) as a torch.device; auto picks CUDA when there is one."""
     if name == "auto":

@@ -107,7 +107,7 @@ def test_nothing_on_the_forward_path_reads_the_environment():
 
 
 def test_a_cpu_engine_loads_and_synthesizes_without_importing_torch_dynamo():
-    """torch._dynamo takes seconds to import (2-3 s on 2 cores), in every worker process: loading builds
+    """torch._dynamo takes seconds to import, in every worker process: loading builds
     the model on the meta device, where nn.Embedding's init and weight_norm's norm run torch's reference
     ops that import it, and torch's varlen attention module imports it too (loaded on CUDA only)."""
     code = (

@@ -18,6 +18,7 @@ from torch.nn.utils.parametrizations import weight_norm
 
 from engine.codec.config import SemanticConfig
 from engine.codec.lengths import conv_output_lengths
+from engine.devices import building_on_meta
 
 # transformers' HuBERT initialisation: Linear weights drawn with this std, every conv weight He-normal.
 INITIALIZER_RANGE = 0.02
@@ -92,16 +93,15 @@ class PositionalConvEmbedding(nn.Module):
     def __init__(self, cfg: SemanticConfig):
         super().__init__()
         kernel = cfg.num_conv_pos_embeddings
-        # weight_norm takes the weight's norm as it registers; on the meta device (Codec.from_dir builds
-        # there) that runs torch's reference ops, which import torch._dynamo: seconds, once a process. So
-        # this small conv is built on the CPU there; the file's weights replace it either way.
+        # weight_norm takes the weight's norm as it registers, which on meta imports torch._dynamo
+        # (building_on_meta): there this small conv is built on the CPU; the file's weights replace it.
         conv = nn.Conv1d(
             cfg.hidden_size,
             cfg.hidden_size,
             kernel_size=kernel,
             padding=kernel // 2,
             groups=cfg.num_conv_pos_embedding_groups,
-            device="cpu" if torch.empty(0).is_meta else None,
+            device="cpu" if building_on_meta() else None,
         )
         self.conv = weight_norm(conv, name="weight", dim=2)
         self.trim = 1 - kernel % 2  # an even kernel with padding kernel // 2 yields one frame too many

@@ -64,9 +64,9 @@ class FlashAttn4Backend:
     each configuration: a layout is run once before graph capture, as the runner's warm-up does)."""
 
     name = "flash4"
-    # sm_90, head_dim 128, on the engine's layouts (bench/attention.py, ~64 sequences of 200-500 tokens):
-    # 192 x 96 tiles without the register-sourced P@V ran 1.39x torch's varlen kernel, the library's
-    # default 128 x 128 with it 1.23x.
+    # sm_90, head_dim 128, on the engine's layouts (~64 sequences of 200-500 tokens): chosen by a tile
+    # sweep on the H200 over the library's default 128 x 128 with the register-sourced P@V (ad hoc runs,
+    # in the messages of commits 1d924aa and 27bd22d; bench/attention.py times this choice only).
     SM90_HEAD_DIM_128 = {"tile_mn": (192, 96), "mma_pv_is_rs": False}
 
     def __init__(self) -> None:

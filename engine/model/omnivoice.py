@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.config import LLMConfig, ModelConfig
+from engine.devices import building_on_meta
 from engine.model.attention import choose_attention
 from engine.model.layers import LinearFactory, RMSNorm, SiblingBlock, SwiGLU, qk_norm_rope, rope_cos_sin
 from engine.model.linear import default_linear, merge_linears
@@ -107,9 +108,8 @@ class DecoderLayer(nn.Module):
 
 
 def embedding(rows: int, dim: int) -> nn.Embedding:
-    """nn.Embedding; on the meta device (load_model builds there and assigns the file's weights after)
-    without its random init, whose normal_ on meta imports torch._dynamo: seconds, once a process."""
-    if torch.empty(0).is_meta:
+    """nn.Embedding; on the meta device without its random init (building_on_meta)."""
+    if building_on_meta():
         return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
     return nn.Embedding(rows, dim)
 
