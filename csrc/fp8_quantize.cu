@@ -7,7 +7,10 @@
 // divisions, round to nearest even): engine/fp8/reference.py quantize_rows on the same T values, bit for bit.
 // One warp per row, 16-byte reads, each value produced once and kept in registers until the row's maximum
 // is known (rows of up to kFp8MaxK elements); RMSNorm reads x once more first, for its statistics (after the
-// add, the sums are held in registers instead).
+// add, the sums are held in registers instead). silu_mul, whose rows are the MLP's (3072 at full size), takes
+// a block of kSiluRowThreads per row instead: a lane of a warp-per-row kernel held 12 pieces, which left an
+// SM few warps to hide its loads behind; a maximum does not depend on the order it is taken in, so the codes
+// are the same.
 #include <cuda_fp8.h>
 
 #include "w4a4_common.cuh"
@@ -54,6 +57,25 @@ __device__ __forceinline__ uint32_t e4m3x2(float2 v, float inv_scale) {
       __nv_cvt_float2_to_fp8x2(make_float2(v.x * inv_scale, v.y * inv_scale), __NV_SATFINITE, __NV_E4M3));
 }
 
+template <typename T>
+__device__ __forceinline__ float amax8(uint4 v, float amax) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = unpack2<T>(words[j]);
+    amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+  }
+  return amax;
+}
+
+// The 8 codes of values v at q + c.
+template <typename T>
+__device__ __forceinline__ void store_codes8(uint8_t* q, int c, uint4 v, float inv_scale) {
+  const uint32_t lo = e4m3x2(unpack2<T>(v.x), inv_scale) | (e4m3x2(unpack2<T>(v.y), inv_scale) << 16);
+  const uint32_t hi = e4m3x2(unpack2<T>(v.z), inv_scale) | (e4m3x2(unpack2<T>(v.w), inv_scale) << 16);
+  *reinterpret_cast<uint2*>(q + c) = make_uint2(lo, hi);
+}
+
 // kChunks = K / 256 rounded up: each lane keeps its kChunks 16-byte pieces of the produced row in registers
 // between finding the row's maximum and writing the codes, so each value is produced once.
 template <typename T, Fp8Source S, int kChunks>
@@ -64,7 +86,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) fp8_quantize_kernel(const 
   const int K = a.K;
   T* x = static_cast<T*>(a.x) + static_cast<int64_t>(row) * a.x_ld;
   const T* second = static_cast<const T*>(a.second);
-  if constexpr (S == Fp8Source::kSiluMul) second += static_cast<int64_t>(row) * a.second_ld;
 
   uint4 values[kChunks];
   float rstd = 0.f;
@@ -93,12 +114,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) fp8_quantize_kernel(const 
         values[i] = rms_normed8<T>(values[i], *reinterpret_cast<const uint4*>(second + c), rstd);
       else
         values[i] = produce<T, S>(x, second, c, rstd);
-      const uint32_t words[4] = {values[i].x, values[i].y, values[i].z, values[i].w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = unpack2<T>(words[j]);
-        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-      }
+      amax = amax8<T>(values[i], amax);
     }
   }
 #pragma unroll
@@ -110,14 +126,61 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) fp8_quantize_kernel(const 
 #pragma unroll
   for (int i = 0; i < kChunks; ++i) {
     const int c = (i * 32 + lane) * kVec;
-    if (c < K) {
-      const uint4 v = values[i];
-      const uint32_t lo = e4m3x2(unpack2<T>(v.x), inv_scale) | (e4m3x2(unpack2<T>(v.y), inv_scale) << 16);
-      const uint32_t hi = e4m3x2(unpack2<T>(v.z), inv_scale) | (e4m3x2(unpack2<T>(v.w), inv_scale) << 16);
-      *reinterpret_cast<uint2*>(q + c) = make_uint2(lo, hi);
-    }
+    if (c < K) store_codes8<T>(q, c, values[i], inv_scale);
   }
   if (lane == 0) a.scale[row] = __fdiv_rn(amax, kE4m3Max);
+}
+
+constexpr int kSiluRowThreads = 128;
+
+// silu_mul rows, a block per row: each thread produces kChunks 16-byte pieces (K <= kChunks x 1024), the
+// block takes their maximum, then each thread writes its pieces' codes.
+template <typename T, int kChunks>
+__global__ void __launch_bounds__(kSiluRowThreads) fp8_silu_mul_rows_kernel(const Fp8QuantizeArgs a) {
+  const int row = blockIdx.x;
+  const int K = a.K;
+  const T* gate = static_cast<const T*>(a.x) + static_cast<int64_t>(row) * a.x_ld;
+  const T* up = static_cast<const T*>(a.second) + static_cast<int64_t>(row) * a.second_ld;
+
+  uint4 values[kChunks];
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int c = (i * kSiluRowThreads + threadIdx.x) * kVec;
+    if (c < K) {
+      values[i] = produce<T, Fp8Source::kSiluMul>(gate, up, c, 0.f);
+      amax = amax8<T>(values[i], amax);
+    }
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+  __shared__ float warp_amax[kSiluRowThreads / 32];
+  if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = amax;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kSiluRowThreads / 32; ++w) amax = fmaxf(amax, warp_amax[w]);
+  amax = fmaxf(amax, kFp8MinAmax);
+  const float inv_scale = __fdiv_rn(kE4m3Max, amax);
+
+  uint8_t* q = static_cast<uint8_t*>(a.q) + static_cast<int64_t>(row) * K;
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int c = (i * kSiluRowThreads + threadIdx.x) * kVec;
+    if (c < K) store_codes8<T>(q, c, values[i], inv_scale);
+  }
+  if (threadIdx.x == 0) a.scale[row] = __fdiv_rn(amax, kE4m3Max);
+}
+
+template <typename T>
+cudaError_t launch_silu_mul_rows(const Fp8QuantizeArgs& a, cudaStream_t stream) {
+  constexpr int kPerChunk = kSiluRowThreads * kVec;
+  static_assert(kFp8MaxK <= 3 * kPerChunk, "a thread holds at most 3 pieces of a row");
+  switch ((a.K + kPerChunk - 1) / kPerChunk) {
+    case 1: fp8_silu_mul_rows_kernel<T, 1><<<a.rows, kSiluRowThreads, 0, stream>>>(a); break;
+    case 2: fp8_silu_mul_rows_kernel<T, 2><<<a.rows, kSiluRowThreads, 0, stream>>>(a); break;
+    default: fp8_silu_mul_rows_kernel<T, 3><<<a.rows, kSiluRowThreads, 0, stream>>>(a); break;
+  }
+  return cudaGetLastError();
 }
 
 template <typename T, Fp8Source S, int kChunks>
@@ -147,7 +210,7 @@ cudaError_t launch_source(const Fp8QuantizeArgs& a, Fp8Source source, cudaStream
     case Fp8Source::kCopy: return launch_chunks<T, Fp8Source::kCopy>(a, stream);
     case Fp8Source::kRmsNorm: return launch_chunks<T, Fp8Source::kRmsNorm>(a, stream);
     case Fp8Source::kAddRmsNorm: return launch_chunks<T, Fp8Source::kAddRmsNorm>(a, stream);
-    case Fp8Source::kSiluMul: return launch_chunks<T, Fp8Source::kSiluMul>(a, stream);
+    case Fp8Source::kSiluMul: return launch_silu_mul_rows<T>(a, stream);
   }
   return cudaErrorInvalidValue;
 }

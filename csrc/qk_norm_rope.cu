@@ -7,11 +7,13 @@
 // rot(y)[i] = -y[i + D/2] for i < D/2 and y[i - D/2] otherwise, cos/sin the model's T tables.
 // Only the order of the sum of squares differs from torch's reduction (last-bit rstd differences).
 //
-// 16-byte accesses: a head row is D / 8 lanes of 8 elements, a warp holds 256 / D rows of one token's heads (q's,
-// then k's); the lane holding elements i.. of the first half trades its normed values with the lane holding
-// i + D/2.. by one shuffle distance, D / 16 lanes. The kernel is bound by its instructions more than by memory
-// (ncu, docs/kernels.md), so the arithmetic runs on pairs: one conversion rounds two floats to T, bf16 widens
-// to float by bit operations, and D is a template parameter.
+// 16-byte accesses: a head row is D / 8 lanes of 8 elements. A warp takes up to kSteps x 256 / D heads of one
+// token (q's, then k's), 256 / D rows at a time, and reads the token's cos/sin and the norms' weights once for
+// them (kSteps bounds a warp's work so that the grid stays many waves deep). The lane holding elements i.. of
+// the first half trades its normed values with the lane holding i + D/2.. by one shuffle distance, D / 16
+// lanes. The kernel is bound by its instructions more than by memory (ncu, docs/kernels.md), so the arithmetic
+// runs on pairs: one conversion rounds two floats to T, bf16 widens to float by bit operations, and D is a
+// template parameter.
 
 #include "w4a4_common.cuh"
 #include "w4a4_launch.h"
@@ -21,6 +23,7 @@ namespace {
 
 constexpr int kWarpsPerBlock = 8;
 constexpr int kVec = 8;
+constexpr int kSteps = 4;
 
 template <typename T>
 __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[kVec]) {
@@ -43,61 +46,70 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   const int lane = threadIdx.x & 31;
   const int sub = lane / kLanesPerRow, col = (lane % kLanesPerRow) * kVec;
   const int heads = q_heads + k_heads;
-  const int warps_per_token = (heads + kRowsPerWarp - 1) / kRowsPerWarp;
+  const int warps_per_token = (heads + kSteps * kRowsPerWarp - 1) / (kSteps * kRowsPerWarp);
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   if (warp >= tokens * warps_per_token) return;  // the whole warp leaves
   const int token = warp / warps_per_token;
-  const int head = (warp - token * warps_per_token) * kRowsPerWarp + sub;
-  // Every lane stays to the shuffles; lanes past the token's heads read zeros and write nothing.
-  const bool valid = head < heads, is_q = head < q_heads;
+  const int first = (warp - token * warps_per_token) * kSteps * kRowsPerWarp;
 
-  uint4 raw = make_uint4(0, 0, 0, 0);
-  if (valid) {
-    const T* in = is_q ? q + token * q_stride + head * D : k + token * k_stride + (head - q_heads) * D;
-    raw = *reinterpret_cast<const uint4*>(in + col);
-  }
-  // The norm's weights and the token's tables at the lane's columns; sin negated in the first half, where
-  // rot(y) = -y[i + D/2]: T(-a * b) = T(a * -b), the rounding is symmetric.
+  // The token's tables and both norms' weights at the lane's columns, read once for all its heads; sin
+  // negated in the first half, where rot(y) = -y[i + D/2]: T(-a * b) = T(a * -b), the rounding is symmetric.
   const int64_t table = static_cast<int64_t>(token) * D + col;
-  float w[kVec], c[kVec], s[kVec], x[kVec];
-  unpack8<T>(*reinterpret_cast<const uint4*>((is_q ? q_weight : k_weight) + col), w);
+  float wq[kVec], wk[kVec], c[kVec], s[kVec];
+  unpack8<T>(*reinterpret_cast<const uint4*>(q_weight + col), wq);
+  unpack8<T>(*reinterpret_cast<const uint4*>(k_weight + col), wk);
   unpack8<T>(*reinterpret_cast<const uint4*>(cos + table), c);
   unpack8<T>(*reinterpret_cast<const uint4*>(sin + table), s);
   if (col < D / 2) {
 #pragma unroll
     for (int b = 0; b < kVec; ++b) s[b] = -s[b];
   }
-  unpack8<T>(raw, x);
+  const T* q_row = q + token * q_stride;
+  const T* k_row = k + token * k_stride;
+  T* q_out_row = q_out + static_cast<int64_t>(token) * q_heads * D;
+  T* k_out_row = k_out + static_cast<int64_t>(token) * k_heads * D;
 
-  float ss = 0.f;
 #pragma unroll
-  for (int b = 0; b < kVec; ++b) ss = fmaf(x[b], x[b], ss);
-#pragma unroll
-  for (int m = kLanesPerRow / 2; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
-  const float rstd = rsqrtf(ss * (1.0f / D) + eps);
+  for (int step = 0; step < kSteps; ++step) {
+    if (first + step * kRowsPerWarp >= heads) break;  // the whole warp leaves
+    // Every lane stays to the shuffles; lanes past the token's heads read zeros and write nothing.
+    const int head = first + step * kRowsPerWarp + sub;
+    const bool valid = head < heads, is_q = head < q_heads;
+    uint4 raw = make_uint4(0, 0, 0, 0);
+    if (valid) raw = *reinterpret_cast<const uint4*>((is_q ? q_row + head * D : k_row + (head - q_heads) * D) + col);
+    float x[kVec];
+    unpack8<T>(raw, x);
 
-  uint32_t normed[4], other[4];  // T(w * T(x * rstd)) in pairs, and the partner lane's
+    float ss = 0.f;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 xn = round2<T>(x[2 * j] * rstd, x[2 * j + 1] * rstd);
-    normed[j] = pack2<T>(w[2 * j] * xn.x, w[2 * j + 1] * xn.y);
+    for (int b = 0; b < kVec; ++b) ss = fmaf(x[b], x[b], ss);
+#pragma unroll
+    for (int m = kLanesPerRow / 2; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+    const float rstd = rsqrtf(ss * (1.0f / D) + eps);
+
+    uint32_t normed[4], other[4];  // T(w * T(x * rstd)) in pairs, and the partner lane's
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 xn = round2<T>(x[2 * j] * rstd, x[2 * j + 1] * rstd);
+      const float w0 = is_q ? wq[2 * j] : wk[2 * j], w1 = is_q ? wq[2 * j + 1] : wk[2 * j + 1];
+      normed[j] = pack2<T>(w0 * xn.x, w1 * xn.y);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) other[j] = __shfl_xor_sync(0xffffffffu, normed[j], kLanesPerRow / 2);
+    if (!valid) continue;
+
+    uint4 res;
+    uint32_t* r = reinterpret_cast<uint32_t*>(&res);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 y = unpack2<T>(normed[j]), o = unpack2<T>(other[j]);
+      const float2 yc = round2<T>(y.x * c[2 * j], y.y * c[2 * j + 1]);
+      const float2 os = round2<T>(o.x * s[2 * j], o.y * s[2 * j + 1]);
+      r[j] = pack2<T>(yc.x + os.x, yc.y + os.y);
+    }
+    T* out = is_q ? q_out_row + head * D : k_out_row + (head - q_heads) * D;
+    *reinterpret_cast<uint4*>(out + col) = res;
   }
-#pragma unroll
-  for (int j = 0; j < 4; ++j) other[j] = __shfl_xor_sync(0xffffffffu, normed[j], kLanesPerRow / 2);
-  if (!valid) return;
-
-  uint4 res;
-  uint32_t* r = reinterpret_cast<uint32_t*>(&res);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 y = unpack2<T>(normed[j]), o = unpack2<T>(other[j]);
-    const float2 yc = round2<T>(y.x * c[2 * j], y.y * c[2 * j + 1]);
-    const float2 os = round2<T>(o.x * s[2 * j], o.y * s[2 * j + 1]);
-    r[j] = pack2<T>(yc.x + os.x, yc.y + os.y);
-  }
-  T* out = is_q ? q_out + (static_cast<int64_t>(token) * q_heads + head) * D
-                : k_out + (static_cast<int64_t>(token) * k_heads + head - q_heads) * D;
-  *reinterpret_cast<uint4*>(out + col) = res;
 }
 
 template <typename T, int D>
@@ -128,8 +140,8 @@ bool qk_norm_rope_supports(int D) { return D == 16 || D == 32 || D == 64 || D ==
 
 cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& a, cudaStream_t stream) {
   if (!qk_norm_rope_supports(a.D)) return cudaErrorInvalidValue;
-  const int heads = a.q_heads + a.k_heads, rows_per_warp = 256 / a.D;
-  const int64_t warps = static_cast<int64_t>(a.tokens) * ((heads + rows_per_warp - 1) / rows_per_warp);
+  const int heads = a.q_heads + a.k_heads, heads_per_warp = kSteps * 256 / a.D;
+  const int64_t warps = static_cast<int64_t>(a.tokens) * ((heads + heads_per_warp - 1) / heads_per_warp);
   if (warps == 0) return cudaSuccess;
   if (warps * 32 > INT32_MAX) return cudaErrorInvalidValue;  // the kernel counts threads in int
   const dim3 grid(static_cast<unsigned>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock));

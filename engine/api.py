@@ -4,7 +4,8 @@ One `synthesize` call prepares every request (validation, voice prompt from the 
 of them together through the Runner (a long text is cut into chunks; chunk k of every long request
 runs in round k, and round 0 also carries every short request), decodes all token sequences in
 batches, then post-processes each waveform as upstream does. `generate` stops before the post-processing,
-which each of its results' `finish()` does (a caller may run it on another thread). A request's checks,
+which each of its results' `finish()` does (a caller may run it on another thread); on CUDA it also
+leaves the decode queued on a stream of its own, which `finish()` waits for. A request's checks,
 target length and chunks come from engine.frontend.requests, which a job's planner runs alone.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -83,8 +84,11 @@ class Generated:
     sample_rate: int
     gen: GenerationConfig
     timings: dict[str, float]
+    decoding: QueuedDecode | None = None  # on CUDA: pieces and tokens hold their values once it is done
 
     def finish(self) -> SynthResult:
+        if self.decoding is not None:
+            self.timings.update(self.decoding.wait())
         start = time.perf_counter()
         wav = cross_fade_chunks(self.pieces, self.sample_rate)
         wav = postprocess_output(wav, self.sample_rate, self.ref_rms, self.gen)
@@ -96,6 +100,22 @@ class Generated:
             timings={**self.timings, "postprocess": time.perf_counter() - start},
             tokens=self.tokens,
         )
+
+
+class QueuedDecode:
+    """A batch's decode and its copies to pinned host memory, queued on the engine's decode stream after
+    its generation: wait() blocks until they are done and gives the generation's and the decode's device
+    seconds (the decode's from the generation's end, so they include waiting for the decode stream)."""
+
+    def __init__(self, began: torch.cuda.Event, generated: torch.cuda.Event, decoded: torch.cuda.Event):
+        self.began, self.generated, self.decoded = began, generated, decoded
+
+    def wait(self) -> dict[str, float]:
+        self.decoded.synchronize()
+        return {
+            "generate": self.began.elapsed_time(self.generated) / 1e3,
+            "decode": self.generated.elapsed_time(self.decoded) / 1e3,
+        }
 
 
 def resolve_precision(precision: str, device: torch.device, quantized: bool) -> tuple[str, torch.dtype]:
@@ -117,6 +137,32 @@ def resolve_precision(precision: str, device: torch.device, quantized: bool) -> 
     if precision in ("w4a4", "fp8"):
         return precision, torch.bfloat16 if device.type == "cuda" else torch.float32
     return precision, DTYPES[precision]
+
+
+def _decode_groups(codes: list[torch.Tensor]) -> Iterator[list[int]]:
+    """The codec calls for these code sequences (their indices). A call pads its clips to its longest, so
+    calls take the clips longest first, a call's clips within DECODE_CALL_FRAMES of its longest and within
+    DECODE_BATCH_FRAMES padded."""
+    order = sorted(range(len(codes)), key=lambda i: -codes[i].shape[1])
+    while order:
+        longest = codes[order[0]].shape[1]
+        size = 1
+        while (
+            size < len(order)
+            and (size + 1) * longest <= DECODE_BATCH_FRAMES
+            and longest - codes[order[size]].shape[1] <= DECODE_CALL_FRAMES
+        ):
+            size += 1
+        group, order = order[:size], order[size:]
+        yield group
+
+
+def _to_pinned(t: torch.Tensor) -> np.ndarray:
+    """A copy of a device tensor into pinned host memory, queued on the current stream (the array holds the
+    values once the stream has run it)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host.numpy()
 
 
 def _chunk_seed(seed: int, index: int) -> int:
@@ -180,6 +226,8 @@ class Engine:
         self._ahead: dict[tuple[int, ...], tuple[list[SynthRequest], list[PreparedRequest], float]] = {}
         # _references changes on the preload thread and the generating one; _ahead on each shard's thread.
         self._lock = threading.Lock()
+        # CUDA: where a batch's decode runs, beside the next batch's generation
+        self._decode_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         total = time.perf_counter() - start
         # Seconds of this load by phase; "other": the rest (config, fingerprint, tokenizer, frontends).
         self.load_timings = {phase: round(t, 3) for phase, t in timer.seconds.items()}
@@ -328,8 +376,12 @@ class Engine:
 
     def generate(self, reqs: list[SynthRequest], then: Callable[[], None] | None = None) -> list[Generated]:
         """synthesize() up to the decoded audio; each Generated's finish() does the rest on the host.
-        then: called once the generation is queued on the device and before its audio is waited for (the
-        host's work for the next batch, e.g. its prepare_ahead); its seconds count in no phase here."""
+        then: called once the generation (and on CUDA its decode) is queued on the device (the host's work
+        for the next batch, e.g. its prepare_ahead); its seconds count in no phase here.
+
+        On CUDA the decode runs on its own stream once the generation is done, and its audio comes back
+        to pinned host memory: this returns without waiting for either, so the caller can queue the next
+        batch's generation while this one decodes; finish() waits for the audio."""
         if not reqs:
             return []
         with record_function("ovbatch.prepare"):
@@ -338,33 +390,36 @@ class Engine:
         began = self._device_mark()
         with record_function("ovbatch.generate"):
             tokens, work = self._generate_tokens(prepared)
-        ended = self._device_mark()
-        t1 = time.perf_counter()
+        per_request = [torch.cat(chunks, dim=1) for chunks in tokens]
+        flat = [t for chunks in tokens for t in chunks]
+        if self.device.type == "cuda":
+            with record_function("ovbatch.decode"):
+                audio, joined, decoding = self._decode_queued(flat, per_request, began)
+            timings = {"prepare": prepare}
+        else:
+            t1 = time.perf_counter()
+            with record_function("ovbatch.decode"):
+                audio = self._decode(flat)
+            joined = [t.numpy() for t in per_request]
+            decoding = None
+            timings = {"prepare": prepare, "generate": t1 - t0, "decode": time.perf_counter() - t1}
         if then is not None:
             with record_function("ovbatch.then"):
                 then()
-        t_then = time.perf_counter()
-        with record_function("ovbatch.decode"):
-            audio = self._decode([t for per_request in tokens for t in per_request])
-        t2 = time.perf_counter()
-        # The host returns from queueing the generation before the device has run it (the decode waits for
-        # it): on CUDA the generation's time is the device's, read once the decode's copies have waited, and
-        # the decode's starts when both the generation and `then` are done.
-        generate = began.elapsed_time(ended) / 1e3 if began is not None else t1 - t0
-        timings = {"prepare": prepare, "generate": generate, "decode": t2 - max(t_then, t0 + generate)}
         decoded = iter(audio)
         return [
             Generated(
-                pieces=[next(decoded) for _ in per_request],
-                tokens=torch.cat(per_request, dim=1).cpu().numpy(),
+                pieces=[next(decoded) for _ in chunks],
+                tokens=joined_tokens,
                 target_frames=sum(c.target_frames for c in p.chunks),
                 token_work=w,
                 ref_rms=p.prompt.ref_rms if p.prompt else None,
                 sample_rate=self.sample_rate,
                 gen=self.gen,
                 timings=dict(timings),
+                decoding=decoding,
             )
-            for p, per_request, w in zip(prepared, tokens, work)
+            for p, chunks, joined_tokens, w in zip(prepared, tokens, joined, work)
         ]
 
     def _device_mark(self) -> torch.cuda.Event | None:
@@ -399,21 +454,30 @@ class Engine:
         return tokens, work
 
     def _decode(self, codes: list[torch.Tensor]) -> list[np.ndarray]:
-        """The audio of each code sequence. A codec call pads its clips to its longest, so calls take the
-        clips longest first, a call's clips within DECODE_CALL_FRAMES of its longest and within
-        DECODE_BATCH_FRAMES padded."""
+        """The audio of each code sequence, on this thread's stream, waited for."""
         audio: list[np.ndarray | None] = [None] * len(codes)
-        order = sorted(range(len(codes)), key=lambda i: -codes[i].shape[1])
-        while order:
-            longest = codes[order[0]].shape[1]
-            size = 1
-            while (
-                size < len(order)
-                and (size + 1) * longest <= DECODE_BATCH_FRAMES
-                and longest - codes[order[size]].shape[1] <= DECODE_CALL_FRAMES
-            ):
-                size += 1
-            group, order = order[:size], order[size:]
+        for group in _decode_groups(codes):
             for i, wav in zip(group, self.codec.decode([codes[i] for i in group])):
                 audio[i] = wav.cpu().numpy()
         return audio
+
+    def _decode_queued(
+        self, codes: list[torch.Tensor], per_request: list[torch.Tensor], began: torch.cuda.Event
+    ) -> tuple[list[np.ndarray], list[np.ndarray], QueuedDecode]:
+        """CUDA: the audio of each code sequence and each request's joined tokens, decoded and copied on
+        the decode stream once the generation queued so far is done; the arrays (pinned host memory)
+        hold them once the QueuedDecode is done. The codes come from the sampler, so the codec's range
+        check (a host sync) is skipped."""
+        generated = self._device_mark()
+        stream = self._decode_stream
+        stream.wait_event(generated)
+        audio: list[np.ndarray | None] = [None] * len(codes)
+        with torch.cuda.stream(stream):
+            for t in (*codes, *per_request):  # made on the generation stream, read on this one
+                t.record_stream(stream)
+            for group in _decode_groups(codes):
+                for i, wav in zip(group, self.codec.decode([codes[i] for i in group], trusted=True)):
+                    audio[i] = _to_pinned(wav)
+            joined = [_to_pinned(t) for t in per_request]
+            decoded = self._device_mark()
+        return audio, joined, QueuedDecode(began, generated, decoded)

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 MAX_ERROR_CHARS = 2000
 # Shards a worker runs at once: one generating, the other waiting for its writes or for the device.
 SHARDS_IN_FLIGHT = 2
+ENGINE_PHASES = ("prepare", "generate", "decode")  # an Engine.generate batch's timed phases
 
 
 class Stopped(Exception):
@@ -419,7 +420,7 @@ class ShardRunner:
             write_wav_atomic(path, out.audio, out.sample_rate)
             audio_seconds = len(out.audio) / float(out.sample_rate)
             fraction = w / total if total else 1.0 / batch
-            share = part.wall * fraction
+            share = _batch_seconds(getattr(out, "timings", None) or {}, part.wall) * fraction
             results.append(
                 self._result(
                     engine,
@@ -438,6 +439,15 @@ class ShardRunner:
                 )
             )
         return results
+
+
+def _batch_seconds(timings: dict[str, float], wall: float) -> float:
+    """A batch's seconds: its prepare, generate and decode phases where the engine timed them (on CUDA its
+    generate() returns before the device has run the batch, so its wall says little), else the wall of
+    the engine call."""
+    if all(timings.get(phase) is not None for phase in ENGINE_PHASES):
+        return sum(timings[phase] for phase in ENGINE_PHASES)
+    return wall
 
 
 def _phase_seconds(timings: dict[str, float], fraction: float) -> dict[str, float | None]:

@@ -78,8 +78,9 @@ def _problems(job: JobDir, results: list[dict[str, Any]], status: str) -> dict[s
 
 
 PHASES = ("prepare", "generate", "decode", "postprocess", "write")
-# Phases on writer threads, beside the engine's calls: not part of the engine's time in the wall.
-BESIDE_ENGINE = ("postprocess", "write")
+# Phases beside the engine's calls, not part of the engine's time in the wall: the decode (on CUDA its own
+# stream runs it while the next batch generates) and the writer threads' post-processing and writes.
+BESIDE_ENGINE = ("decode", "postprocess", "write")
 
 
 def _time_split(runs: list[dict[str, Any]], phases: dict[str, float], wall: float) -> dict[str, float]:

@@ -268,6 +268,22 @@ def test_cuda_engine_runs_bf16_with_cuda_graphs():
         assert out.token_work > 0 and out.timings["generate"] > 0
 
 
+@pytest.mark.gpu
+def test_cuda_decode_on_its_own_stream_equals_a_decode_waited_for():
+    """On CUDA generate() queues each batch's decode on the engine's decode stream and returns before it
+    ran; audio read after the next batch was queued is what a decode on the generation stream, waited for,
+    makes of the same tokens (the same kernels on the same shapes: bit for bit)."""
+    engine = Engine(EngineConfig(device="cuda", generation=FAST))
+    first = engine.generate([SynthRequest(text="One batch.", ref_audio=CLIP, ref_text=TRANSCRIPT, seed=3)])
+    second = engine.generate([SynthRequest(text="And the next, queued meanwhile.", instruct="male", seed=4)])
+    for g in (*first, *second):
+        g.decoding.wait()
+        (want,) = engine._decode([torch.from_numpy(g.tokens).to("cuda")])
+        assert len(g.pieces) == 1 and np.array_equal(g.pieces[0], want)
+        out = g.finish()
+        assert out.timings["generate"] > 0 and out.timings["decode"] > 0
+
+
 def test_preloaded_clips_give_the_prompts_and_audio_an_unprepared_engine_makes(tmp_path, monkeypatch):
     """preload() prepares on the host the clips the prompt cache lacks (a clip it cannot use keeps its
     error for generate to report); synthesize then takes them instead of preparing them again, with the

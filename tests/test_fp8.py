@@ -131,7 +131,7 @@ def kernels():
 
 @gpu
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
-@pytest.mark.parametrize("m,k", [(1, 1024), (7, 2048), (700, 3072), (2049, 1024)])
+@pytest.mark.parametrize("m,k", [(1, 1024), (7, 2048), (700, 3072), (2049, 1024), (5, 1000)])
 def test_quantize_kernels_equal_the_reference_bit_for_bit(dtype, m, k):
     g = torch.Generator(device="cuda")
     g.seed()

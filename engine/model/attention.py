@@ -68,10 +68,14 @@ class FlashAttn4Backend:
     # sweep on the H200 over the library's default 128 x 128 with the register-sourced P@V (ad hoc runs,
     # in the messages of commits 1d924aa and 27bd22d; bench/attention.py times this choice only).
     SM90_HEAD_DIM_128 = {"tile_mn": (192, 96), "mma_pv_is_rs": False}
+    # Rows past a sequence's end that its last K/V tile can reach: under its tile's rows (96 here, 128 by
+    # the library's defaults), doubled for margin.
+    REACH = 256
 
     def __init__(self) -> None:
         self._fn = None
         self._tuned = False
+        self._rows: Tensor | None = None  # arange(REACH) on the device, made by the warm-up before capture
 
     def can_use(self, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
         ok, reason = _needs_cuda_half(device, dtype)  # first: the package takes seconds to import
@@ -95,10 +99,13 @@ class FlashAttn4Backend:
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         tuning = self.SM90_HEAD_DIM_128 if self._tuned and q.shape[-1] == 128 else {}
         # Its kernel loads whole K/V tiles past a sequence's end and masks their scores, and P = 0 times a
-        # NaN V row is NaN: rows in no sequence (a graph layout's padding) must stay finite layer after
-        # layer, so the output starts at zero there instead of whatever memory held.
-        out = q.new_zeros(*q.shape[:2], v.shape[-1])
-        out, _ = self._fn(
+        # NaN V row is NaN. The rows after the last sequence (a graph layout's padding: no kernel writes
+        # them) become the next layer's K/V there, so the REACH rows its last tile can read start at zero
+        # (the buffer has REACH spare rows, so the window fits where there is no padding).
+        tokens = q.shape[0]
+        out = q.new_empty(tokens + self.REACH, q.shape[1], v.shape[-1])
+        out.index_fill_(0, cu_seqlens[-1:] + self._reach_rows(q.device), 0)
+        self._fn(
             q,
             k,
             v,
@@ -107,10 +114,15 @@ class FlashAttn4Backend:
             max_seqlen_q=max_seqlen,
             max_seqlen_k=max_seqlen,
             causal=False,
-            out=out,
+            out=out[:tokens],
             **tuning,
-        )[:2]
-        return out
+        )
+        return out[:tokens]
+
+    def _reach_rows(self, device: torch.device) -> Tensor:
+        if self._rows is None or self._rows.device != device:
+            self._rows = torch.arange(self.REACH, device=device)
+        return self._rows
 
 
 class TorchVarlenBackend:
