@@ -46,7 +46,7 @@ RULES = (
     ("memcpy_memset", "memcpy memset".split()),
     ("w4a4_quantize", ["quantize_act"]),
     ("w4a4_gemm", ["w4a4_gemm"]),
-    ("fp8_quantize", ["fp8_quantize"]),
+    ("fp8_quantize", ["fp8_quantize", "fp8_silu_mul"]),
     ("attention", "flash fmha attention varlen".split()),
     ("dense_gemm", "gemm gemv nvjet cutlass xmma cublas splitkreduce".split()),
     (
