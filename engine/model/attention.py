@@ -187,7 +187,7 @@ BACKENDS = {
     "varlen": TorchVarlenBackend,
     "sdpa": SdpaBackend,
 }
-# Fastest first: flash4 ran 1.1-1.2x torch's varlen kernel on the H200 (bench/attention.py); torch vendors
+# Fastest first: flash4 ran 1.3-1.4x torch's varlen kernel on the H200 (bench/attention.py); torch vendors
 # FlashAttention-2's kernels, which the flash-attn 2 package ("flash") calls too (not measured here).
 PRIORITY = ("flash4", "flash", "varlen", "sdpa")
 
