@@ -7,13 +7,13 @@
 // rot(y)[i] = -y[i + D/2] for i < D/2 and y[i - D/2] otherwise, cos/sin the model's T tables.
 // Only the order of the sum of squares differs from torch's reduction (last-bit rstd differences).
 //
-// 16-byte accesses: a head row is D / 8 lanes of 8 elements. A warp takes up to kSteps x 256 / D heads of one
-// token (q's, then k's), 256 / D rows at a time, and reads the token's cos/sin and the norms' weights once for
-// them (kSteps bounds a warp's work so that the grid stays many waves deep). The lane holding elements i.. of
-// the first half trades its normed values with the lane holding i + D/2.. by one shuffle distance, D / 16
-// lanes. The kernel is bound by its instructions more than by memory (ncu, docs/kernels.md), so the arithmetic
-// runs on pairs: one conversion rounds two floats to T, bf16 widens to float by bit operations, and D is a
-// template parameter.
+// 16-byte accesses: a head row is D / 8 lanes of 8 elements. A warp takes up to Steps x 256 / D heads of one token
+// (q's, then k's), 256 / D rows at a time, and reads the token's cos/sin and the norms' weights once for them. Steps is
+// 4 from kManyTokens tokens on and 1 below, where the GPU needs a warp per head pair to fill
+// (bench/results/fused-h200.json: 4 was faster from 8192 tokens, slower at 512-2048). The lane holding elements i.. of
+// the first half trades its normed values with the lane holding i + D/2.. by one shuffle distance, D / 16 lanes. The
+// kernel is bound by its instructions more than by memory (ncu, docs/kernels.md), so the arithmetic runs on pairs: one
+// conversion rounds two floats to T, bf16 widens to float by bit operations, and D is a template parameter.
 
 #include "w4a4_common.cuh"
 #include "w4a4_launch.h"
@@ -23,7 +23,7 @@ namespace {
 
 constexpr int kWarpsPerBlock = 8;
 constexpr int kVec = 8;
-constexpr int kSteps = 4;
+constexpr int kManyTokens = 4096;
 
 template <typename T>
 __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[kVec]) {
@@ -36,7 +36,7 @@ __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[kVec]) {
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, int Steps>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     qk_norm_rope_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ q_weight,
                         const T* __restrict__ k_weight, const T* __restrict__ cos, const T* __restrict__ sin,
@@ -46,11 +46,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   const int lane = threadIdx.x & 31;
   const int sub = lane / kLanesPerRow, col = (lane % kLanesPerRow) * kVec;
   const int heads = q_heads + k_heads;
-  const int warps_per_token = (heads + kSteps * kRowsPerWarp - 1) / (kSteps * kRowsPerWarp);
+  const int warps_per_token = (heads + Steps * kRowsPerWarp - 1) / (Steps * kRowsPerWarp);
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   if (warp >= tokens * warps_per_token) return;  // the whole warp leaves
   const int token = warp / warps_per_token;
-  const int first = (warp - token * warps_per_token) * kSteps * kRowsPerWarp;
+  const int first = (warp - token * warps_per_token) * Steps * kRowsPerWarp;
 
   // The token's tables and both norms' weights at the lane's columns, read once for all its heads; sin
   // negated in the first half, where rot(y) = -y[i + D/2]: T(-a * b) = T(a * -b), the rounding is symmetric.
@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   T* k_out_row = k_out + static_cast<int64_t>(token) * k_heads * D;
 
 #pragma unroll
-  for (int step = 0; step < kSteps; ++step) {
+  for (int step = 0; step < Steps; ++step) {
     if (first + step * kRowsPerWarp >= heads) break;  // the whole warp leaves
     // Every lane stays to the shuffles; lanes past the token's heads read zeros and write nothing.
     const int head = first + step * kRowsPerWarp + sub;
@@ -112,9 +112,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, int Steps>
 cudaError_t launch_typed(const QkNormRopeArgs& a, dim3 grid, cudaStream_t stream) {
-  qk_norm_rope_kernel<T, D><<<grid, kWarpsPerBlock * 32, 0, stream>>>(
+  qk_norm_rope_kernel<T, D, Steps><<<grid, kWarpsPerBlock * 32, 0, stream>>>(
       static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.q_weight),
       static_cast<const T*>(a.k_weight), static_cast<const T*>(a.cos), static_cast<const T*>(a.sin),
       static_cast<T*>(a.q_out), static_cast<T*>(a.k_out), a.q_stride, a.k_stride, a.tokens, a.q_heads, a.k_heads,
@@ -122,16 +122,26 @@ cudaError_t launch_typed(const QkNormRopeArgs& a, dim3 grid, cudaStream_t stream
   return cudaGetLastError();
 }
 
-template <typename T>
+template <typename T, int Steps>
 cudaError_t launch_dim(const QkNormRopeArgs& a, dim3 grid, cudaStream_t stream) {
   switch (a.D) {
-    case 16: return launch_typed<T, 16>(a, grid, stream);
-    case 32: return launch_typed<T, 32>(a, grid, stream);
-    case 64: return launch_typed<T, 64>(a, grid, stream);
-    case 128: return launch_typed<T, 128>(a, grid, stream);
-    case 256: return launch_typed<T, 256>(a, grid, stream);
+    case 16: return launch_typed<T, 16, Steps>(a, grid, stream);
+    case 32: return launch_typed<T, 32, Steps>(a, grid, stream);
+    case 64: return launch_typed<T, 64, Steps>(a, grid, stream);
+    case 128: return launch_typed<T, 128, Steps>(a, grid, stream);
+    case 256: return launch_typed<T, 256, Steps>(a, grid, stream);
     default: return cudaErrorInvalidValue;
   }
+}
+
+template <int Steps>
+cudaError_t launch_steps(const QkNormRopeArgs& a, cudaStream_t stream) {
+  const int heads = a.q_heads + a.k_heads, heads_per_warp = Steps * 256 / a.D;
+  const int64_t warps = static_cast<int64_t>(a.tokens) * ((heads + heads_per_warp - 1) / heads_per_warp);
+  if (warps == 0) return cudaSuccess;
+  if (warps * 32 > INT32_MAX) return cudaErrorInvalidValue;  // the kernel counts threads in int
+  const dim3 grid(static_cast<unsigned>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock));
+  return a.bf16 ? launch_dim<__nv_bfloat16, Steps>(a, grid, stream) : launch_dim<__half, Steps>(a, grid, stream);
 }
 
 }  // namespace
@@ -140,12 +150,7 @@ bool qk_norm_rope_supports(int D) { return D == 16 || D == 32 || D == 64 || D ==
 
 cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& a, cudaStream_t stream) {
   if (!qk_norm_rope_supports(a.D)) return cudaErrorInvalidValue;
-  const int heads = a.q_heads + a.k_heads, heads_per_warp = kSteps * 256 / a.D;
-  const int64_t warps = static_cast<int64_t>(a.tokens) * ((heads + heads_per_warp - 1) / heads_per_warp);
-  if (warps == 0) return cudaSuccess;
-  if (warps * 32 > INT32_MAX) return cudaErrorInvalidValue;  // the kernel counts threads in int
-  const dim3 grid(static_cast<unsigned>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock));
-  return a.bf16 ? launch_dim<__nv_bfloat16>(a, grid, stream) : launch_dim<__half>(a, grid, stream);
+  return a.tokens >= kManyTokens ? launch_steps<4>(a, stream) : launch_steps<1>(a, stream);
 }
 
 }  // namespace w4a4

@@ -94,7 +94,7 @@ def test_rmsnorm_quantize_matches_norm_then_quantize(m, dtype, smooth):
 
 @pytest.mark.parametrize("tokens", (*ODD_M, 17001))
 @pytest.mark.parametrize("dtype", DTYPES)
-# (20, 2, 64): 22 heads, 4 a warp: the last warp of each token half empty
+# (20, 2, 64): 22 heads, 4 or 16 a warp: the last warp of each token part empty
 @pytest.mark.parametrize(
     "heads,kv_heads,d", ((16, 8, 128), (4, 2, 16), (3, 1, 64), (2, 2, 256), (5, 1, 32), (20, 2, 64))
 )
