@@ -7,7 +7,8 @@ round-to-nearest speed copy), 32 steps. The manifest (bench/manifests.py): --row
 
 - official_fp16_b{16,32,64}: the official package's `_generate_iterative` (fp16, eager) on the sizes of the
   first --official-rows rows (their text, reference frames and target frames; random reference codes), in
-  batches of 16, 32 or 64: token generation only, as the anchors measured it (needs `omnivoice`);
+  batches of 16, 32 or 64: token generation only, as the anchors measured it (needs `omnivoice`; a batch
+  size that runs out of GPU memory gives an entry with `skipped` and the peak memory);
 - engine_<p>: our Engine.synthesize over the same rows (clips encoded, tokens generated, audio decoded and
   post-processed; nothing written), in the batches the job makes, after a warm-up on other clips;
 - job_local_<p>, job_ray_<p>: `submit` from the manifest to the last row (planning, clip encoding, writes
@@ -188,9 +189,9 @@ def engine_entry(precision: str, manifest: Path, warmup: Path, settings: list[st
     )
 
 
-def official_entries(manifest: Path, settings: list[str], limit: int) -> list[dict]:
-    """The official package's token generation on the first `limit` rows' sizes, at each batch of
-    OFFICIAL_BATCHES."""
+def official_entries(manifest: Path, settings: list[str], limit: int):
+    """The official package's token generation on the first `limit` rows' sizes, an entry for each batch of
+    OFFICIAL_BATCHES as it finishes (a batch that runs out of GPU memory gives an entry saying so)."""
     import torch
 
     from bench.parity import Request, build_official, official_inputs
@@ -200,7 +201,8 @@ def official_entries(manifest: Path, settings: list[str], limit: int) -> list[di
         official = build_official("full", seed=0, device="cuda").half()
         from omnivoice.models.omnivoice import OmniVoiceGenerationConfig
     except ImportError as e:
-        return [{"variant": "official_fp16", "skipped": f"the official package is not importable: {e}"}]
+        yield {"variant": "official_fp16", "skipped": f"the official package is not importable: {e}"}
+        return
     rows = load(manifest).rows[:limit]
     sizer = frontend_sizer(load_job_config(None, settings), rows)
     requests = []
@@ -208,21 +210,27 @@ def official_entries(manifest: Path, settings: list[str], limit: int) -> list[di
         size = sizer(row)
         requests.append(Request(row.text, size.ref_frames, size.target_frames))
     audio = sum(r.target_len for r in requests) / 25.0  # the codec's 25 frames a second
-    out = []
     for batch in OFFICIAL_BATCHES:
+        variant = f"official_fp16_b{batch}"
         chunks = [requests[i : i + batch] for i in range(0, len(requests), batch)]
-        official._generate_iterative(
-            official_inputs(official, chunks[0], seed=0)[0], OmniVoiceGenerationConfig()
-        )
-        with GpuSampler() as gpu:
-            start = time.perf_counter()
-            for i, chunk in enumerate(chunks):
-                task = official_inputs(official, chunk, seed=i)[0]
-                official._generate_iterative(task, OmniVoiceGenerationConfig())
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - start
-        out.append(entry(f"official_fp16_b{batch}", len(requests), audio, wall, gpu, tokens_only=True))
-    return out
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            official._generate_iterative(
+                official_inputs(official, chunks[0], seed=0)[0], OmniVoiceGenerationConfig()
+            )
+            with GpuSampler() as gpu:
+                start = time.perf_counter()
+                for i, chunk in enumerate(chunks):
+                    task = official_inputs(official, chunk, seed=i)[0]
+                    official._generate_iterative(task, OmniVoiceGenerationConfig())
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - start
+            result = entry(variant, len(requests), audio, wall, gpu, tokens_only=True)
+        except torch.OutOfMemoryError as e:  # it pads a batch to its longest row
+            result = {"variant": variant, "skipped": f"CUDA out of memory at batch {batch}: {str(e)[:120]}"}
+        result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+        torch.cuda.empty_cache()  # after the except block: its traceback no longer holds the batch's tensors
+        yield result
 
 
 def checkpoint_and_manifest(work: Path, size: str, rows: int) -> tuple[Path, Path]:
@@ -277,7 +285,8 @@ def main() -> None:
             write_result(args.out, merge(Path(args.out), new, meta))
 
         if "official" in parts:
-            record(official_entries(manifest, [f"engine.checkpoint={ckpt}", *base], args.official_rows))
+            for e in official_entries(manifest, [f"engine.checkpoint={ckpt}", *base], args.official_rows):
+                record([e])
         for precision in args.precisions.split(","):
             if precision == "w4a4":
                 source = work / "ckpt-w4a4"

@@ -60,3 +60,10 @@ def test_e2e_rows_compare_a_job_only_with_the_engine_over_as_many_rows():
     )
     assert rows[1].split(" | ")[5] == "1.10"
     assert rows[2].split(" | ")[5] == "-"
+
+
+def test_e2e_rows_show_an_entry_that_did_not_run_and_why():
+    skipped = {"variant": "official_fp16_b64", "skipped": "CUDA out of memory at batch 64: ..."}
+    cells = e2e_rows({"entries": [skipped]})[0].strip("| ").split(" | ")
+    assert cells[0] == "official_fp16_b64" and cells[4] == "out of GPU memory"
+    assert len(cells) == 12 and set(cells[1:4] + cells[5:]) == {"-"}
