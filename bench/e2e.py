@@ -15,7 +15,9 @@ round-to-nearest speed copy), 32 steps. The manifest (bench/manifests.py): --row
   included; Ray with one GPU actor).
 
 Each entry: variant, rows, audio_seconds, wall_seconds, x_realtime (audio / wall), gpu_busy (mean
-nvidia-smi utilization over the entry; jobs also gpu_busy_execution, from the workers' ready on),
+nvidia-smi utilization over the entry; jobs also gpu_busy_execution, from the workers' ready on, and
+gpu_busy_generating, from then until the last batch was generated; last_generated_seconds, from submit to
+then, and tail_seconds, from then until submit returned),
 padding_fraction (token-weighted share of each batch's graph bucket that holds no row), mean_sm_clock_mhz,
 startup_seconds (jobs: from the end of planning until the engines are loaded and their CUDA graphs
 captured; capture_seconds of it; the CUDA extension is built before the first part, as a machine that has
@@ -40,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -75,13 +78,13 @@ def gpu_fields(gpu: GpuSampler) -> dict:
     }
 
 
-def busy_since(gpu: GpuSampler, since: float) -> float | None:
-    """The busiest GPU's mean utilization over the samples taken from `since` (perf_counter) on: a job's
-    execution, once its workers were ready (None without samples then)."""
+def busy_since(gpu: GpuSampler, since: float, until: float = float("inf")) -> float | None:
+    """The busiest GPU's mean utilization over the samples taken from `since` to `until` (perf_counter): a
+    job's execution, once its workers were ready (None without samples then)."""
     means = [
-        statistics.fmean(later)
+        statistics.fmean(inside)
         for i in gpu.by_gpu
-        if (later := [p for p, t in zip(gpu.by_gpu[i], gpu.times[i]) if t >= since])
+        if (inside := [p for p, t in zip(gpu.by_gpu[i], gpu.times[i]) if since <= t <= until])
     ]
     return round(max(means) / 100, 3) if means else None
 
@@ -109,13 +112,16 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
     cfg.manifest = str(manifest)
     job_dir = work / f"job-{variant}"
     shutil.rmtree(job_dir, ignore_errors=True)  # a fresh job, never a resume of an earlier call's
-    start = time.perf_counter()
+    start, start_epoch = time.perf_counter(), time.time()
     with GpuSampler() as gpu:
         outcome = submit(cfg, job_dir, frontend_sizer)
     wall = time.perf_counter() - start
     results = outcome.job.read_results().to_pylist()
     ok = [r for r in results if r["status"] == "ok"]
     run = outcome.summary["runs"][-1]
+    # a row's finished_at: when its batch's generation ended (its decode and writes follow)
+    generated = [datetime.fromisoformat(r["finished_at"]).timestamp() for r in results if r["finished_at"]]
+    last = max(generated) - start_epoch if generated else wall
     batches: dict[tuple, int] = {}
     for r in ok:  # a batch: the rows of one shard that started together
         key = (r["shard"], r["started_at"])
@@ -128,6 +134,11 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
         gpu,
         padding_fraction=padding_fraction(list(batches.values()), list(cfg.engine.buckets)),
         gpu_busy_execution=busy_since(gpu, start + run["ready_seconds"]),  # from the workers' ready on
+        # the same until the last batch was generated, and what came after it (its decode and writes, the
+        # results and summary, the workers' stop)
+        gpu_busy_generating=busy_since(gpu, start + run["ready_seconds"], start + last),
+        last_generated_seconds=round(last, 2),
+        tail_seconds=round(wall - last, 2),
         planning_seconds=run["planning_seconds"],
         # from the end of planning until the engines were loaded and their graphs captured
         startup_seconds=round(run["ready_seconds"] - run["planning_seconds"], 2),

@@ -43,3 +43,4 @@ def test_busy_since_reads_the_samples_after_the_ready_event():
     assert busy_since(gpu, 2.5) == 0.97  # planning and startup samples left out
     assert busy_since(gpu, 0.0) == 0.485  # every sample: GPU 0's (0 + 0 + 96 + 98) / 4
     assert busy_since(gpu, 9.0) is None
+    assert busy_since(gpu, 2.5, until=3.5) == 0.96  # until the last batch was generated: the tail left out
