@@ -32,6 +32,10 @@ from engine.errors import InputError
 # Padded audio one encode batch may hold: bounds its activations (HuBERT's first conv writes 512 channels
 # at a fifth of 16 kHz: about 1.6 GB in float32 for this much).
 ENCODE_BATCH_SECONDS = 240.0
+# A batch's clips are at least this share of its longest, so padding stays under a fifth of it: on the H200
+# padding cost more than the extra, smaller batches do (an ad hoc probe, in the message of the commit that
+# added this).
+ENCODE_MIN_LENGTH_SHARE = 0.8
 
 
 class Codec(nn.Module):
@@ -98,7 +102,8 @@ class Codec(nn.Module):
 
         F is the number of HuBERT frames at the codec rate (T / hop for T a multiple of hop_length, which
         is how OmniVoice trims its references). Clips run longest first in right-padded batches of at most
-        ENCODE_BATCH_SECONDS of padded audio; each clip's codes are its codes alone."""
+        ENCODE_BATCH_SECONDS of padded audio, each clip at least ENCODE_MIN_LENGTH_SHARE of its batch's
+        longest; each clip's codes are its codes alone."""
         if not wavs:
             return []
         wavs = self._checked_wavs(wavs)
@@ -106,8 +111,12 @@ class Codec(nn.Module):
         order = sorted(range(len(wavs)), key=lambda i: -wavs[i].shape[-1])
         codes: list[torch.Tensor | None] = [None] * len(wavs)
         while order:
-            size = max(1, int(budget // wavs[order[0]].shape[-1]))  # clips of the longest one's length
-            group, order = order[:size], order[size:]
+            longest = wavs[order[0]].shape[-1]
+            size = min(len(order), max(1, int(budget // longest)))  # clips of the longest one's length
+            take = 1
+            while take < size and wavs[order[take]].shape[-1] >= ENCODE_MIN_LENGTH_SHARE * longest:
+                take += 1
+            group, order = order[:take], order[take:]
             for i, c in zip(group, self._encode_batch([wavs[i] for i in group])):
                 codes[i] = c
         return codes
