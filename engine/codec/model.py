@@ -32,9 +32,8 @@ from engine.errors import InputError
 # Padded audio one encode batch may hold: bounds its activations (HuBERT's first conv writes 512 channels
 # at a fifth of 16 kHz: about 1.6 GB in float32 for this much).
 ENCODE_BATCH_SECONDS = 240.0
-# A batch's clips are at least this share of its longest, so padding stays under a fifth of it: on the H200
-# padding cost more than the extra, smaller batches do (an ad hoc probe, in the message of the commit that
-# added this).
+# A batch's clips are at least this share of its longest, so padding stays under a fifth of it
+# (bench/codec.py times this against batches cut by ENCODE_BATCH_SECONDS alone).
 ENCODE_MIN_LENGTH_SHARE = 0.8
 
 
