@@ -5,10 +5,8 @@ of them together through the Runner (a long text is cut into chunks; chunk k of 
 runs in round k, and round 0 also carries every short request), decodes all token sequences in
 batches, then post-processes each waveform as upstream does. `generate` stops before the post-processing,
 which each of its results' `finish()` does (a caller may run it on another thread); on CUDA it also
-leaves the decode queued on a stream of its own, which `finish()` waits for. Reference clips are encoded
-on a third stream, so a batch prepared while another generates (prepare_ahead) waits for its own encode
-only. A request's checks, target length and chunks come from engine.frontend.requests, which a job's
-planner runs alone.
+leaves the decode queued on a stream of its own, which `finish()` waits for. A request's checks,
+target length and chunks come from engine.frontend.requests, which a job's planner runs alone.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -229,11 +226,8 @@ class Engine:
         self._ahead: dict[tuple[int, ...], tuple[list[SynthRequest], list[PreparedRequest], float]] = {}
         # _references changes on the preload thread and the generating one; _ahead on each shard's thread.
         self._lock = threading.Lock()
-        # CUDA: where a batch's decode runs, beside the next batch's generation, and where the clips of a
-        # batch prepared ahead are encoded, beside the batch before
-        cuda = self.device.type == "cuda"
-        self._decode_stream = torch.cuda.Stream(self.device) if cuda else None
-        self._encode_stream = torch.cuda.Stream(self.device) if cuda else None
+        # CUDA: where a batch's decode runs, beside the next batch's generation
+        self._decode_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         total = time.perf_counter() - start
         # Seconds of this load by phase; "other": the rest (config, fingerprint, tokenizer, frontends).
         self.load_timings = {phase: round(t, 3) for phase, t in timer.seconds.items()}
@@ -280,10 +274,7 @@ class Engine:
             clips = [(raw, wanted[j][1], wanted[j][2]) for j, raw, _ in misses]
             with self._lock:  # what preload() prepared
                 ready = [self._references.pop(key, None) for _, _, key in misses]
-            # CUDA: on the encode stream, whose reads back to the host wait for the encode alone, not for
-            # a batch generating meanwhile
-            with torch.cuda.stream(self._encode_stream) if self._encode_stream else nullcontext():
-                return build_prompts(clips, self.codec, self.reference_settings, ready)
+            return build_prompts(clips, self.codec, self.reference_settings, ready)
 
         made = self.prompts.get_or_create_many(
             [reqs[i].ref_audio for i, _, _ in wanted], [text for _, _, text in wanted], make_many

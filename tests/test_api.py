@@ -284,40 +284,6 @@ def test_cuda_decode_on_its_own_stream_equals_a_decode_waited_for():
         assert out.timings["generate"] > 0 and out.timings["decode"] > 0
 
 
-@pytest.mark.gpu
-def test_cuda_clips_prepared_ahead_encode_beside_the_batch_generating_as_alone(monkeypatch):
-    """On CUDA the clips of a batch prepared ahead (generate's `then`) are encoded on the engine's encode
-    stream, not on the stream that holds the batch generating meanwhile, and their codes are what the codec
-    makes of the same clips on the current stream with nothing else queued (the same kernels on the same
-    shapes: bit for bit)."""
-    from engine.frontend.audio import read_clip_bytes
-    from engine.frontend.prompt import build_prompts
-
-    engine = Engine(EngineConfig(device="cuda", prompt_cache_dir=None, generation=FAST))
-    clips = sorted(n for n in CLIPS if n.endswith((".wav", ".flac")))
-    batch = [
-        SynthRequest(text=f"Line {i}.", ref_audio=DATA / n, ref_text=CLIPS[n]["transcript"], seed=i)
-        for i, n in enumerate(clips)
-    ]
-    streams = []
-    real = engine.codec.encode
-    monkeypatch.setattr(
-        engine.codec, "encode", lambda wavs: streams.append(torch.cuda.current_stream()) or real(wavs)
-    )
-    before = SynthRequest(text="The batch before, generating meanwhile.", instruct="male", seed=5)
-    engine.generate([before], then=lambda: engine.prepare_ahead(batch))
-    generation_stream = torch.cuda.current_stream()
-    assert streams and all(s == engine._encode_stream and s != generation_stream for s in streams)
-    ((_, prepared, _),) = engine._ahead.values()
-    alone = build_prompts(
-        [(read_clip_bytes(r.ref_audio), *engine.requests.clip_of(r)) for r in batch],
-        engine.codec,
-        engine.reference_settings,
-    )
-    for p, want in zip(prepared, alone, strict=True):
-        assert torch.equal(p.prompt.tokens, want.tokens) and p.prompt.ref_rms == want.ref_rms
-
-
 def test_preloaded_clips_give_the_prompts_and_audio_an_unprepared_engine_makes(tmp_path, monkeypatch):
     """preload() prepares on the host the clips the prompt cache lacks (a clip it cannot use keeps its
     error for generate to report); synthesize then takes them instead of preparing them again, with the
