@@ -4,9 +4,7 @@ The codec has OmniVoice's audio_tokenizer architecture (24 kHz, hop 960, 8 codeb
 HuBERT-base) with random weights (bench/codec_parity.py draws them). Rows: our Codec in float32 and
 bfloat16, and transformers' HiggsAudioV2TokenizerModel in float32 in the same run where torchaudio is
 installed (it needs it). Batches hold clips of equal length (transformers' model cannot cut a padded
-batch per item); more rows time ours on 16 clips of mixed lengths (3 to 10 s), padding included: as the
-codec batches them (clips of like length together) and, for the encode, in batches cut by the padded-audio
-budget alone (ENCODE_MIN_LENGTH_SHARE 0: one padded batch here), the way it batched before.
+batch per item); one more row times ours on 16 clips of mixed lengths (3 to 10 s), padding included.
 Each figure is the median of timed repeats after warm-up, with the device synchronised around each.
 For bfloat16 the report also gives its agreement with float32 (equal codes; decode error relative to
 the float32 peak), since speed alone does not make it usable.
@@ -31,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.codec_parity import random_reference  # noqa: E402
 from bench.environment import environment, write_result  # noqa: E402
 from engine.codec import Codec  # noqa: E402
-from engine.codec import model as codec_model  # noqa: E402
 from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG  # noqa: E402
 from engine.codec.config import CodecConfig  # noqa: E402
 from engine.tiny.codec import TINY_CODEC_CONFIG  # noqa: E402
@@ -171,14 +168,7 @@ def run(size: str, seconds: float, repeats: int, device: str, seed: int) -> dict
             rows += bench_reference(reference, wavs[:, None], torch.stack(codes), device, repeats)
     lengths = torch.randint(3 * SAMPLE_RATE, int(seconds * SAMPLE_RATE) + 1, (16,), generator=g).tolist()
     mixed = [(torch.randn(n, generator=g) * 0.1).to(device) for n in lengths]
-    mixed_codes = fp32.encode(mixed)
-    mixed_rows = bench_ours(fp32, "ours-mixed-lengths", mixed, mixed_codes, device, repeats)
-    like_length, codec_model.ENCODE_MIN_LENGTH_SHARE = codec_model.ENCODE_MIN_LENGTH_SHARE, 0.0
-    try:
-        budget_only = bench_ours(fp32, "ours-mixed-budget-batches", mixed, mixed_codes, device, repeats)
-    finally:
-        codec_model.ENCODE_MIN_LENGTH_SHARE = like_length
-    mixed_rows += [r for r in budget_only if r["op"] == "encode"]  # decode batches as before
+    mixed_rows = bench_ours(fp32, "ours-mixed-lengths", mixed, fp32.encode(mixed), device, repeats)
     result = {
         "clip_seconds": samples / SAMPLE_RATE,
         "repeats": repeats,

@@ -198,28 +198,12 @@ def test_encode_batches_by_padded_audio_and_keeps_the_clips_order(codec, monkeyp
     wavs = clips(7, [HOP * 12, HOP * 30, HOP * 3, HOP * 20, HOP * 25])
     alone = [codec.encode([w])[0] for w in wavs]
     monkeypatch.setattr(model, "ENCODE_BATCH_SECONDS", HOP * 50 / 24000)  # two of the longest clips per batch
-    monkeypatch.setattr(model, "ENCODE_MIN_LENGTH_SHARE", 0.8)
     batches = []
     real = codec._encode_batch
     monkeypatch.setattr(codec, "_encode_batch", lambda group: batches.append(len(group)) or real(group))
     for codes, want in zip(codec.encode(wavs), alone):
         assert torch.equal(codes, want)
-    # longest first: 30 alone (25 would not fit beside it), 25+20, then 12 and 3 apart (3 < 0.8 x 12)
-    assert batches == [1, 2, 1, 1]
-
-
-def test_encode_batches_hold_clips_of_similar_length(codec, monkeypatch):
-    """A batch takes the next clips while they are >= ENCODE_MIN_LENGTH_SHARE of its longest, so padding
-    stays small; the budget of padded audio is not reached here."""
-    from engine.codec import model
-
-    wavs = clips(8, [HOP * 10, HOP * 9, HOP * 8, HOP * 7, HOP * 6, HOP * 5, HOP * 4])
-    monkeypatch.setattr(model, "ENCODE_MIN_LENGTH_SHARE", 0.8)
-    batches = []
-    real = codec._encode_batch
-    monkeypatch.setattr(codec, "_encode_batch", lambda group: batches.append(len(group)) or real(group))
-    codec.encode(wavs)
-    assert batches == [3, 2, 2]  # 10, 9, 8 (>= 8); 7, 6 (>= 5.6); 5, 4 (>= 4)
+    assert batches == [1, 2, 2]  # longest first: 30 alone (25 would not fit beside it), then 25+20, 12+3
 
 
 def test_batched_decode_equals_one_by_one(codec):

@@ -32,9 +32,6 @@ from engine.errors import InputError
 # Padded audio one encode batch may hold: bounds its activations (HuBERT's first conv writes 512 channels
 # at a fifth of 16 kHz: about 1.6 GB in float32 for this much).
 ENCODE_BATCH_SECONDS = 240.0
-# A batch's clips are at least this share of its longest, so padding stays under a fifth of it
-# (bench/codec.py times this against batches cut by ENCODE_BATCH_SECONDS alone).
-ENCODE_MIN_LENGTH_SHARE = 0.8
 
 
 class Codec(nn.Module):
@@ -101,8 +98,7 @@ class Codec(nn.Module):
 
         F is the number of HuBERT frames at the codec rate (T / hop for T a multiple of hop_length, which
         is how OmniVoice trims its references). Clips run longest first in right-padded batches of at most
-        ENCODE_BATCH_SECONDS of padded audio, each clip at least ENCODE_MIN_LENGTH_SHARE of its batch's
-        longest; each clip's codes are its codes alone."""
+        ENCODE_BATCH_SECONDS of padded audio; each clip's codes are its codes alone."""
         if not wavs:
             return []
         wavs = self._checked_wavs(wavs)
@@ -110,12 +106,8 @@ class Codec(nn.Module):
         order = sorted(range(len(wavs)), key=lambda i: -wavs[i].shape[-1])
         codes: list[torch.Tensor | None] = [None] * len(wavs)
         while order:
-            longest = wavs[order[0]].shape[-1]
-            size = min(len(order), max(1, int(budget // longest)))  # clips of the longest one's length
-            take = 1
-            while take < size and wavs[order[take]].shape[-1] >= ENCODE_MIN_LENGTH_SHARE * longest:
-                take += 1
-            group, order = order[:take], order[take:]
+            size = max(1, int(budget // wavs[order[0]].shape[-1]))  # clips of the longest one's length
+            group, order = order[:size], order[size:]
             for i, c in zip(group, self._encode_batch([wavs[i] for i in group])):
                 codes[i] = c
         return codes
