@@ -42,7 +42,7 @@ class RayConfig:
     cpu_actors: int = 2  # CPU actors when num_actors is unset
     gpus_per_actor: float = 1.0
     cpus_per_actor: float = 1.0
-    inflight_per_actor: int = 2  # shards queued on one actor at once (backpressure bound)
+    inflight_per_actor: int = 3  # shards queued on one actor at once (backpressure bound; SHARDS_IN_FLIGHT)
     max_shard_attempts: int = 3  # an actor dying counts one attempt against the shard it was running
     num_cpus: int | None = None  # for the local Ray started for the job (None: all cores)
 

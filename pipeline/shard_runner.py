@@ -5,10 +5,11 @@ engine's device waits for as little host work as it can: while a batch generates
 prepares the next batch's reference clips (Engine.preload), the generating thread prepares the next batch
 once this one is queued on the device (Engine.prepare_ahead, as generate's `then`), and writer threads
 post-process and write the batches before it (each Engine.generate output's finish()). A worker holds
-SHARDS_IN_FLIGHT shards at once, one generating at a time: the next shard's first batch is prepared while
-the one before generates (its clips on the preload thread, the batch by the last batch's `then` of the
-shard before, so that only the thread holding the device puts work on it), and it generates while the one
-before waits for its last writes.
+SHARDS_IN_FLIGHT shards at once, one generating at a time, the others taking the device in the order they
+asked for it (pipeline.device_turns): the next shard's first batch is prepared while the one before
+generates (its clips on the preload thread, the batch by the last batch's `then` of the shard before, so
+that only the thread holding the device puts work on it), and it generates while the one before waits for
+its last writes.
 A batch that raises is split in halves and each half retried, down to single rows, so one bad row
 fails alone and a CUDA out-of-memory error retries smaller batches. A row's synth_seconds is its share
 of its batch's wall time in proportion to its token work (packed tokens x decoding steps). Each batch that
@@ -38,6 +39,7 @@ from engine.errors import InputError, OVBatchError
 from engine.generate.batching import bucket_batches
 from pipeline.atomic import write_wav_atomic
 from pipeline.config import JobConfig
+from pipeline.device_turns import DeviceTurns
 from pipeline.manifest import ManifestRow
 from pipeline.rows import RequestRow, ResultRow
 from pipeline.store import JobDir
@@ -46,8 +48,10 @@ from pipeline.tokens import write_tokens
 log = logging.getLogger(__name__)
 
 MAX_ERROR_CHARS = 2000
-# Shards a worker runs at once: one generating, the other waiting for its writes or for the device.
-SHARDS_IN_FLIGHT = 2
+# Shards a worker runs at once: one generating, the next in line waiting for the device, and one more, so
+# that the shard after the next is in line before the next one's last batch (which prepares its first batch)
+# even while the one before still writes its rows.
+SHARDS_IN_FLIGHT = 3
 ENGINE_PHASES = ("prepare", "generate", "decode")  # an Engine.generate batch's timed phases
 
 
@@ -169,11 +173,10 @@ class ShardRunner:
 
     The engine generates batch after batch on the calling thread; meanwhile the preload thread prepares the
     next batch's clips, and writer threads post-process and write the rows of the batches before, at most
-    2 x writer_threads batches behind. A batch is reported
-    (on_batch) once its rows are written and the engine has finished the batch after it; a shard returns
-    once every one of its rows is written (or settled as failed or rejected). run_shard may be called from
-    several threads (SHARDS_IN_FLIGHT): one shard at a time generates; another prepares its first batch's
-    clips or waits for its writes meanwhile."""
+    2 x writer_threads batches behind. A batch is reported (on_batch) once its rows are written and the
+    engine has finished the batch after it; a shard returns once every one of its rows is written (or
+    settled as failed or rejected). run_shard may be called from several threads (SHARDS_IN_FLIGHT): one
+    shard at a time generates; the others wait for the device in line, or for their writes."""
 
     def __init__(self, job_path: str | Path, cfg: JobConfig):
         self.job = JobDir(job_path)
@@ -188,10 +191,8 @@ class ShardRunner:
         self.worker = f"{self.host}:{os.getpid()}"
         self.writers = ThreadPoolExecutor(cfg.writer_threads, thread_name_prefix="ovbatch-writer")
         self.preloader = ThreadPoolExecutor(1, thread_name_prefix="ovbatch-preload")
-        self.generating = threading.Lock()  # held by the shard whose batches are on the device
-        # (index, variant) -> (engine, first batch's requests, their preload) of shards waiting for the device
-        self.waiting: dict[tuple[int, str], tuple[Any, list[Any], Future]] = {}
-        self.waiting_lock = threading.Lock()
+        # the device's turns; a shard in line gives (engine, its first batch's requests, their preload)
+        self.turns = DeviceTurns()
         self.stopping = threading.Event()  # set: running shards stop before their next batch
 
     def engine(self, variant: str) -> Any:
@@ -252,14 +253,11 @@ class ShardRunner:
         # that shard's last batch (its `then`), so that device work stays on the thread holding the device.
         first = requests_of(batches[0]) if batches else []
         preloading = self._preload(engine, first)
-        key = (task.index, task.variant)
-        with self.waiting_lock:
-            self.waiting[key] = (engine, first, preloading)
+        turn = object()
+        self.turns.ask(turn, (engine, first, preloading))
         try:
             with _traced("ovbatch.wait_device"):
-                self.generating.acquire()
-            with self.waiting_lock:
-                self.waiting.pop(key, None)
+                self.turns.take(turn)
             try:
                 with _traced("ovbatch.shard_on_device"):
                     for i, batch in enumerate(batches):
@@ -282,12 +280,11 @@ class ShardRunner:
                             while len(pending) > 2 * self.cfg.writer_threads:
                                 take_oldest()
             finally:
-                self.generating.release()
+                self.turns.give_back()
             while pending:  # the next shard generates meanwhile
                 take_oldest()
         finally:
-            with self.waiting_lock:
-                self.waiting.pop(key, None)
+            self.turns.leave(turn)
             wait([*pending, preloading])  # no writer outlives its shard, even one that stopped on an error
         return results
 
@@ -338,16 +335,16 @@ class ShardRunner:
         return then
 
     def _next_shards_first(self, engine: Any) -> Callable[[], None] | None:
-        """generate's `then` for a shard's last batch: the first batch of the shard that has waited longest
-        for the device, prepared ahead on its own engine (None where this engine takes no `then`)."""
+        """generate's `then` for a shard's last batch: the first batch of the shard next in line for the
+        device, prepared ahead on its own engine (None where this engine takes no `then`)."""
         if getattr(engine, "prepare_ahead", None) is None:
             return None
 
         def then() -> None:
-            with self.waiting_lock:
-                if not self.waiting:
-                    return
-                next_engine, reqs, preloading = self.waiting.pop(next(iter(self.waiting)))
+            first = self.turns.next_to_prepare()
+            if first is None:
+                return
+            next_engine, reqs, preloading = first
             ahead = self._ahead(next_engine, reqs, preloading)
             if ahead is not None:
                 ahead()

@@ -250,16 +250,17 @@ def test_the_next_shard_generates_while_the_one_before_waits_for_its_writes(tmp_
 
 
 def test_a_local_run_that_stops_early_starts_no_further_shard(tmp_path: Path):
-    from pipeline.shard_runner import run_local
+    from pipeline.shard_runner import SHARDS_IN_FLIGHT, run_local
 
     StagedEngine.gate.set()
     runner = ShardRunner(tmp_path, _cfg(writers=1))
-    rows = _rows([f"row {i}" for i in range(3)])
+    last = SHARDS_IN_FLIGHT  # the first shard past those started at once
+    rows = _rows([f"row {i}" for i in range(last + 1)])
     run = run_local(runner, [ShardTask(i, "default", 128, 1, [row]) for i, row in enumerate(rows)])
     task, results = next(run)
     run.close()  # e.g. Ctrl-C in the driver
     assert task.index == 0 and [r.id for r in results] == ["r00"]
-    assert ["row 2"] not in StagedEngine.batches  # shard 2 never started
+    assert [f"row {last}"] not in StagedEngine.batches  # it never started
     assert not runner.stopping.is_set()  # the runner can run again
 
 
@@ -294,10 +295,11 @@ def test_each_batch_after_the_first_is_prepared_while_the_one_before_generates(t
 
 
 class HandOffEngine(StagedEngine):
-    """Records prepare_ahead and generate; the first batch to generate runs its `then` only once the other
-    shard waits for the device (so that the test does not depend on the threads' timing)."""
+    """Records prepare_ahead and generate; each batch but the last to generate runs its `then` only once
+    another shard is in line for the device (so that the test does not depend on the threads' timing)."""
 
     runner: ShardRunner | None = None
+    shards = 0
     events: list[tuple[str, str]] = []
 
     def prepare_ahead(self, reqs):
@@ -306,28 +308,34 @@ class HandOffEngine(StagedEngine):
     def generate(self, reqs, then=None):
         HandOffEngine.events.append(("generate", reqs[0].text))
         outputs = super().generate(reqs)
-        if len(HandOffEngine.events) == 1:
+        if len(StagedEngine.batches) < HandOffEngine.shards:
             deadline = time.monotonic() + 10
-            while not HandOffEngine.runner.waiting and time.monotonic() < deadline:
+            while not HandOffEngine.runner.turns.waiting() and time.monotonic() < deadline:
                 time.sleep(0.01)
         if then is not None:
             then()
         return outputs
 
 
-def test_a_shards_last_batch_prepares_the_first_batch_of_the_shard_waiting_for_the_device(tmp_path: Path):
+def test_shards_take_the_device_in_line_each_first_batch_prepared_by_the_shard_before(tmp_path: Path):
+    """Each shard's last batch prepares (its `then`) the first batch of the shard next in line, and that
+    shard takes the device next: with SHARDS_IN_FLIGHT shards at once, two or more wait for it, and a
+    plain lock could hand it to another one."""
     from pipeline.shard_runner import run_local
 
     StagedEngine.gate.set()
-    HandOffEngine.events = []
+    HandOffEngine.events, HandOffEngine.shards = [], 6
     cfg = _cfg(writers=1)
     cfg.engine_factory = f"{__name__}:HandOffEngine"
     runner = HandOffEngine.runner = ShardRunner(tmp_path, cfg)
-    rows = _rows(["first shard", "second shard"])
-    tasks = [ShardTask(0, "default", 128, 1, rows[:1]), ShardTask(1, "default", 128, 1, rows[1:])]
+    rows = _rows([f"shard {i}" for i in range(HandOffEngine.shards)])
+    tasks = [ShardTask(i, "default", 128, 1, [row]) for i, row in enumerate(rows)]
     results = list(run_local(runner, tasks))
-    assert [(task.index, [r.status for r in rs]) for task, rs in results] == [(0, ["ok"]), (1, ["ok"])]
-    # whichever shard took the device first prepared the other's batch in its `then`, before it generated
-    first, second = (text for kind, text in HandOffEngine.events if kind == "generate")
-    assert HandOffEngine.events == [("generate", first), ("ahead", second), ("generate", second)]
-    assert not runner.waiting
+    assert [(task.index, [r.status for r in rs]) for task, rs in results] == [(i, ["ok"]) for i in range(6)]
+    order = [text for kind, text in HandOffEngine.events if kind == "generate"]
+    assert sorted(order) == [f"shard {i}" for i in range(6)]
+    want = [("generate", order[0])]
+    for text in order[1:]:
+        want += [("ahead", text), ("generate", text)]
+    assert HandOffEngine.events == want
+    assert not runner.turns.waiting()
