@@ -8,7 +8,8 @@ leaving it, the device's busy time in it (union of kernels, copies and sets), an
 the innermost `ovbatch.*` range (pipeline/shard_runner.py, engine/api.py, engine/frontend/prompt.py) open on
 the thread holding the device at the gap's middle ("shard loop" when only the hold itself is open, "no
 shard on the device" between shards). The profiler slows the host, so idle seconds are an upper bound;
-their split is the point.
+their split is the point. nvidia-smi's mean utilization is sampled over both runs too (gpu_busy_nvidia_smi),
+to set the e2e bench's figure, which comes from it, against the profiler's.
 
     python bench/profile_job.py [--rows 3000] [--shards 4] [--warmup-shards 2] [--precision bf16]
                                 [--work DIR] [--size full|tiny] [--out bench/results/profile-job-h200.json]
@@ -28,8 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.e2e import SETTINGS, checkpoint_and_manifest  # noqa: E402
+from bench.e2e import SETTINGS, checkpoint_and_manifest, gpu_fields  # noqa: E402
 from bench.environment import environment, write_result  # noqa: E402
+from bench.pipeline import GpuSampler  # noqa: E402
 from bench.profile_generate import busy_us  # noqa: E402
 from pipeline.config import load_job_config  # noqa: E402
 from pipeline.job import plan_job  # noqa: E402
@@ -143,13 +145,17 @@ def main() -> None:
         runner.load_engines(cfg.variant_names())
         runner.capture(tasks)
         run(runner, tasks[:warm])
-        wall, audio = run(runner, tasks[warm : warm + timed])
+        with GpuSampler() as gpu:
+            wall, audio = run(runner, tasks[warm : warm + timed])
         from torch._C._profiler import _ExperimentalConfig
         from torch.profiler import ProfilerActivity, profile
 
         every_thread = _ExperimentalConfig(profile_all_threads=True)  # the shards run on their own threads
         activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-        with profile(activities=activities, experimental_config=every_thread) as prof:
+        with (
+            GpuSampler() as profiled_gpu,
+            profile(activities=activities, experimental_config=every_thread) as prof,
+        ):
             profiled_wall, profiled_audio = run(runner, tasks[warm + timed : warm + 2 * timed])
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -165,12 +171,14 @@ def main() -> None:
                 "wall_s": round(wall, 3),
                 "audio_s": round(audio, 2),
                 "x_realtime": round(audio / wall, 2),
+                "gpu_busy_nvidia_smi": gpu_fields(gpu)["gpu_busy"],
             },
             "profiled": {
                 "rows": sum(len(t.rows) for t in tasks[warm + timed : warm + 2 * timed]),
                 "wall_s": round(profiled_wall, 3),
                 "audio_s": round(profiled_audio, 2),
                 **split,
+                "gpu_busy_nvidia_smi": gpu_fields(profiled_gpu)["gpu_busy"],  # over the run, not the window
             },
         }
         print(report)
