@@ -3,8 +3,8 @@
 of the variants: a variant on the CPU (device cpu, or auto where the cluster has no GPU) runs on CPU
 actors, any other on GPU actors (one GPU each by default), so an A/B job may hold both kinds.
 
-An actor runs SHARDS_IN_FLIGHT calls at once (pipeline.shard_runner: one generates while the other waits
-for its writes or for the device). An actor that dies (process killed, node lost) costs an attempt to its
+An actor runs SHARDS_IN_FLIGHT calls at once (pipeline.shard_runner: one generates while the others wait
+for the device in line or for their writes); shards go to the actors one each in turn. An actor that dies (process killed, node lost) costs an attempt to its
 oldest call (calls start in submission order); the shards behind it go back to the queue as they were.
 The dead actor is replaced when there is work for it. A shard out of attempts comes back with every row
 failed.
@@ -214,15 +214,19 @@ class ActorPool:
         owner: dict[Any, tuple[_Slot, ShardTask]] = {}
         max_attempts = self.cfg.ray.max_shard_attempts
         while any(queues.values()) or owner:
-            for i, slot in enumerate(self.slots):
-                queue = queues[slot.group.gpu]
-                if queue and slot.actor is None:  # its actor died: a fresh one, now that there is work
-                    slot = self.slots[i] = self._spawn(slot.group)
-                while queue and len(slot.inflight) < self.cfg.ray.inflight_per_actor:
-                    task = queue.popleft()
-                    ref = slot.actor.run_shard.remote(task, self.progress)
-                    slot.inflight.append(ref)
-                    owner[ref] = (slot, task)
+            placed = True
+            while placed:  # a shard per actor in turn, so that a short queue is spread over the actors
+                placed = False
+                for i, slot in enumerate(self.slots):
+                    queue = queues[slot.group.gpu]
+                    if queue and slot.actor is None:  # its actor died: a fresh one, now that there is work
+                        slot = self.slots[i] = self._spawn(slot.group)
+                    if queue and len(slot.inflight) < self.cfg.ray.inflight_per_actor:
+                        task = queue.popleft()
+                        ref = slot.actor.run_shard.remote(task, self.progress)
+                        slot.inflight.append(ref)
+                        owner[ref] = (slot, task)
+                        placed = True
             poll = None if self.progress is None else PROGRESS_POLL_S
             ready, _ = ray.wait(list(owner), num_returns=1, timeout=poll)
             self._pass_on_progress()

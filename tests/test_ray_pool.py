@@ -23,6 +23,7 @@ class _Actor:
         self.run_shard = self
 
     def remote(self, task: ShardTask, progress=None) -> _Ref:  # run_shard.remote(task, progress)
+        FakeRay.sent.append((self, task.index))
         return _Ref(self, task)
 
 
@@ -47,9 +48,12 @@ class FakeRay:
     """cluster_resources, remote, wait, get and kill, run synchronously; a shard's result records the
     resources of the actor that ran it."""
 
+    sent: list[tuple[_Actor, int]] = []  # (actor, shard index) of each run_shard call, in order
+
     def __init__(self, cluster: dict[str, float]):
         self.cluster = cluster
         self.actors: list[_Actor] = []
+        FakeRay.sent = []
 
     def cluster_resources(self) -> dict[str, float]:
         return dict(self.cluster)
@@ -97,6 +101,15 @@ def test_each_variant_runs_on_actors_of_its_own_device(monkeypatch):
     ran = {task.index: results[0] for task, results in pool.run(_tasks(["fp16", "fp32"]))}
     assert len(ran) == 6
     assert all((r["gpus"] > 0) == (r["variant"] == "fp16") for r in ran.values())
+
+
+def test_shards_go_to_the_actors_one_each_in_turn(monkeypatch):
+    """A queue shorter than the actors' room is spread over them, not stacked on the first actor."""
+    fake, pool = _pool(monkeypatch, {"CPU": 16.0, "GPU": 2.0}, "ray.inflight_per_actor=3")
+    assert len(fake.actors) == 2
+    assert len(list(pool.run(_tasks(["default"], 4)))) == 4
+    first, second = fake.actors
+    assert [actor for actor, _ in FakeRay.sent[:4]] == [first, second, first, second]
 
 
 def test_a_variant_on_the_cpu_leaves_the_gpus_to_the_others(monkeypatch):
