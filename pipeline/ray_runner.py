@@ -3,11 +3,11 @@
 of the variants: a variant on the CPU (device cpu, or auto where the cluster has no GPU) runs on CPU
 actors, any other on GPU actors (one GPU each by default), so an A/B job may hold both kinds.
 
-An actor runs SHARDS_IN_FLIGHT calls at once (pipeline.shard_runner: one generates while the others wait
-for the device in line or for their writes); shards go to the actors one each in turn. An actor that dies (process killed, node lost) costs an attempt to its
-oldest call (calls start in submission order); the shards behind it go back to the queue as they were.
-The dead actor is replaced when there is work for it. A shard out of attempts comes back with every row
-failed.
+An actor runs SHARDS_IN_FLIGHT calls at once (pipeline.shard_runner: one generates while the others wait for
+the device in line or for their writes); shards go to the actors one each in turn. An actor that dies
+(process killed, node lost) costs an attempt to its oldest call (calls start in submission order); the
+shards behind it go back to the queue as they were. The dead actor is replaced when there is work for it. A
+shard out of attempts comes back with every row failed.
 
 Progress: with an on_batch callback, actors put each finished batch (BatchDone) on a Ray queue, which the
 driver drains between waits (every PROGRESS_POLL_S) and always before it hands on a finished shard, so
