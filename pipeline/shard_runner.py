@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -482,21 +482,34 @@ def run_local(
     runner: ShardRunner, tasks: list[ShardTask], on_batch: BatchCallback | None = None
 ) -> Iterator[tuple[ShardTask, list[ResultRow]]]:
     """Local mode: the same shard runner in this process, SHARDS_IN_FLIGHT shards at once on their own
-    threads (on_batch is called from them); results in task order. When the caller stops early (an error,
-    Ctrl-C), the shards still running stop before their next batch."""
-    running: deque[tuple[ShardTask, Future]] = deque()
+    threads (on_batch is called from them); each shard's results as it finishes (as Ray's pool gives them),
+    and the next shard started then, so that one is in line for the device whichever finished. A shard that
+    raises stops the others before their next batch; those that finish still give their results, then its
+    error is raised. When the caller stops early (an error, Ctrl-C), the shards still running stop too."""
+    queued = iter(tasks)
+    running: dict[Future, ShardTask] = {}
+
+    def stop_the_rest() -> None:
+        runner.stopping.set()
+        wait(running)
+        runner.stopping.clear()
+
     with ThreadPoolExecutor(SHARDS_IN_FLIGHT, thread_name_prefix="ovbatch-shard") as pool:
         try:
-            for task in tasks:
-                running.append((task, pool.submit(runner.run_shard, task, on_batch)))
-                if len(running) == SHARDS_IN_FLIGHT:
-                    task, done = running.popleft()
-                    yield task, done.result()
-            while running:
-                task, done = running.popleft()
-                yield task, done.result()
+            while True:
+                while len(running) < SHARDS_IN_FLIGHT and (task := next(queued, None)) is not None:
+                    running[pool.submit(runner.run_shard, task, on_batch)] = task
+                if not running:
+                    return
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                failed = [f for f in finished if f.exception() is not None]
+                if failed:
+                    stop_the_rest()
+                    finished = [f for f in running if f.exception() is None]
+                for done in sorted(finished, key=lambda f: running[f].index):
+                    yield running.pop(done), done.result()
+                if failed:
+                    failed[0].result()  # raises its error
         finally:
             if running:
-                runner.stopping.set()
-                wait([done for _, done in running])
-                runner.stopping.clear()
+                stop_the_rest()

@@ -243,7 +243,7 @@ def test_the_next_shard_generates_while_the_one_before_waits_for_its_writes(tmp_
     assert sorted(StagedEngine.batches) == [["first shard"], ["second shard"]] and not StagedEngine.finished
     StagedEngine.gate.set()
     thread.join(timeout=30)
-    assert [(task.index, [r.id for r in results]) for task, results in outcome["r"]] == [
+    assert sorted((task.index, [r.id for r in results]) for task, results in outcome["r"]) == [
         (0, ["r00"]),
         (1, ["r01"]),
     ]
@@ -257,9 +257,9 @@ def test_a_local_run_that_stops_early_starts_no_further_shard(tmp_path: Path):
     last = SHARDS_IN_FLIGHT  # the first shard past those started at once
     rows = _rows([f"row {i}" for i in range(last + 1)])
     run = run_local(runner, [ShardTask(i, "default", 128, 1, [row]) for i, row in enumerate(rows)])
-    task, results = next(run)
+    task, results = next(run)  # the first shard to finish
     run.close()  # e.g. Ctrl-C in the driver
-    assert task.index == 0 and [r.id for r in results] == ["r00"]
+    assert task.index < last and [r.id for r in results] == [f"r{task.index:02d}"]
     assert [f"row {last}"] not in StagedEngine.batches  # it never started
     assert not runner.stopping.is_set()  # the runner can run again
 
@@ -331,7 +331,8 @@ def test_shards_take_the_device_in_line_each_first_batch_prepared_by_the_shard_b
     rows = _rows([f"shard {i}" for i in range(HandOffEngine.shards)])
     tasks = [ShardTask(i, "default", 128, 1, [row]) for i, row in enumerate(rows)]
     results = list(run_local(runner, tasks))
-    assert [(task.index, [r.status for r in rs]) for task, rs in results] == [(i, ["ok"]) for i in range(6)]
+    statuses = sorted((task.index, [r.status for r in rs]) for task, rs in results)
+    assert statuses == [(i, ["ok"]) for i in range(6)]
     order = [text for kind, text in HandOffEngine.events if kind == "generate"]
     assert sorted(order) == [f"shard {i}" for i in range(6)]
     want = [("generate", order[0])]
