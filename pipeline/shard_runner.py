@@ -502,14 +502,16 @@ def run_local(
                 if not running:
                     return
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                failed = [f for f in finished if f.exception() is not None]
+                failed = sorted(
+                    (f for f in finished if f.exception() is not None), key=lambda f: running[f].index
+                )
                 if failed:
                     stop_the_rest()
                     finished = [f for f in running if f.exception() is None]
                 for done in sorted(finished, key=lambda f: running[f].index):
                     yield running.pop(done), done.result()
                 if failed:
-                    failed[0].result()  # raises its error
+                    failed[0].result()  # raises the error of the earliest shard that failed
         finally:
             if running:
                 stop_the_rest()
