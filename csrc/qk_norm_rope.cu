@@ -70,16 +70,26 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   T* q_out_row = q_out + static_cast<int64_t>(token) * q_heads * D;
   T* k_out_row = k_out + static_cast<int64_t>(token) * k_heads * D;
 
+  // All the warp's head rows are read before any is computed: the shuffles between steps would otherwise keep
+  // one 16-byte load a lane in flight, too few to cover the memory's latency. Lanes past the token's heads
+  // read zeros and write nothing, but stay to the shuffles.
+  uint4 raw[Steps];
+#pragma unroll
+  for (int step = 0; step < Steps; ++step) {
+    const int head = first + step * kRowsPerWarp + sub;
+    raw[step] = make_uint4(0, 0, 0, 0);
+    if (head < heads)
+      raw[step] = *reinterpret_cast<const uint4*>(
+          (head < q_heads ? q_row + head * D : k_row + (head - q_heads) * D) + col);
+  }
+
 #pragma unroll
   for (int step = 0; step < Steps; ++step) {
     if (first + step * kRowsPerWarp >= heads) break;  // the whole warp leaves
-    // Every lane stays to the shuffles; lanes past the token's heads read zeros and write nothing.
     const int head = first + step * kRowsPerWarp + sub;
     const bool valid = head < heads, is_q = head < q_heads;
-    uint4 raw = make_uint4(0, 0, 0, 0);
-    if (valid) raw = *reinterpret_cast<const uint4*>((is_q ? q_row + head * D : k_row + (head - q_heads) * D) + col);
     float x[kVec];
-    unpack8<T>(raw, x);
+    unpack8<T>(raw[step], x);
 
     float ss = 0.f;
 #pragma unroll

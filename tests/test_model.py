@@ -182,10 +182,13 @@ def test_fast_attention_matches_sdpa_on_odd_lengths(backend_name, separate):
 
 
 @pytest.mark.gpu
-def test_flash4_keeps_the_rows_its_next_call_reads_past_the_last_sequence_finite():
+@pytest.mark.parametrize("per_forward", [False, True], ids=["call", "for_forward"])
+def test_flash4_keeps_the_rows_its_next_call_reads_past_the_last_sequence_finite(per_forward):
     """flash-attn-4 reads K/V rows past a sequence's end (masked, but 0 x NaN is NaN). Its output is the next
     layer's input, so the rows after the last sequence that a tile can reach must come out finite even
-    where the memory held NaN: two calls in a row, the second on the first's output, stay finite."""
+    where the memory held NaN: two calls in a row, the second on the first's output, stay finite. Through
+    for_forward (one buffer for a forward's layers, zeroed by the first) each call also equals a call of
+    its own."""
     backend = BACKENDS["flash4"]()
     ok, reason = backend.can_use(torch.device("cuda"), torch.bfloat16)
     if not ok:
@@ -196,12 +199,15 @@ def test_flash4_keeps_the_rows_its_next_call_reads_past_the_last_sequence_finite
     q, k, v = (
         torch.randn(tokens, heads, 128, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3)
     )
+    attend = backend.for_forward() if per_forward else backend
     for _ in range(2):
         # freed memory full of NaN, of the size the backend allocates next
         torch.empty((tokens + backend.REACH) * heads * 128, device="cuda", dtype=torch.bfloat16).fill_(
             float("nan")
         )
-        out = backend(q, k, v, cu, 256)
+        out = attend(q, k, v, cu, 256)
         assert torch.isfinite(out[:350]).all()
         assert (out[350 : 350 + backend.REACH] == 0).all()
+        if per_forward:
+            torch.testing.assert_close(out[:350], backend(q, k, v, cu, 256)[:350], rtol=0, atol=0)
         q = k = v = out.clone()

@@ -181,7 +181,7 @@ class OmniVoiceModel(nn.Module):
     def hidden_states(self, batch: PackedBatch) -> Tensor:
         """[T, H]: every position after the last layer (before the final norm); no use of target_index."""
         x = self.embed(batch.input_ids, batch.audio_mask)
-        return self.llm(x, batch, self.attention_backend(x.device, x.dtype))
+        return self.llm(x, batch, self.attention_backend(x.device, x.dtype).for_forward())
 
     def head_logits(self, hidden: Tensor, index: Tensor) -> Tensor:
         """Logits [len(index), C, audio_vocab] of the rows `index` of hidden_states' output, in the heads'
