@@ -239,6 +239,17 @@ def plan_rows(result: dict) -> list[str]:
     return out
 
 
+E2E_KINDS = ("official", "engine", "job_local", "job_ray")
+
+
+def _e2e_order(entry: dict) -> tuple:
+    """The official package first, then each precision's engine, local job and Ray job."""
+    variant = entry["variant"]
+    kind = next(k for k in E2E_KINDS if variant.startswith(k))
+    precision = "" if kind == "official" else variant[len(kind) + 1 :]
+    return (kind != "official", precision, E2E_KINDS.index(kind), variant)
+
+
 def e2e_rows(result: dict) -> list[str]:
     """README: the official package, the engine alone and the job from submit to the last row, each entry of
     one run; "vs engine" only against the engine entry of the same precision over the same number of rows."""
@@ -253,7 +264,7 @@ def e2e_rows(result: dict) -> list[str]:
         return "-" if e.get(key) is None else format(e[key], form)
 
     out = []
-    for e in entries:
+    for e in sorted(entries, key=_e2e_order):
         if "skipped" in e:  # e.g. the official package out of GPU memory at a batch size
             reason = "out of GPU memory" if "out of memory" in e["skipped"] else "skipped"
             out.append(row(e["variant"], *["-"] * 3, reason, *["-"] * 7))
