@@ -149,7 +149,9 @@ def summarize(job: JobDir) -> dict[str, Any]:
         "engine_x_realtime": _rate(audio, synth),
         # where the job's wall time went: planning, then each phase of the rows' batches (summed over the
         # rows, so over actors when several ran at once), and the rest (idle engines, scheduling); the
-        # post-processing and writes run beside the engine's calls and are not subtracted
+        # post-processing and writes run beside the engine's calls and are not subtracted. On CUDA a batch
+        # is mostly prepared while the one before generates: subtracting that overlap makes "other" a lower
+        # bound on the idle time, negative where the overlap exceeds it
         "time": _time_split(runs, phases, wall),
         "per_bucket": per_bucket,
         "problems": {status: _problems(job, results, status) for status in ("rejected", "failed")},
