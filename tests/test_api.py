@@ -318,6 +318,24 @@ def test_preloaded_clips_give_the_prompts_and_audio_an_unprepared_engine_makes(t
     assert not engine._references
 
 
+def test_preload_prepares_a_clip_that_rows_share_once(tmp_path, monkeypatch):
+    """preload() reads clips on several threads; rows that share a clip and its transcript (one speaker's
+    rows) have it prepared once, not once per thread that meets it."""
+    import engine.api as api
+
+    name = sorted(n for n in CLIPS if n.endswith(".wav"))[0]
+    reqs = [
+        SynthRequest(text=f"Line {i}.", ref_audio=DATA / name, ref_text=CLIPS[name]["transcript"])
+        for i in range(8)
+    ]
+    calls = []
+    real = api.prepare_reference
+    monkeypatch.setattr(api, "prepare_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
+    engine = Engine(EngineConfig(prompt_cache_dir=None, generation=FAST))
+    engine.preload(reqs)
+    assert len(calls) == 1 and len(engine._references) == 1
+
+
 def test_decode_calls_take_clips_of_like_length_and_keep_their_order(engine, monkeypatch):
     from engine.api import DECODE_BATCH_FRAMES, DECODE_CALL_FRAMES
 
