@@ -1,15 +1,16 @@
 """Where a local job's GPU waits: the shard runner (its preload thread, writer threads and the threads of the
 shards in flight) over distinct-clip rows, under torch.profiler.
 
-bench/e2e.py's full-size checkpoint (random weights), manifest and settings, one variant. After a warm-up
-over the first --warmup-shards shards, the next --shards shards run twice: unprofiled (wall, x realtime)
-and profiled. From the profiled run: the window from the first shard taking the device to the last one
-leaving it, the device's busy time in it (union of kernels, copies and sets), and each idle gap put down to
-the innermost `ovbatch.*` range (pipeline/shard_runner.py, engine/api.py, engine/frontend/prompt.py) open on
-the thread holding the device at the gap's middle ("shard loop" when only the hold itself is open, "no
-shard on the device" between shards). The profiler slows the host, so idle seconds are an upper bound;
-their split is the point. nvidia-smi's mean utilization is sampled over both runs too (gpu_busy_nvidia_smi),
-to set the e2e bench's figure, which comes from it, against the profiler's.
+bench/e2e.py's full-size checkpoint (random weights), manifest and settings, one variant. After a warm-up over
+the first --warmup-shards shards, 2 x --shards shards spread evenly over the rest of the plan (its buckets run
+from long rows to short ones, and short rows bring more clips a second) go in turn to two sets: the first runs
+unprofiled (wall, x realtime), the second profiled. From the profiled run: the window from the first shard
+taking the device to the last one leaving it, the device's busy time in it (union of kernels, copies and
+sets), and each idle gap put down to the innermost `ovbatch.*` range (pipeline/shard_runner.py, engine/api.py,
+engine/frontend/prompt.py) open on the thread holding the device at the gap's middle ("shard loop" when only
+the hold itself is open, "no shard on the device" between shards). The profiler slows the host, so idle
+seconds are an upper bound; their split is the point. nvidia-smi's mean utilization is sampled over both runs
+too (gpu_busy_nvidia_smi), to set the e2e bench's figure, which comes from it, against the profiler's.
 
     python bench/profile_job.py [--rows 3000] [--shards 4] [--warmup-shards 2] [--precision bf16]
                                 [--work DIR] [--size full|tiny] [--out bench/results/profile-job-h200.json]
@@ -48,6 +49,12 @@ def run(runner: ShardRunner, tasks: list[ShardTask]) -> tuple[float, float]:
     start = time.perf_counter()
     audio = sum(r.audio_seconds or 0.0 for _, results in run_local(runner, tasks) for r in results)
     return time.perf_counter() - start, audio
+
+
+def spread_pair(tasks: list, count: int) -> tuple[list, list]:
+    """Two disjoint sets of `count` tasks each, taken in turn from 2 x count evenly spaced over `tasks`."""
+    spread = [tasks[i * len(tasks) // (2 * count)] for i in range(2 * count)]
+    return spread[0::2], spread[1::2]
 
 
 def idle_split(events) -> dict:
@@ -141,12 +148,13 @@ def main() -> None:
         warm, timed = args.warmup_shards, args.shards
         if len(tasks) < warm + 2 * timed:
             sys.exit(f"--rows {args.rows} plans {len(tasks)} shards; {warm + 2 * timed} are needed.")
+        unprofiled, profiled = spread_pair(tasks[warm:], timed)
         runner = ShardRunner(job_dir, cfg)
         runner.load_engines(cfg.variant_names())
         runner.capture(tasks)
         run(runner, tasks[:warm])
         with GpuSampler() as gpu:
-            wall, audio = run(runner, tasks[warm : warm + timed])
+            wall, audio = run(runner, unprofiled)
         from torch._C._profiler import _ExperimentalConfig
         from torch.profiler import ProfilerActivity, profile
 
@@ -156,7 +164,7 @@ def main() -> None:
             GpuSampler() as profiled_gpu,
             profile(activities=activities, experimental_config=every_thread) as prof,
         ):
-            profiled_wall, profiled_audio = run(runner, tasks[warm + timed : warm + 2 * timed])
+            profiled_wall, profiled_audio = run(runner, profiled)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
         split = idle_split(prof.profiler.kineto_results.events())  # raw events: far quicker than events()
@@ -167,14 +175,16 @@ def main() -> None:
             "precision": args.precision,
             "shards": timed,
             "unprofiled": {
-                "rows": sum(len(t.rows) for t in tasks[warm : warm + timed]),
+                "shards": [t.index for t in unprofiled],
+                "rows": sum(len(t.rows) for t in unprofiled),
                 "wall_s": round(wall, 3),
                 "audio_s": round(audio, 2),
                 "x_realtime": round(audio / wall, 2),
                 "gpu_busy_nvidia_smi": gpu_fields(gpu)["gpu_busy"],
             },
             "profiled": {
-                "rows": sum(len(t.rows) for t in tasks[warm + timed : warm + 2 * timed]),
+                "shards": [t.index for t in profiled],
+                "rows": sum(len(t.rows) for t in profiled),
                 "wall_s": round(profiled_wall, 3),
                 "audio_s": round(profiled_audio, 2),
                 **split,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch.autograd import DeviceType
 
-from bench.profile_job import ON_DEVICE, idle_split
+from bench.profile_job import ON_DEVICE, idle_split, spread_pair
 
 
 class Event:
@@ -66,3 +66,9 @@ def test_gaps_go_to_the_innermost_range_of_the_thread_holding_the_device():
 
 def test_a_profile_without_a_shard_on_the_device_says_so():
     assert "skipped" in idle_split([kernel(0, 10)])
+
+
+def test_the_timed_shards_spread_over_the_plan_from_its_long_rows_to_its_short_ones():
+    first, second = spread_pair(list(range(20)), 4)
+    assert first == [0, 5, 10, 15] and second == [2, 7, 12, 17]
+    assert spread_pair(list(range(8)), 4) == ([0, 2, 4, 6], [1, 3, 5, 7])  # every shard, none twice
