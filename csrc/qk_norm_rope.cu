@@ -12,9 +12,9 @@
 // 4 from kManyTokens tokens on and 1 below, where the GPU needs a warp per head pair to fill (bench/fused.py on the
 // H200: 4 pairs took 9.9 us at 512 tokens against one pair's 7.9, and were as fast or faster from 8192). The lane
 // holding elements i.. of the first half trades its normed values with the lane holding i + D/2.. by one shuffle
-// distance, D / 16 lanes. The kernel is bound by its instructions more than by memory (ncu, docs/kernels.md), so the
-// arithmetic runs on pairs: one conversion rounds two floats to T, bf16 widens to float by bit operations, and D is a
-// template parameter.
+// distance, D / 16 lanes. With a row pair a warp the kernel was bound by its instructions (ncu, docs/kernels.md), so
+// the arithmetic runs on pairs: one conversion rounds two floats to T, bf16 widens to float by bit operations, and D is
+// a template parameter.
 
 #include "w4a4_common.cuh"
 #include "w4a4_launch.h"

@@ -55,8 +55,7 @@ DECODE_CALL_FRAMES = 160
 LONG_REFERENCE_S = 20.0
 # Clips preload() keeps prepared at most (a batch's worth is taken by its generate()).
 PRELOADED_CLIPS = 512
-# Clips preload() prepares at once: reading, resampling and trimming release the GIL (a batch's clips took
-# 4.4 ms each on 2 threads against 7.5 ms on one, on a 2-core CPU), and on a GPU host its cores are free.
+# Clips preload() prepares at once: reading, resampling and trimming release the GIL, so threads overlap.
 PRELOAD_THREADS = min(4, os.cpu_count() or 1)
 # Batches prepare_ahead keeps: one is taken by the next generate(); the bound drops the ones never asked
 # for (a batch that failed is retried in halves, which are other request lists).
