@@ -14,19 +14,20 @@ round-to-nearest speed copy), 32 steps. The manifest (bench/manifests.py): --row
 - job_local_<p>, job_ray_<p>: `submit` from the manifest to the last row (planning, clip encoding, writes
   included; Ray with one GPU actor).
 
-Each entry: variant, rows, audio_seconds, wall_seconds, x_realtime (audio / wall), gpu_busy (mean
-nvidia-smi utilization over the entry; jobs also gpu_busy_execution, from the workers' ready on, and
-gpu_busy_generating, from then until the last batch was generated; last_generated_seconds, from submit to
-then, and tail_seconds, from then until submit returned),
-padding_fraction (token-weighted share of each batch's graph bucket that holds no row), mean_sm_clock_mhz,
-startup_seconds (jobs: from the end of planning until the engines are loaded and their CUDA graphs
-captured; capture_seconds of it; the CUDA extension is built before the first part, as a machine that has
-run a job before has it), planning_seconds; the engine's load by phase (load_breakdown, Engine.load_timings:
-weights, merge, codec, ...; jobs: of the slowest actor, beside its import_seconds, load_seconds and
-boot_seconds); the engine's seconds per phase (phases_seconds: prepare, the clips read and encoded;
-generate; decode; postprocess) and the job summary's time split (time_split: planning, start, capture,
-phases, other). Each part starts from an empty prompt cache. A device command is limited to 10 minutes:
-run some parts or precisions per call; entries merge into --out by variant name.
+Each entry: variant, rows, audio_seconds, wall_seconds, x_realtime (audio / wall), gpu_busy (mean nvidia-smi
+utilization over the entry; jobs also gpu_busy_execution, from the workers' ready on, and gpu_busy_generating,
+from then until the last batch was generated; last_generated_seconds, from submit to then, and tail_seconds,
+from then until submit returned), padding_fraction (token-weighted share of each batch's graph bucket that
+holds no row), mean_sm_clock_mhz, attention_backend (the engine's; for jobs, what attention=auto picks in the
+bench's process, whose environment the job's workers inherit), startup_seconds (jobs: from the end of planning
+until the engines are loaded and their CUDA graphs captured; capture_seconds of it; the CUDA extension is
+built before the first part, as a machine that has run a job before has it), planning_seconds; the engine's
+load by phase (load_breakdown, Engine.load_timings: weights, merge, codec, ...; jobs: of the slowest actor,
+beside its import_seconds, load_seconds and boot_seconds); the engine's seconds per phase (phases_seconds:
+prepare, the clips read and encoded; generate; decode; postprocess) and the job summary's time split
+(time_split: planning, start, capture, phases, other). Each part starts from an empty prompt cache. A device
+command is limited to 10 minutes: run some parts or precisions per call; entries merge into --out by variant
+name.
 
     python bench/e2e.py [--parts official,engine,job_local,job_ray] [--precisions bf16,w4a4,fp8]
                         [--rows 2000] [--official-rows 512] [--size full|tiny] [--device auto]
@@ -107,6 +108,17 @@ def entry(variant: str, rows: int, audio: float, wall: float, gpu: GpuSampler, *
     }
 
 
+def attention_here(device: str) -> str | None:
+    """The attention backend attention=auto picks for bf16 on `device` in this process (None off CUDA)."""
+    import torch
+
+    from engine.model.attention import choose_attention
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return None
+    return choose_attention("auto", torch.device("cuda"), torch.bfloat16).name
+
+
 def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: list[str]) -> dict:
     cfg = load_job_config(None, [f"local={str(mode == 'local').lower()}", "ray.num_actors=1", *settings])
     cfg.manifest = str(manifest)
@@ -133,6 +145,7 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
         wall,
         gpu,
         padding_fraction=padding_fraction(list(batches.values()), list(cfg.engine.buckets)),
+        attention_backend=attention_here(cfg.engine.device),
         gpu_busy_execution=busy_since(gpu, start + run["ready_seconds"]),  # from the workers' ready on
         # the same until the last batch was generated, and what came after it (its decode and writes, the
         # results and summary, the workers' stop)
@@ -194,6 +207,7 @@ def engine_entry(precision: str, manifest: Path, warmup: Path, settings: list[st
         wall,
         gpu,
         padding_fraction=padding_fraction(tokens, list(cfg.engine.buckets)),
+        attention_backend=engine.model.attention_backend(engine.device, engine.dtype).name,
         batches=len(timed),
         load_breakdown=engine.load_timings,  # the same load in this process, to set against the jobs'
         phases_seconds={k: round(v, 2) for k, v in phases.items()},

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.e2e import SETTINGS, checkpoint_and_manifest, gpu_fields  # noqa: E402
+from bench.e2e import SETTINGS, attention_here, checkpoint_and_manifest, gpu_fields  # noqa: E402
 from bench.environment import environment, write_result  # noqa: E402
 from bench.pipeline import GpuSampler  # noqa: E402
 from bench.profile_generate import busy_us  # noqa: E402
@@ -173,6 +173,7 @@ def main() -> None:
             "environment": environment(),
             "size": args.size,
             "precision": args.precision,
+            "attention_backend": attention_here(args.device),
             "shards": timed,
             "unprofiled": {
                 "shards": [t.index for t in unprofiled],

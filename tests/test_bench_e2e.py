@@ -44,3 +44,13 @@ def test_busy_since_reads_the_samples_after_the_ready_event():
     assert busy_since(gpu, 0.0) == 0.485  # every sample: GPU 0's (0 + 0 + 96 + 98) / 4
     assert busy_since(gpu, 9.0) is None
     assert busy_since(gpu, 2.5, until=3.5) == 0.96  # until the last batch was generated: the tail left out
+
+
+def test_attention_backend_is_named_only_where_cuda_runs():
+    import torch
+
+    from bench.e2e import attention_here
+
+    assert attention_here("cpu") is None
+    if not torch.cuda.is_available():
+        assert attention_here("auto") is None
