@@ -233,6 +233,11 @@ class Engine:
         self._lock = threading.Lock()
         # CUDA: where a batch's decode runs, beside the next batch's generation
         self._decode_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # CUDA: where reference clips are encoded, so that waiting for their codes (the prompt cache keeps
+        # them on the host) never waits for the generation queued before them
+        self._encode_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if self._encode_stream is not None:
+            self._encode_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the load
         total = time.perf_counter() - start
         # Seconds of this load by phase; "other": the rest (config, fingerprint, tokenizer, frontends).
         self.load_timings = {phase: round(t, 3) for phase, t in timer.seconds.items()}
@@ -279,7 +284,9 @@ class Engine:
             clips = [(raw, wanted[j][1], wanted[j][2]) for j, raw, _ in misses]
             with self._lock:  # what preload() prepared
                 ready = [self._references.pop(key, None) for _, _, key in misses]
-            return build_prompts(clips, self.codec, self.reference_settings, ready)
+            # Every tensor of the encode lives and dies on its stream (None: no-op): nothing to record.
+            with torch.cuda.stream(self._encode_stream):
+                return build_prompts(clips, self.codec, self.reference_settings, ready)
 
         made = self.prompts.get_or_create_many(
             [reqs[i].ref_audio for i, _, _ in wanted], [text for _, _, text in wanted], make_many

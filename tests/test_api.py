@@ -284,6 +284,29 @@ def test_cuda_decode_on_its_own_stream_equals_a_decode_waited_for():
         assert out.timings["generate"] > 0 and out.timings["decode"] > 0
 
 
+
+@pytest.mark.gpu
+def test_cuda_clips_are_encoded_without_waiting_for_the_generation_queued_before():
+    """On CUDA the engine encodes reference clips on a stream of its own: preparing a request whose clip
+    the prompt cache lacks returns while work queued before it on the generation stream still runs (a
+    ~4 s sleep kernel), and its prompt equals the codec's encode on the generation stream (the same
+    kernels: bit for bit)."""
+    from engine.frontend.audio import read_clip_bytes
+    from engine.frontend.prompt import build_prompt
+
+    engine = Engine(EngineConfig(device="cuda", prompt_cache_dir=None, generation=FAST))
+    first, second = (DATA / n for n in ("en_16k_mono.wav", "en_24k_mono.wav"))
+    engine.prepare(SynthRequest(text="Warm up.", ref_audio=first, ref_text=CLIPS[first.name]["transcript"]))
+    req = SynthRequest(text="Hi.", ref_audio=second, ref_text=CLIPS[second.name]["transcript"])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(8_000_000_000)  # clock cycles
+    prepared = engine.prepare(req)
+    assert not torch.cuda.current_stream().query()  # the sleep still runs: prepare did not wait for it
+    torch.cuda.synchronize()
+    name, text = engine.requests.clip_of(req)
+    want = build_prompt(read_clip_bytes(second), name, text, engine.codec, engine.reference_settings)
+    assert torch.equal(prepared.prompt.tokens, want.tokens)
+
 def test_preloaded_clips_give_the_prompts_and_audio_an_unprepared_engine_makes(tmp_path, monkeypatch):
     """preload() prepares on the host the clips the prompt cache lacks (a clip it cannot use keeps its
     error for generate to report); synthesize then takes them instead of preparing them again, with the

@@ -100,3 +100,14 @@ def test_each_step_unmasks_exactly_the_scheduled_count():
         after = [(t != MASK).sum().item() for t in dec.request_tokens()]
         want = [unmask_schedule(t * C, gen.num_step, gen.t_shift)[step] for t in lens]
         assert [a - b for a, b in zip(after, before)] == want
+
+
+def test_flat_rows_sit_where_a_padded_view_holds_each_requests_frames():
+    """padded_rows (made on the host, no device sync) are the positions of the frames in a
+    [B * longest] view, request after request: what the mask of frames < length selects."""
+    g = torch.Generator().manual_seed(7)
+    for _ in range(5):
+        lens = torch.randint(1, 40, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+        dec = BatchDecoder(lens, list(range(len(lens))), C, MASK, GenerationConfig(num_step=2), "cpu")
+        mask = torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]
+        assert torch.equal(dec.padded_rows, mask.flatten().nonzero().squeeze(1))

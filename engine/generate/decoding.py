@@ -118,10 +118,9 @@ class BatchDecoder:
         schedules = [unmask_schedule(t * num_codebooks, gen.num_step, gen.t_shift) for t in target_lens]
         self.counts = torch.tensor(schedules, dtype=torch.long, device=device).T.contiguous()  # [steps, B]
         # Where the flat rows sit in a padded [B * Tmax, C] view (request b's frames, then padding).
-        # Integer rows, not a bool mask, so that no step waits on the host for a data-dependent size.
-        lens = torch.tensor(target_lens, device=device)
-        frames = torch.arange(longest, device=device)
-        self.padded_rows = (frames[None, :] < lens[:, None]).flatten().nonzero().squeeze(1)  # [N] of B*Tmax
+        # Integer rows made on the host, so that no step (nor this setup) waits for the device.
+        rows = [torch.arange(t) + b * longest for b, t in enumerate(target_lens)]
+        self.padded_rows = torch.cat(rows).to(device)  # [N] of B * Tmax
         self.layer_penalty = gen.layer_penalty_factor * torch.arange(num_codebooks, device=device)
         self.padded_shape = (n_req, longest, num_codebooks)
 
