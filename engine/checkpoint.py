@@ -201,7 +201,7 @@ def read_tensors(
                     continue
                 t = f.get_tensor(name)
                 cast = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-                tensors[name] = t.to(device=device, dtype=cast)
+                tensors[name] = t.to(device=device, dtype=cast, copy=True)  # owned, aligned (Codec.from_dir)
     return tensors
 
 
