@@ -31,3 +31,12 @@ def resolve_device(name: str) -> torch.device:
             f"device={name!r} but torch {torch.__version__} sees no CUDA GPU: use device='cpu' or 'auto'."
         )
     return device
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`. On CUDA the copy goes through pinned memory and is queued on the current
+    stream without waiting: a copy from pageable memory first waits for all the work queued there."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

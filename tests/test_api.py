@@ -285,6 +285,30 @@ def test_cuda_decode_on_its_own_stream_equals_a_decode_waited_for():
 
 
 
+
+@pytest.mark.gpu
+def test_cuda_generate_queues_a_prepared_batch_without_waiting_for_the_device():
+    """Once its requests are prepared (prepare_ahead) and its graph captured, generate() queues the batch,
+    its decode and the copies back without one host-device synchronization (torch's sync debug mode raises
+    on any), so the host goes on to the next batch while this one runs; the tokens are those of the same
+    requests run before."""
+    engine = Engine(EngineConfig(device="cuda", generation=FAST))
+    reqs = [
+        SynthRequest(text="Queued on the device.", ref_audio=CLIP, ref_text=TRANSCRIPT, seed=5),
+        SynthRequest(text="And this one too.", instruct="female", seed=6),
+    ]
+    before = engine.synthesize(reqs)  # captures the batch's graph
+    again = [replace(r) for r in reqs]  # new objects: prepare_ahead keys a batch by its requests' ids
+    engine.prepare_ahead(again)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        generated = engine.generate(again)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for g, want in zip(generated, before, strict=True):
+        assert np.array_equal(g.finish().tokens, want.tokens)
+
 @pytest.mark.gpu
 def test_cuda_clips_are_encoded_without_waiting_for_the_generation_queued_before():
     """On CUDA the engine encodes reference clips on a stream of its own: preparing a request whose clip

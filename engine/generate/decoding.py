@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.config import GenerationConfig
+from engine.devices import to_device
 from engine.kernels.heads import fused_guided_argmax
 
 TOP_CLASS_RATIO = 0.1  # class sampling keeps the top 10% of the audio vocabulary
@@ -116,11 +117,11 @@ class BatchDecoder:
         if gen.position_temperature > 0:
             self.position_uniforms = torch.cat([n.position for n in self.noise], dim=1)  # [steps, N, C]
         schedules = [unmask_schedule(t * num_codebooks, gen.num_step, gen.t_shift) for t in target_lens]
-        self.counts = torch.tensor(schedules, dtype=torch.long, device=device).T.contiguous()  # [steps, B]
+        # Made on the host and queued to the device: no step (nor this setup) waits for the device.
+        self.counts = to_device(torch.tensor(schedules).T.contiguous(), device)  # [steps, B] long
         # Where the flat rows sit in a padded [B * Tmax, C] view (request b's frames, then padding).
-        # Integer rows made on the host, so that no step (nor this setup) waits for the device.
         rows = [torch.arange(t) + b * longest for b, t in enumerate(target_lens)]
-        self.padded_rows = torch.cat(rows).to(device)  # [N] of B * Tmax
+        self.padded_rows = to_device(torch.cat(rows), device)  # [N] of B * Tmax
         self.layer_penalty = gen.layer_penalty_factor * torch.arange(num_codebooks, device=device)
         self.padded_shape = (n_req, longest, num_codebooks)
 

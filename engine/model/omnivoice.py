@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.config import LLMConfig, ModelConfig
-from engine.devices import building_on_meta
+from engine.devices import building_on_meta, to_device
 from engine.model.attention import choose_attention
 from engine.model.layers import LinearFactory, RMSNorm, SiblingBlock, SwiGLU, qk_norm_rope, rope_cos_sin
 from engine.model.linear import default_linear, merge_linears
@@ -31,7 +31,8 @@ class PackedBatch:
     target_index: Tensor  # [n_target] long; positions whose logits are wanted
 
     def to(self, device: torch.device | str) -> PackedBatch:
-        return self.apply(lambda t: t.to(device))
+        """The batch on `device`; from the host to CUDA without waiting for the work queued there."""
+        return self.apply(lambda t: to_device(t, device) if t.device.type == "cpu" else t.to(device))
 
     def apply(self, fn: Callable[[Tensor], Tensor]) -> PackedBatch:
         """A batch holding fn(tensor) for each tensor field (max_seqlen kept)."""
