@@ -16,7 +16,7 @@ round-to-nearest speed copy), 32 steps. The manifest (bench/manifests.py): --row
 
 Each entry: variant, rows, audio_seconds, wall_seconds, x_realtime (audio / wall), gpu_busy (mean nvidia-smi
 utilization over the entry; jobs also gpu_busy_execution, from the workers' ready on, and gpu_busy_generating,
-from then until the last batch was generated; last_generated_seconds, from submit to then, and tail_seconds,
+from then until the last batch was queued; last_generated_seconds, from submit to then, and tail_seconds,
 from then until submit returned), padding_fraction (token-weighted share of each batch's graph bucket that
 holds no row), mean_sm_clock_mhz, attention_backend (the engine's; for jobs, what attention=auto picks in the
 bench's process, whose environment the job's workers inherit), startup_seconds (jobs: from the end of planning
@@ -131,7 +131,8 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
     results = outcome.job.read_results().to_pylist()
     ok = [r for r in results if r["status"] == "ok"]
     run = outcome.summary["runs"][-1]
-    # a row's finished_at: when its batch's generation ended (its decode and writes follow)
+    # a row's finished_at: when its batch's generate() returned, the batch queued on the device (its
+    # generation, decode and writes follow)
     generated = [datetime.fromisoformat(r["finished_at"]).timestamp() for r in results if r["finished_at"]]
     last = max(generated) - start_epoch if generated else wall
     batches: dict[tuple, int] = {}
@@ -147,8 +148,8 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
         padding_fraction=padding_fraction(list(batches.values()), list(cfg.engine.buckets)),
         attention_backend=attention_here(cfg.engine.device),
         gpu_busy_execution=busy_since(gpu, start + run["ready_seconds"]),  # from the workers' ready on
-        # the same until the last batch was generated, and what came after it (its decode and writes, the
-        # results and summary, the workers' stop)
+        # the same until the last batch was queued, and what came after it (its generation, decode and writes,
+        # the results and summary, the workers' stop)
         gpu_busy_generating=busy_since(gpu, start + run["ready_seconds"], start + last),
         last_generated_seconds=round(last, 2),
         tail_seconds=round(wall - last, 2),
