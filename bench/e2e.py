@@ -108,15 +108,14 @@ def entry(variant: str, rows: int, audio: float, wall: float, gpu: GpuSampler, *
     }
 
 
-def attention_here(device: str) -> str | None:
-    """The attention backend attention=auto picks for bf16 on `device` in this process (None off CUDA)."""
+def attention_here(device: str) -> str:
+    """The attention backend attention=auto picks for bf16 on `device` (auto, cpu, cuda) in this process."""
     import torch
 
+    from engine.devices import resolve_device
     from engine.model.attention import choose_attention
 
-    if device == "cpu" or not torch.cuda.is_available():
-        return None
-    return choose_attention("auto", torch.device("cuda"), torch.bfloat16).name
+    return choose_attention("auto", resolve_device(device), torch.bfloat16).name
 
 
 def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: list[str]) -> dict:
