@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.devices import to_device
+
 
 def conv_output_lengths(conv: nn.Conv1d | nn.ConvTranspose1d, lengths: list[int]) -> list[int]:
     (k,), (s,), (p,), (d,) = conv.kernel_size, conv.stride, conv.padding, conv.dilation
@@ -25,10 +27,8 @@ def zero_past_lengths(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     size = x.shape[-1]
     if all(n >= size for n in lengths):
         return x
-    limits = torch.tensor(lengths)
-    if x.device.type == "cuda":  # a pinned, non-blocking copy keeps the host from waiting on the stream
-        limits = limits.pin_memory().to(x.device, non_blocking=True)
-    valid = torch.arange(size, device=x.device) < limits.to(x.device)[:, None]
+    limits = to_device(torch.tensor(lengths), x.device)  # the host does not wait for the stream
+    valid = torch.arange(size, device=x.device) < limits[:, None]
     return x.masked_fill(~valid[:, None, :], 0)
 
 
