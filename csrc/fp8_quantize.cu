@@ -24,13 +24,6 @@ constexpr int kVec = 8;  // elements per 16-byte access
 constexpr float kE4m3Max = 448.0f;
 
 template <typename T>
-__device__ __forceinline__ uint32_t silu_mul2(uint32_t g, uint32_t u) {
-  const float2 gf = unpack2<T>(g), uf = unpack2<T>(u);
-  const float2 s = round2<T>(gf.x / (1.0f + expf(-gf.x)), gf.y / (1.0f + expf(-gf.y)));
-  return pack2<T>(s.x * uf.x, s.y * uf.y);
-}
-
-template <typename T>
 __device__ __forceinline__ uint4 rms_normed8(uint4 x, uint4 w, float rstd) {
   return make_uint4(rms_normed2<T>(x.x, w.x, rstd), rms_normed2<T>(x.y, w.y, rstd), rms_normed2<T>(x.z, w.z, rstd),
                     rms_normed2<T>(x.w, w.w, rstd));
@@ -47,8 +40,7 @@ __device__ __forceinline__ uint4 produce(const T* x, const T* second, int c, flo
     if constexpr (S == Fp8Source::kRmsNorm)
       return rms_normed8<T>(raw, s, rstd);
     else
-      return make_uint4(silu_mul2<T>(raw.x, s.x), silu_mul2<T>(raw.y, s.y), silu_mul2<T>(raw.z, s.z),
-                        silu_mul2<T>(raw.w, s.w));
+      return silu_mul8<T>(raw, s);
   }
 }
 

@@ -162,6 +162,19 @@ __device__ __forceinline__ uint32_t rms_normed2(uint32_t x, uint32_t w, float rs
   return pack2<T>(wf.x * xn.x, wf.y * xn.y);
 }
 
+// Two SwiGLU elements (a 32-bit word of gate and the matching word of up) rounded as torch rounds them:
+// T(T(silu(g)) * u), silu(g) = g / (1 + expf(-g)) in float32 with IEEE division, as torch's SiLU.
+template <typename T>
+__device__ __forceinline__ uint32_t silu_mul2(uint32_t g, uint32_t u) {
+  const float2 gf = unpack2<T>(g), uf = unpack2<T>(u);
+  const float2 s = round2<T>(gf.x / (1.0f + expf(-gf.x)), gf.y / (1.0f + expf(-gf.y)));
+  return pack2<T>(s.x * uf.x, s.y * uf.y);
+}
+template <typename T>
+__device__ __forceinline__ uint4 silu_mul8(uint4 g, uint4 u) {
+  return make_uint4(silu_mul2<T>(g.x, u.x), silu_mul2<T>(g.y, u.y), silu_mul2<T>(g.z, u.z), silu_mul2<T>(g.w, u.w));
+}
+
 // Two elements of a residual add rounded as torch rounds it: T(a + b).
 template <typename T>
 __device__ __forceinline__ uint32_t add2(uint32_t a, uint32_t b) {

@@ -164,11 +164,19 @@ def test_add_rms_norm_rejects_a_delta_of_another_shape():
 
 @pytest.mark.parametrize("m", (*ODD_M, 17001))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_equals_torch(m, dtype):
+@pytest.mark.parametrize("k", (64, 1032, 3072, 5000))  # a row: 1 to 3 pieces a thread, or 2 stretches
+@pytest.mark.parametrize("merged", (False, True))
+def test_silu_mul_equals_torch(m, dtype, k, merged):
+    """Bit for bit torch's SiLU times up; merged: gate and up are the halves of one [m, 2k] output (strided
+    rows), as the MLP's grouped gate/up projection gives them."""
     g = fresh_generator()
-    gate, up = (random_activations(m, 3072, dtype, g) * 0.3 for _ in range(2))
+    if merged:
+        both = random_activations(m, 2 * k, dtype, g) * 0.3
+        gate, up = both[:, :k], both[:, k:]
+    else:
+        gate, up = (random_activations(m, k, dtype, g) * 0.3 for _ in range(2))
     want = F.silu(gate) * up
-    poison(((m, 3072), dtype))
+    poison(((m, k), dtype))
     got = kops.load().silu_mul(gate, up)
     torch.cuda.synchronize()
     assert torch.equal(got, want)
