@@ -287,12 +287,15 @@ def test_cuda_decode_on_its_own_stream_equals_a_decode_waited_for():
 
 
 @pytest.mark.gpu
-def test_cuda_generate_queues_a_prepared_batch_without_waiting_for_the_device():
+@pytest.mark.parametrize("precision", ("bf16", "fp8"))
+def test_cuda_generate_queues_a_prepared_batch_without_waiting_for_the_device(precision):
     """Once its requests are prepared (prepare_ahead) and its graph captured, generate() queues the batch,
     its decode and the copies back without one host-device synchronization (torch's sync debug mode raises
     on any), so the host goes on to the next batch while this one runs; the tokens are those of the same
     requests run before."""
-    engine = Engine(EngineConfig(device="cuda", generation=FAST))
+    if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs an Ada or Hopper GPU")
+    engine = Engine(EngineConfig(device="cuda", precision=precision, generation=FAST))
     reqs = [
         SynthRequest(text="Queued on the device.", ref_audio=CLIP, ref_text=TRANSCRIPT, seed=5),
         SynthRequest(text="And this one too.", instruct="female", seed=6),
