@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -169,6 +169,12 @@ def _to_pinned(t: torch.Tensor) -> np.ndarray:
     return host.numpy()
 
 
+def _traced_call(name: str, fn: Callable[[], None]) -> None:
+    """fn() inside a profiler range `name` (bench/profile_job.py reads them, per thread)."""
+    with record_function(name):
+        fn()
+
+
 def _chunk_seed(seed: int, index: int) -> int:
     """Seed of chunk `index` of a request: chunk 0 uses the request's seed (so a text's first chunk and
     an unchunked text draw alike), later chunks a fixed derivation of it."""
@@ -227,6 +233,7 @@ class Engine:
             self.runner = Runner(self.model, cfg, self.device, self.dtype)
         self._references: dict[str, PreparedReference | AudioError] = {}  # preload(): cache key -> ready
         self._clip_readers = ThreadPoolExecutor(PRELOAD_THREADS, thread_name_prefix="ovbatch-clip")
+        self._beside = ThreadPoolExecutor(1, thread_name_prefix="ovbatch-then")  # generate's `then`
         # prepare_ahead(): the request objects' ids -> (those requests, their preparation, its seconds)
         self._ahead: dict[tuple[int, ...], tuple[list[SynthRequest], list[PreparedRequest], float]] = {}
         # _references changes on the preload threads and the generating one; _ahead on each shard's thread.
@@ -391,8 +398,9 @@ class Engine:
 
     def generate(self, reqs: list[SynthRequest], then: Callable[[], None] | None = None) -> list[Generated]:
         """synthesize() up to the decoded audio; each Generated's finish() does the rest on the host.
-        then: called once the generation (and on CUDA its decode) is queued on the device (the host's work
-        for the next batch, e.g. its prepare_ahead); its seconds count in no phase here.
+        then: the host's work for the next batch (e.g. its prepare_ahead), run on the engine's own thread
+        beside this batch's steps once the batch is set up (its graph captured); this returns once it is done.
+        Its seconds count in no phase here.
 
         On CUDA the decode runs on its own stream once the generation is done, and its audio comes back
         to pinned host memory: this returns without waiting for either, so the caller can queue the next
@@ -403,8 +411,17 @@ class Engine:
             prepared, prepare = self._prepared(reqs)
         t0 = time.perf_counter()
         began = self._device_mark()
-        with record_function("ovbatch.generate"):
-            tokens, work = self._generate_tokens(prepared)
+        beside: list[Future] = []  # `then`, once started
+
+        def start_then() -> None:
+            beside.append(self._beside.submit(_traced_call, "ovbatch.then", then))
+
+        try:
+            with record_function("ovbatch.generate"):
+                tokens, work = self._generate_tokens(prepared, start_then if then is not None else None)
+        except BaseException:
+            wait(beside)  # a batch that fails leaves no `then` running
+            raise
         per_request = [torch.cat(chunks, dim=1) for chunks in tokens]
         flat = [t for chunks in tokens for t in chunks]
         if self.device.type == "cuda":
@@ -418,9 +435,8 @@ class Engine:
             joined = [t.numpy() for t in per_request]
             decoding = None
             timings = {"prepare": prepare, "generate": t1 - t0, "decode": time.perf_counter() - t1}
-        if then is not None:
-            with record_function("ovbatch.then"):
-                then()
+        if beside:
+            beside[0].result()
         decoded = iter(audio)
         return [
             Generated(
@@ -453,16 +469,22 @@ class Engine:
         ids = self.requests.chunk_prompt_ids(p, index, ref_text)
         return GenItem(ids, ref_tokens, p.chunks[index].target_frames, _chunk_seed(p.request.seed, index))
 
-    def _generate_tokens(self, prepared: list[PreparedRequest]) -> tuple[list[list[torch.Tensor]], list[int]]:
-        """Tokens of every chunk of every request, and each request's token work."""
+    def _generate_tokens(
+        self, prepared: list[PreparedRequest], on_last_start: Callable[[], None] | None = None
+    ) -> tuple[list[list[torch.Tensor]], list[int]]:
+        """Tokens of every chunk of every request, and each request's token work. on_last_start: called
+        when the last runner call's batch is set up (no graph capture follows it)."""
         tokens: list[list[torch.Tensor]] = [[] for _ in prepared]
         work = [0] * len(prepared)
-        for index in range(max(len(p.chunks) for p in prepared)):
+        rounds = max(len(p.chunks) for p in prepared)
+        for index in range(rounds):
             members = [i for i, p in enumerate(prepared) if index < len(p.chunks)]
             items = [self._gen_item(prepared[i], index, tokens[i][0] if tokens[i] else None) for i in members]
             out: list[torch.Tensor] = []
-            for chunk in even_batches(items, packed_tokens, self.cfg.max_batch_tokens):
-                out += self.runner.generate(chunk, self.gen)
+            batches = list(even_batches(items, packed_tokens, self.cfg.max_batch_tokens))
+            for b, chunk in enumerate(batches):
+                last = index == rounds - 1 and b == len(batches) - 1
+                out += self.runner.generate(chunk, self.gen, on_start=on_last_start if last else None)
             for i, item, t in zip(members, items, out):
                 tokens[i].append(t)
                 work[i] += Runner.packed_tokens(item) * self.gen.num_step

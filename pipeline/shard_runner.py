@@ -2,13 +2,13 @@
 
 The same ShardRunner serves local mode (in this process) and each Ray actor (pipeline.ray_runner). The
 engine's device waits for as little host work as it can: while a batch generates, a preload thread
-prepares the next batch's reference clips (Engine.preload), the generating thread prepares the next batch
-once this one is queued on the device (Engine.prepare_ahead, as generate's `then`), and writer threads
+prepares the next batch's reference clips (Engine.preload), the engine prepares the next batch beside this
+one's steps (Engine.prepare_ahead, as generate's `then`, on the engine's own thread), and writer threads
 post-process and write the batches before it (each Engine.generate output's finish()). A worker holds
 SHARDS_IN_FLIGHT shards at once, one generating at a time, the others taking the device in the order they
 asked for it (pipeline.device_turns): the next shard's first batch is prepared while the one before
 generates (its clips on the preload thread, the batch by the last batch's `then` of the shard before, so
-that only the thread holding the device puts work on it), and it generates while the one before waits for
+that only the shard holding the device puts work on it), and it generates while the one before waits for
 its last writes.
 A batch that raises is split in halves and each half retried, down to single rows, so one bad row
 fails alone and a CUDA out-of-memory error retries smaller batches. A row's synth_seconds is its share
@@ -250,7 +250,7 @@ class ShardRunner:
             return [requests[id(r)] for r in rows]
 
         # The first batch's clips now, while the shard before generates; the batch itself is prepared by
-        # that shard's last batch (its `then`), so that device work stays on the thread holding the device.
+        # that shard's last batch (its `then`), so that device work stays within the device holder's turn.
         first = requests_of(batches[0]) if batches else []
         preloading = self._preload(engine, first)
         turn = object()

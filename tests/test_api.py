@@ -334,6 +334,52 @@ def test_cuda_clips_are_encoded_without_waiting_for_the_generation_queued_before
     want = build_prompt(read_clip_bytes(second), name, text, engine.codec, engine.reference_settings)
     assert torch.equal(prepared.prompt.tokens, want.tokens)
 
+
+def test_then_runs_beside_the_batchs_steps_and_is_done_when_generate_returns(engine, monkeypatch):
+    """generate's `then` (the next batch's host work) starts on its own thread once the batch is set up,
+    while its steps run: here a step waits until `then` has started, which a `then` run after the steps
+    could never satisfy."""
+    import threading
+
+    from engine.generate.decoding import BatchDecoder
+
+    started, finished, seen = threading.Event(), threading.Event(), []
+    step = BatchDecoder.step
+
+    def waiting_step(self, *args):
+        seen.append(started.wait(timeout=60))
+        return step(self, *args)
+
+    def then():
+        seen.append(threading.current_thread().name)
+        started.set()
+        finished.set()
+
+    monkeypatch.setattr(BatchDecoder, "step", waiting_step)
+    engine.generate([SynthRequest(text="Beside.", ref_audio=CLIP, ref_text=TRANSCRIPT, seed=3)], then=then)
+    assert finished.is_set() and seen[0].startswith("ovbatch-then") and all(seen[1:])
+
+
+def test_a_batch_that_fails_leaves_no_then_running(engine, monkeypatch):
+    import threading
+    import time
+
+    from engine.generate.decoding import BatchDecoder
+
+    finished = threading.Event()
+
+    def broken_step(self, *args):
+        raise RuntimeError("step failed")
+
+    def slow_then():
+        time.sleep(0.3)
+        finished.set()
+
+    monkeypatch.setattr(BatchDecoder, "step", broken_step)
+    with pytest.raises(RuntimeError, match="step failed"):
+        engine.generate([SynthRequest(text="Fails.", instruct="male", seed=4)], then=slow_then)
+    assert finished.is_set()
+
 def test_preloaded_clips_give_the_prompts_and_audio_an_unprepared_engine_makes(tmp_path, monkeypatch):
     """preload() prepares on the host the clips the prompt cache lacks (a clip it cannot use keeps its
     error for generate to report); synthesize then takes them instead of preparing them again, with the

@@ -140,8 +140,11 @@ class Runner:
         return len(self.graphs) - before
 
     @torch.inference_mode()
-    def generate(self, items: list[GenItem], gen: GenerationConfig) -> list[Tensor]:
-        """Audio tokens [C, target_len] per item, in order."""
+    def generate(
+        self, items: list[GenItem], gen: GenerationConfig, on_start: Callable[[], None] | None = None
+    ) -> list[Tensor]:
+        """Audio tokens [C, target_len] per item, in order. on_start: called once the batch is set up (its
+        graph captured) and before its steps are queued."""
         if not items:
             return []
         check_items(items, self.num_codebooks, self.mask_id, self.model.cfg.llm.vocab_size)
@@ -157,6 +160,8 @@ class Runner:
             self.device,
             fused=self.cfg.fast_paths.fused_kernels,
         )
+        if on_start is not None:
+            on_start()
         for step in range(gen.num_step):
             logits = forward(batch)
             tokens = decoder.step(step, logits[:n], logits[n : 2 * n])
