@@ -436,7 +436,8 @@ class Engine:
             decoding = None
             timings = {"prepare": prepare, "generate": t1 - t0, "decode": time.perf_counter() - t1}
         if beside:
-            beside[0].result()
+            with record_function("ovbatch.wait_then"):
+                beside[0].result()
         decoded = iter(audio)
         return [
             Generated(
