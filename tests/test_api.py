@@ -312,6 +312,28 @@ def test_cuda_generate_queues_a_prepared_batch_without_waiting_for_the_device(pr
     for g, want in zip(generated, before, strict=True):
         assert np.array_equal(g.finish().tokens, want.tokens)
 
+
+@pytest.mark.gpu
+def test_cuda_next_batch_prepared_beside_the_steps_changes_no_token():
+    """As the job runs it: each batch's `then` prepares the next one (its clip encoded on the encode stream,
+    on the engine's thread) while the batch's steps are queued; every batch's tokens equal those of the
+    same requests synthesized one batch at a time on a fresh engine."""
+    clips = sorted(n for n in CLIPS if n.endswith(".wav"))
+
+    def request(b, i, name):
+        transcript = CLIPS[name]["transcript"]
+        return SynthRequest(text=f"Batch {b}, line {i}.", ref_audio=DATA / name, ref_text=transcript)
+
+    batches = [[request(b, i, n) for i, n in enumerate(clips[b::2])] for b in range(2)]
+    engine = Engine(EngineConfig(device="cuda", prompt_cache_dir=None, generation=FAST))
+    first = engine.generate(batches[0], then=lambda: engine.prepare_ahead(batches[1]))
+    assert tuple(map(id, batches[1])) in engine._ahead  # prepared beside the first batch's steps
+    generated = [first, engine.generate(batches[1])]
+    fresh = Engine(EngineConfig(device="cuda", prompt_cache_dir=None, generation=FAST))
+    for batch, outs in zip(batches, generated, strict=True):
+        for out, want in zip(outs, fresh.synthesize(batch), strict=True):
+            assert np.array_equal(out.finish().tokens, want.tokens)
+
 @pytest.mark.gpu
 def test_cuda_clips_are_encoded_without_waiting_for_the_generation_queued_before():
     """On CUDA the engine encodes reference clips on a stream of its own: preparing a request whose clip
