@@ -199,10 +199,17 @@ def read_tensors(
             for name in f.keys():
                 if IGNORED.fullmatch(name):
                     continue
-                t = f.get_tensor(name)
-                cast = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-                tensors[name] = t.to(device=device, dtype=cast, copy=True)  # owned, aligned (Codec.from_dir)
+                tensors[name] = owned_copy(f.get_tensor(name), device, dtype)
     return tensors
+
+
+def owned_copy(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """t on `device`, a floating t cast to dtype when given, in memory of its own: safetensors' CPU tensors
+    lie over the mapped file at its offsets, and a CPU BLAS may sum a short product in an order that depends
+    on the operands' alignment (the codec's 1-frame decode differed from transformers' by an ulp on an AMD
+    EPYC, tests/test_codec.py). One copy, as a move to the GPU makes anyway."""
+    cast = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+    return t.to(device=device, dtype=cast, copy=True)
 
 
 def check_shapes(

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.checkpoint import files_fingerprint
+from engine.checkpoint import files_fingerprint, owned_copy
 from engine.codec.acoustic import AcousticDecoder, AcousticEncoder
 from engine.codec.checkpoint import check_codec_config, read_codec_config, read_codec_weights
 from engine.codec.config import CodecConfig
@@ -73,15 +73,9 @@ class Codec(nn.Module):
         weights = read_codec_weights(path / "model.safetensors", expected, cfg)
         files = files_fingerprint([path / "config.json", path / "model.safetensors"], cache_dir)
         codec._identity = _identity(cfg, dtype, f"files:{files}")
-        # Copies of their own (one copy, as a move to the GPU makes anyway): safetensors' CPU tensors lie over
-        # the mapped file at its offsets, and a CPU BLAS may sum a short product in an order that depends on
-        # the operands' alignment (1-frame decodes differed from transformers' by an ulp on an AMD EPYC).
-        owned = {
-            name: t.to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
-            for name, t in weights.items()
-        }
-        codec.load_state_dict(owned, strict=True, assign=True)
-        return codec.to(device=device, dtype=dtype).eval()
+        owned = {name: owned_copy(t, device, dtype) for name, t in weights.items()}
+        codec.load_state_dict(owned, strict=True, assign=True)  # every tensor: nothing left to move
+        return codec.eval()
 
     @property
     def identity(self) -> str:
