@@ -68,7 +68,8 @@ class SynthResult:
     sample_rate: int
     target_frames: int
     token_work: int  # packed tokens x decoding steps spent on this request
-    # prepare, generate and decode: seconds of the whole synthesize call; postprocess: this request's.
+    # prepare, generate and decode: seconds of the whole synthesize call (prepare_ahead instead of
+    # prepare's where the batch was prepared beside the one before); postprocess: this request's.
     timings: dict[str, float] = field(default_factory=dict)
     # The generated audio codes [codebooks, frames], a long text's chunks joined in order (A/B reports
     # compare them between variants).
@@ -386,15 +387,16 @@ class Engine:
             while len(self._ahead) > PREPARED_AHEAD:
                 self._ahead.pop(next(iter(self._ahead)))
 
-    def _prepared(self, reqs: list[SynthRequest]) -> tuple[list[PreparedRequest], float]:
-        """The requests prepared (by prepare_ahead when it had these very objects) and the seconds it took."""
+    def _prepared(self, reqs: list[SynthRequest]) -> tuple[list[PreparedRequest], dict[str, float]]:
+        """The requests prepared, and its seconds: "prepare", prepared here, or "prepare_ahead", by
+        prepare_ahead beside an earlier batch (when it had these very objects)."""
         with self._lock:  # an entry holds its requests, so their ids are not reused while it is kept
             ahead = self._ahead.pop(tuple(map(id, reqs)), None)
         if ahead is not None:
-            return ahead[1], ahead[2]
+            return ahead[1], {"prepare": 0.0, "prepare_ahead": ahead[2]}
         start = time.perf_counter()
         prepared = self.prepare_many(reqs)
-        return prepared, time.perf_counter() - start
+        return prepared, {"prepare": time.perf_counter() - start}
 
     def generate(self, reqs: list[SynthRequest], then: Callable[[], None] | None = None) -> list[Generated]:
         """synthesize() up to the decoded audio; each Generated's finish() does the rest on the host.
@@ -408,7 +410,7 @@ class Engine:
         if not reqs:
             return []
         with record_function("ovbatch.prepare"):
-            prepared, prepare = self._prepared(reqs)
+            prepared, timings = self._prepared(reqs)
         t0 = time.perf_counter()
         began = self._device_mark()
         beside: list[Future] = []  # `then`, once started
@@ -427,14 +429,13 @@ class Engine:
         if self.device.type == "cuda":
             with record_function("ovbatch.decode"):
                 audio, joined, decoding = self._decode_queued(flat, per_request, began)
-            timings = {"prepare": prepare}
         else:
             t1 = time.perf_counter()
             with record_function("ovbatch.decode"):
                 audio = self._decode(flat)
             joined = [t.numpy() for t in per_request]
             decoding = None
-            timings = {"prepare": prepare, "generate": t1 - t0, "decode": time.perf_counter() - t1}
+            timings.update(generate=t1 - t0, decode=time.perf_counter() - t1)
         if beside:
             with record_function("ovbatch.wait_then"):
                 beside[0].result()

@@ -54,7 +54,8 @@ class ResultRow:
     wav_path: str | None = None
     audio_seconds: float | None = None
     synth_seconds: float | None = None  # the row's share of its batch's engine time (by token work)
-    prepare_seconds: float | None = None  # its share of the batch's request preparation,
+    prepare_seconds: float | None = None  # its share of the batch's request preparation in its engine call,
+    prepare_ahead_seconds: float | None = None  # or beside the batch before (then prepare_seconds is ~0),
     generate_seconds: float | None = None  # of the 32-step generation,
     decode_seconds: float | None = None  # and of the codec decode;
     postprocess_seconds: float | None = None  # its own post-processing

@@ -456,6 +456,7 @@ def _phase_seconds(timings: dict[str, float], fraction: float) -> dict[str, floa
 
     return {
         "prepare_seconds": share("prepare"),
+        "prepare_ahead_seconds": share("prepare_ahead"),
         "generate_seconds": share("generate"),
         "decode_seconds": share("decode"),
         "postprocess_seconds": timings.get("postprocess"),

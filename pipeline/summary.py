@@ -77,10 +77,11 @@ def _problems(job: JobDir, results: list[dict[str, Any]], status: str) -> dict[s
     }
 
 
-PHASES = ("prepare", "generate", "decode", "postprocess", "write")
-# Phases beside the engine's calls, not part of the engine's time in the wall: the decode (on CUDA its own
-# stream runs it while the next batch generates) and the writer threads' post-processing and writes.
-BESIDE_ENGINE = ("decode", "postprocess", "write")
+PHASES = ("prepare", "prepare_ahead", "generate", "decode", "postprocess", "write")
+# Phases beside the engine's calls, not part of the engine's time in the wall: a batch's preparation while
+# the batch before generates, the decode (on CUDA its own stream runs it while the next batch generates) and
+# the writer threads' post-processing and writes.
+BESIDE_ENGINE = ("prepare_ahead", "decode", "postprocess", "write")
 
 
 def _time_split(runs: list[dict[str, Any]], phases: dict[str, float], wall: float) -> dict[str, float]:
@@ -148,10 +149,10 @@ def summarize(job: JobDir) -> dict[str, Any]:
         # audio per second of engine time (sum of per-row shares of batch time)
         "engine_x_realtime": _rate(audio, synth),
         # where the job's wall time went: planning, then each phase of the rows' batches (summed over the
-        # rows, so over actors when several ran at once), and the rest (idle engines, scheduling); the
-        # post-processing and writes run beside the engine's calls and are not subtracted. On CUDA a batch
-        # is mostly prepared while the one before generates: subtracting that overlap makes "other" a lower
-        # bound on the idle time, negative where the overlap exceeds it
+        # rows, so over actors when several ran at once), and the rest (idle engines, scheduling). The
+        # phases in BESIDE_ENGINE ran beside the engine's calls and are not subtracted: "other" is then the
+        # time the engines spent neither preparing in their calls nor generating (on CUDA: the generation
+        # stream idle between batches, e.g. waiting for the next batch's preparation)
         "time": _time_split(runs, phases, wall),
         "per_bucket": per_bucket,
         "problems": {status: _problems(job, results, status) for status in ("rejected", "failed")},

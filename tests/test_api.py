@@ -507,17 +507,21 @@ def test_a_batch_prepared_ahead_generates_as_one_prepared_in_its_call(tmp_path, 
     assert prepares == [1, len(batch_b)]  # batch_b was not prepared again
     for a, b in zip(got, want, strict=True):
         assert np.array_equal(a.audio, b.audio) and np.array_equal(a.tokens, b.tokens)
-        assert a.timings["prepare"] > 0
+        assert a.timings["prepare"] == 0 and a.timings["prepare_ahead"] > 0  # its seconds, beside batch_a
 
+    alone = engine.generate([replace(r) for r in batch_b])[0]
+    assert alone.timings["prepare"] > 0 and "prepare_ahead" not in alone.timings
+
+    assert prepares == [1, len(batch_b), len(batch_b)]
     engine.prepare_ahead(batch_b)
     engine.generate([replace(r) for r in batch_b])  # equal requests, other objects: prepared in the call
-    assert prepares == [1, len(batch_b), len(batch_b), len(batch_b)]
+    assert prepares == [1, len(batch_b), len(batch_b), len(batch_b), len(batch_b)]
     batch_c = [replace(r) for r in batch_b]
     engine.prepare_ahead(batch_b)  # e.g. the next batches of two shards in one worker
     engine.prepare_ahead(batch_c)
     engine.generate(batch_c)
     engine.generate(batch_b)
-    assert len(prepares) == 6  # each generate() found its own batch's preparation
+    assert len(prepares) == 7  # each generate() found its own batch's preparation
 
     broken = tmp_path / "broken.wav"
     broken.write_bytes(b"RIFF....WAVE")
