@@ -143,22 +143,28 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: SizerFactory) -> JobOutc
     table = manifest_mod.read_table(cfg.manifest)  # a missing or malformed manifest fails before any worker
     workers = None
     start_workers = not _complete(job)
-    if start_workers and cfg.local:
-        # Imported before the planner's thread starts, which imports some of them too: transformers replaces
-        # itself in sys.modules at the end of its import, and a second thread importing it meanwhile can get
-        # the module it replaced ("cannot import name ... from 'transformers'").
-        load_factory(cfg.engine_factory)
-    with ThreadPoolExecutor(1, thread_name_prefix="ovbatch-plan") as planner:
-        planning = planner.submit(_read_and_plan, cfg, job.clip_dir, make_sizer, table)  # as workers start
-        try:
-            if start_workers:
-                workers = Workers(job, cfg)  # Ray's start on this thread; the engines load in the workers
+    try:
+        if start_workers and not cfg.local:
+            # Ray starts before the planning: beside it, the planner's GIL-bound work held `import ray` and
+            # ray.init up 2-3x (2.9 -> 5.5-6.1 s on a 2-core machine; Ray's start ended 1.6-2.0 s after an
+            # 8 s planning on the H200's), and the actors start only once Ray is up. They then import
+            # and load in their own processes while this one plans.
+            workers = Workers(job, cfg)
+        elif start_workers:
+            # Imported before the planner's thread starts, which imports some of them too: transformers
+            # replaces itself in sys.modules at the end of its import, and a second thread importing it
+            # meanwhile can get the module it replaced ("cannot import name ... from 'transformers'").
+            load_factory(cfg.engine_factory)
+        with ThreadPoolExecutor(1, thread_name_prefix="ovbatch-plan") as planner:
+            planning = planner.submit(_read_and_plan, cfg, job.clip_dir, make_sizer, table)
+            if start_workers and cfg.local:
+                workers = Workers(job, cfg)  # the engines load on a thread of their own as the rows are sized
             (plan, rows), planned_at = planning.result()
-        except BaseException:
-            if workers is not None:
-                workers.shutdown()
-            raise
-    if workers is not None:  # what starting them held the driver up beyond the planning
+    except BaseException:
+        if workers is not None:
+            workers.shutdown()
+        raise
+    if workers is not None and cfg.local:  # what starting them held the driver up beyond the planning
         workers.start_seconds = max(0.0, workers.started_at - planned_at)
     kind = "submit"
     if job.exists():
@@ -395,9 +401,9 @@ class BatchRelay:
 
 
 class Workers:
-    """Where shards run: this process (local mode) or Ray actors. Started while the driver plans (Ray's
-    start on the driver's main thread, the planning on another), so that the engines load meanwhile; run()
-    then feeds them the shards."""
+    """Where shards run: this process (local mode) or Ray actors, started so that the engines load while
+    the driver plans (Ray: before the planning, the actors then loading in their own processes; local: on a
+    thread beside the planner's); run() then feeds them the shards."""
 
     def __init__(self, job: JobDir, cfg: JobConfig):
         start = time.perf_counter()

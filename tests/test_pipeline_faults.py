@@ -350,3 +350,33 @@ def test_submit_never_writes_into_a_folder_that_is_not_a_job(tmp_path: Path):
     with pytest.raises(JobDirError, match=r"already holds other files \(notes.txt\)"):
         submit(_fake_cfg(m), tmp_path / "busy", lambda cfg, rows: _fake_sizer)
     assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_ray_starts_before_the_planning_and_a_failed_planning_stops_the_workers(tmp_path, monkeypatch, local):
+    """Ray's start goes first (beside the planner's GIL-bound work it took 2-3x as long, and the actors wait
+    for it); the local engines load beside the planning. A planning that fails stops the workers either
+    way."""
+    import pipeline.job as job_mod
+
+    events = []
+
+    class RecordingWorkers:
+        def __init__(self, job, cfg):
+            events.append("workers")
+
+        def shutdown(self):
+            events.append("shutdown")
+
+    def failing_plan(*args):
+        events.append("plan")
+        raise RuntimeError("planning failed")
+
+    monkeypatch.setattr(job_mod, "Workers", RecordingWorkers)
+    monkeypatch.setattr(job_mod, "_read_and_plan", failing_plan)
+    cfg = _fake_cfg(_manifest(tmp_path / "m.parquet", 4), f"local={str(local).lower()}")
+    with pytest.raises(RuntimeError, match="planning failed"):
+        submit(cfg, tmp_path / "job", lambda cfg, rows: _fake_sizer)
+    assert events[-1] == "shutdown" and sorted(events[:-1]) == ["plan", "workers"]
+    if not local:
+        assert events[:2] == ["workers", "plan"]
