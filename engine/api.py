@@ -242,8 +242,12 @@ class Engine:
         # CUDA: where a batch's decode runs, beside the next batch's generation
         self._decode_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # CUDA: where reference clips are encoded, so that waiting for their codes (the prompt cache keeps
-        # them on the host) never waits for the generation queued before them
-        self._encode_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # them on the host) never waits for the generation queued before them; at a higher priority than
+        # the generation's, so that the next batch's preparation, which waits for these codes, is not held
+        # behind this batch's steps (the device idled while a batch waited for it: profile-job-h200.json)
+        self._encode_stream = None
+        if self.device.type == "cuda":
+            self._encode_stream = torch.cuda.Stream(self.device, priority=-1)
         if self._encode_stream is not None:
             self._encode_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the load
         total = time.perf_counter() - start

@@ -336,10 +336,10 @@ def test_cuda_next_batch_prepared_beside_the_steps_changes_no_token():
 
 @pytest.mark.gpu
 def test_cuda_clips_are_encoded_without_waiting_for_the_generation_queued_before():
-    """On CUDA the engine encodes reference clips on a stream of its own: preparing a request whose clip
-    the prompt cache lacks returns while work queued before it on the generation stream still runs (a
-    ~4 s sleep kernel), and its prompt equals the codec's encode on the generation stream (the same
-    kernels: bit for bit)."""
+    """On CUDA the engine encodes reference clips on a stream of its own, at a higher priority than the
+    generation's: preparing a request whose clip the prompt cache lacks returns while work queued before it
+    on the generation stream still runs (a ~4 s sleep kernel), and its prompt equals the codec's encode on
+    the generation stream (the same kernels: bit for bit)."""
     from engine.frontend.audio import read_clip_bytes
     from engine.frontend.prompt import build_prompt
 
@@ -352,6 +352,7 @@ def test_cuda_clips_are_encoded_without_waiting_for_the_generation_queued_before
     prepared = engine.prepare(req)
     assert not torch.cuda.current_stream().query()  # the sleep still runs: prepare did not wait for it
     torch.cuda.synchronize()
+    assert engine._encode_stream.priority < torch.cuda.current_stream().priority  # lower: scheduled first
     name, text = engine.requests.clip_of(req)
     want = build_prompt(read_clip_bytes(second), name, text, engine.codec, engine.reference_settings)
     assert torch.equal(prepared.prompt.tokens, want.tokens)
