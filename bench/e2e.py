@@ -11,19 +11,20 @@ round-to-nearest speed copy), 32 steps. The manifest (bench/manifests.py): --row
   size that runs out of GPU memory gives an entry with `skipped` and the peak memory);
 - engine_<p>: our Engine.synthesize over the same rows (clips encoded, tokens generated, audio decoded and
   post-processed; nothing written), in the batches the job makes, after a warm-up on other clips;
-- job_local_<p>, job_ray_<p>: `submit` from the manifest to the last row (planning, clip encoding, writes
-  included; Ray with one GPU actor).
+- job_local_<p>, job_ray_<p>: `ovbatch submit` in a process of its own, from its start to its exit (its
+  imports, planning, clip encoding and writes included; Ray with one GPU actor).
 
 Each entry: variant, rows, audio_seconds, wall_seconds, x_realtime (audio / wall), gpu_busy (mean nvidia-smi
 utilization over the entry; jobs also gpu_busy_execution, from the workers' ready on, and gpu_busy_generating,
-from then until the last batch was queued; last_generated_seconds, from submit to then, and tail_seconds,
-from then until submit returned), padding_fraction (token-weighted share of each batch's graph bucket that
+from then until the last batch was queued; last_generated_seconds, from the process's start to then, and
+tail_seconds, from then until it exited; launch_seconds, from its start until submit() began), padding_fraction (token-weighted share of each batch's graph bucket that
 holds no row), mean_sm_clock_mhz, attention_backend (the engine's; for jobs, what attention=auto picks in the
 bench's process, whose environment the job's workers inherit), startup_seconds (jobs: from the end of planning
 until the engines are loaded and their CUDA graphs captured; capture_seconds of it; the CUDA extension is
 built before the first part, as a machine that has run a job before has it), planning_seconds; the engine's
 load by phase (load_breakdown, Engine.load_timings: weights, merge, codec, ...; jobs: of the slowest actor,
-beside its import_seconds, load_seconds and boot_seconds); the engine's seconds per phase (phases_seconds:
+beside its import_seconds, load_seconds and boot_seconds; worker_start_seconds: Ray's start, before the
+planning); the engine's seconds per phase (phases_seconds:
 prepare, the clips read and encoded; generate; decode; postprocess) and the job summary's time split
 (time_split: planning, start, capture, phases, other). Each part starts from an empty prompt cache. A device
 command is limited to 10 minutes: run some parts or precisions per call; entries merge into --out by variant
@@ -38,8 +39,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -54,9 +57,12 @@ from bench.pipeline import GpuSampler, full_size_checkpoint  # noqa: E402
 from bench.scaling import rtn_w4a4_checkpoint  # noqa: E402
 from engine.generate.batching import bucket_for  # noqa: E402
 from engine.tiny import ensure_tiny_checkpoint  # noqa: E402
+from pipeline.cli import EXIT_FAILED_ROWS  # noqa: E402
 from pipeline.config import load_job_config  # noqa: E402
-from pipeline.job import submit  # noqa: E402
 from pipeline.sizing import frontend_sizer  # noqa: E402
+from pipeline.store import JobDir  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
 
 PARTS = ("official", "engine", "job_local", "job_ray")
 OFFICIAL_BATCHES = (16, 32, 64)
@@ -119,21 +125,34 @@ def attention_here(device: str) -> str:
 
 
 def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: list[str]) -> dict:
-    cfg = load_job_config(None, [f"local={str(mode == 'local').lower()}", "ray.num_actors=1", *settings])
-    cfg.manifest = str(manifest)
+    """`ovbatch submit` in a process of its own, as a user runs it: its imports (torch, Ray, flash-attn-4)
+    and the engines' load are in its time, none left over from the bench's earlier parts."""
+    overrides = [f"local={str(mode == 'local').lower()}", "ray.num_actors=1", *settings]
+    cfg = load_job_config(None, overrides)
     job_dir = work / f"job-{variant}"
     shutil.rmtree(job_dir, ignore_errors=True)  # a fresh job, never a resume of an earlier call's
+    command = [sys.executable, "-m", "pipeline.cli", "submit", str(manifest), "--out", str(job_dir)]
+    command += overrides
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     start, start_epoch = time.perf_counter(), time.time()
     with GpuSampler() as gpu:
-        outcome = submit(cfg, job_dir, frontend_sizer)
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    results = outcome.job.read_results().to_pylist()
+    if done.returncode not in (0, EXIT_FAILED_ROWS):
+        raise RuntimeError(f"{variant}: submit exited {done.returncode}: {done.stderr.strip()[-2000:]}")
+    job = JobDir(job_dir)
+    summary = json.loads(job.summary_path.read_text())
+    results = job.read_results().to_pylist()
     ok = [r for r in results if r["status"] == "ok"]
-    run = outcome.summary["runs"][-1]
+    run = summary["runs"][-1]
+    # the run's clock starts in submit(), after the process started and imported the CLI
+    launch = datetime.fromisoformat(run["started_at"]).timestamp() - start_epoch
     # a row's finished_at: when its batch's generate() returned, the batch queued on the device (its
     # generation, decode and writes follow)
     generated = [datetime.fromisoformat(r["finished_at"]).timestamp() for r in results if r["finished_at"]]
     last = max(generated) - start_epoch if generated else wall
+    ready = start + launch + run["ready_seconds"]
     batches: dict[tuple, int] = {}
     for r in ok:  # a batch: the rows of one shard that started together
         key = (r["shard"], r["started_at"])
@@ -146,12 +165,13 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
         gpu,
         padding_fraction=padding_fraction(list(batches.values()), list(cfg.engine.buckets)),
         attention_backend=attention_here(cfg.engine.device),
-        gpu_busy_execution=busy_since(gpu, start + run["ready_seconds"]),  # from the workers' ready on
+        gpu_busy_execution=busy_since(gpu, ready),  # from the workers' ready on
         # the same until the last batch was queued, and what came after it (its generation, decode and writes,
         # the results and summary, the workers' stop)
-        gpu_busy_generating=busy_since(gpu, start + run["ready_seconds"], start + last),
+        gpu_busy_generating=busy_since(gpu, ready, start + last),
         last_generated_seconds=round(last, 2),
         tail_seconds=round(wall - last, 2),
+        launch_seconds=round(launch, 2),  # the process's start and its imports before submit() began
         planning_seconds=run["planning_seconds"],
         # from the end of planning until the engines were loaded and their graphs captured
         startup_seconds=round(run["ready_seconds"] - run["planning_seconds"], 2),
@@ -160,10 +180,11 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
         load_seconds=run.get("load_seconds"),  # the engines' load in the worker (slowest actor)
         load_breakdown=run.get("load_breakdown"),  # its seconds by phase (Engine.load_timings)
         boot_seconds=run.get("boot_seconds"),  # Ray: until the actor's process was up
+        worker_start_seconds=run.get("worker_start_seconds"),  # Ray's start, before the planning
         graphs=run["graphs"],
         rows_not_ok=len(results) - len(ok),
-        engine_x_realtime=outcome.summary["engine_x_realtime"],
-        time_split=outcome.summary["time"],
+        engine_x_realtime=summary["engine_x_realtime"],
+        time_split=summary["time"],
     )
 
 

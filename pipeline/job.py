@@ -263,8 +263,9 @@ def execute(
     if tasks and workers is None:
         workers = Workers(job, cfg)
     worker_start = workers.start_seconds if workers is not None else 0.0
-    planning = time.perf_counter() - t0 - worker_start
-    started = (datetime.now(UTC) - timedelta(seconds=planning)).isoformat(timespec="seconds")
+    since_t0 = time.perf_counter() - t0
+    planning = since_t0 - worker_start
+    started = (datetime.now(UTC) - timedelta(seconds=since_t0)).isoformat(timespec="milliseconds")
     run_id = uuid.uuid4().hex[:12]
     run_record = {
         "kind": kind,
