@@ -17,18 +17,18 @@ round-to-nearest speed copy), 32 steps. The manifest (bench/manifests.py): --row
 Each entry: variant, rows, audio_seconds, wall_seconds, x_realtime (audio / wall), gpu_busy (mean nvidia-smi
 utilization over the entry; jobs also gpu_busy_execution, from the workers' ready on, and gpu_busy_generating,
 from then until the last batch was queued; last_generated_seconds, from the process's start to then, and
-tail_seconds, from then until it exited; launch_seconds, from its start until submit() began), padding_fraction (token-weighted share of each batch's graph bucket that
-holds no row), mean_sm_clock_mhz, attention_backend (the engine's; for jobs, what attention=auto picks in the
-bench's process, whose environment the job's workers inherit), startup_seconds (jobs: from the end of planning
-until the engines are loaded and their CUDA graphs captured; capture_seconds of it; the CUDA extension is
-built before the first part, as a machine that has run a job before has it), planning_seconds; the engine's
-load by phase (load_breakdown, Engine.load_timings: weights, merge, codec, ...; jobs: of the slowest actor,
-beside its import_seconds, load_seconds and boot_seconds; worker_start_seconds: Ray's start, before the
-planning); the engine's seconds per phase (phases_seconds:
-prepare, the clips read and encoded; generate; decode; postprocess) and the job summary's time split
-(time_split: planning, start, capture, phases, other). Each part starts from an empty prompt cache. A device
-command is limited to 10 minutes: run some parts or precisions per call; entries merge into --out by variant
-name.
+tail_seconds, from then until it exited; launch_seconds, from its start until submit() began),
+padding_fraction (token-weighted share of each batch's graph bucket that holds no row), mean_sm_clock_mhz,
+attention_backend (the engine's; for jobs, what attention=auto picks in the bench's process, whose environment
+the job's workers inherit), startup_seconds (jobs: from the end of planning until the engines are loaded and
+their CUDA graphs captured; capture_seconds of it; the CUDA extension is built before the first part, as a
+machine that has run a job before has it), planning_seconds; the engine's load by phase (load_breakdown,
+Engine.load_timings: weights, merge, codec, ...; jobs: of the slowest actor, beside its import_seconds,
+load_seconds and boot_seconds; worker_start_seconds: Ray's start, before the planning); the engine's seconds
+per phase (phases_seconds: prepare, the clips read and encoded; generate; decode; postprocess) and the job
+summary's time split (time_split: planning, start, capture, phases, other). Each part starts from an empty
+prompt cache. A device command is limited to 10 minutes: run some parts or precisions per call; entries merge
+into --out by variant name.
 
     python bench/e2e.py [--parts official,engine,job_local,job_ray] [--precisions bf16,w4a4,fp8]
                         [--rows 2000] [--official-rows 512] [--size full|tiny] [--device auto]

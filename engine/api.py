@@ -110,17 +110,28 @@ class Generated:
 class QueuedDecode:
     """A batch's decode and its copies to pinned host memory, queued on the engine's decode stream after
     its generation: wait() blocks until they are done and gives the generation's and the decode's device
-    seconds (the decode's from the generation's end, so they include waiting for the decode stream)."""
+    seconds (the decode's from the generation's end, so they include waiting for the decode stream), and
+    with the generation before it on the same stream (before: its end), "generation_idle": how long the
+    generation stream sat idle from that end to this batch's start."""
 
-    def __init__(self, began: torch.cuda.Event, generated: torch.cuda.Event, decoded: torch.cuda.Event):
-        self.began, self.generated, self.decoded = began, generated, decoded
+    def __init__(
+        self,
+        began: torch.cuda.Event,
+        generated: torch.cuda.Event,
+        decoded: torch.cuda.Event,
+        before: torch.cuda.Event | None = None,
+    ):
+        self.began, self.generated, self.decoded, self.before = began, generated, decoded, before
 
     def wait(self) -> dict[str, float]:
         self.decoded.synchronize()
-        return {
+        seconds = {
             "generate": self.began.elapsed_time(self.generated) / 1e3,
             "decode": self.generated.elapsed_time(self.decoded) / 1e3,
         }
+        if self.before is not None:
+            seconds["generation_idle"] = self.before.elapsed_time(self.began) / 1e3
+        return seconds
 
 
 def resolve_precision(precision: str, device: torch.device, quantized: bool) -> tuple[str, torch.dtype]:
@@ -241,6 +252,7 @@ class Engine:
         self._lock = threading.Lock()
         # CUDA: where a batch's decode runs, beside the next batch's generation
         self._decode_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._generated: torch.cuda.Event | None = None  # CUDA: the last batch's generation end
         # CUDA: where reference clips are encoded, so that waiting for their codes (the prompt cache keeps
         # them on the host) never waits for the generation queued before them; at a higher priority than
         # the generation's, so that the next batch's preparation, which waits for these codes, is not held
@@ -512,6 +524,7 @@ class Engine:
         hold them once the QueuedDecode is done. The codes come from the sampler, so the codec's range
         check (a host sync) is skipped."""
         generated = self._device_mark()
+        before, self._generated = self._generated, generated
         stream = self._decode_stream
         stream.wait_event(generated)
         audio: list[np.ndarray | None] = [None] * len(codes)
@@ -523,4 +536,4 @@ class Engine:
                     audio[i] = _to_pinned(wav)
             joined = [_to_pinned(t) for t in per_request]
             decoded = self._device_mark()
-        return audio, joined, QueuedDecode(began, generated, decoded)
+        return audio, joined, QueuedDecode(began, generated, decoded, before)

@@ -58,6 +58,7 @@ class ResultRow:
     prepare_ahead_seconds: float | None = None  # or beside the batch before (then prepare_seconds is ~0),
     generate_seconds: float | None = None  # of the 32-step generation,
     decode_seconds: float | None = None  # and of the codec decode;
+    generation_idle_seconds: float | None = None  # of the generation stream's idle before the batch (CUDA);
     postprocess_seconds: float | None = None  # its own post-processing
     write_seconds: float | None = None  # and wav + codes writes
     rtf: float | None = None

@@ -459,6 +459,7 @@ def _phase_seconds(timings: dict[str, float], fraction: float) -> dict[str, floa
         "prepare_ahead_seconds": share("prepare_ahead"),
         "generate_seconds": share("generate"),
         "decode_seconds": share("decode"),
+        "generation_idle_seconds": share("generation_idle"),
         "postprocess_seconds": timings.get("postprocess"),
     }
 

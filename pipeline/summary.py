@@ -77,11 +77,14 @@ def _problems(job: JobDir, results: list[dict[str, Any]], status: str) -> dict[s
     }
 
 
-PHASES = ("prepare", "prepare_ahead", "generate", "decode", "postprocess", "write")
+PHASES = ("prepare", "prepare_ahead", "generate", "decode", "postprocess", "write", "generation_idle")
 # Phases beside the engine's calls, not part of the engine's time in the wall: a batch's preparation while
 # the batch before generates, the decode (on CUDA its own stream runs it while the next batch generates) and
 # the writer threads' post-processing and writes.
 BESIDE_ENGINE = ("prepare_ahead", "decode", "postprocess", "write")
+# Measured inside the wall's other parts: on CUDA, the generation stream's idle before each batch (from the
+# end of the batch before it), which holds any preparation in the engine's call and part of "other".
+WITHIN_WALL = ("generation_idle",)
 
 
 def _time_split(runs: list[dict[str, Any]], phases: dict[str, float], wall: float) -> dict[str, float]:
@@ -90,7 +93,7 @@ def _time_split(runs: list[dict[str, Any]], phases: dict[str, float], wall: floa
     worker_start = sum(run.get("worker_start_seconds", 0.0) for run in timed)
     capture = sum(run.get("capture_seconds", 0.0) for run in timed)
     split = {"planning": planning, "worker_start": worker_start, "capture": capture, **phases}
-    split["other"] = wall - sum(v for k, v in split.items() if k not in BESIDE_ENGINE)
+    split["other"] = wall - sum(v for k, v in split.items() if k not in BESIDE_ENGINE + WITHIN_WALL)
     return {k: round(v, 3) for k, v in split.items()}
 
 
@@ -152,7 +155,8 @@ def summarize(job: JobDir) -> dict[str, Any]:
         # rows, so over actors when several ran at once), and the rest (idle engines, scheduling). The
         # phases in BESIDE_ENGINE ran beside the engine's calls and are not subtracted: "other" is then the
         # time the engines spent neither preparing in their calls nor generating (on CUDA: the generation
-        # stream idle between batches, e.g. waiting for the next batch's preparation)
+        # stream idle between batches, e.g. waiting for the next batch's preparation; generation_idle
+        # measures that idle on the device)
         "time": _time_split(runs, phases, wall),
         "per_bucket": per_bucket,
         "problems": {status: _problems(job, results, status) for status in ("rejected", "failed")},

@@ -284,8 +284,6 @@ def test_cuda_decode_on_its_own_stream_equals_a_decode_waited_for():
         assert out.timings["generate"] > 0 and out.timings["decode"] > 0
 
 
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ("bf16", "fp8"))
 def test_cuda_generate_queues_a_prepared_batch_without_waiting_for_the_device(precision):
@@ -333,6 +331,28 @@ def test_cuda_next_batch_prepared_beside_the_steps_changes_no_token():
     for batch, outs in zip(batches, generated, strict=True):
         for out, want in zip(outs, fresh.synthesize(batch), strict=True):
             assert np.array_equal(out.finish().tokens, want.tokens)
+
+
+@pytest.mark.gpu
+def test_cuda_batches_measure_the_generation_streams_idle_before_them():
+    """generation_idle: the device seconds the generation stream sat idle between the batch before's end
+    and this batch's start. None before an engine's first batch; at least the host's pause when the host
+    queued a batch only after a pause with the device done; ~0 for a batch queued while the stream was
+    still busy (a ~1 s sleep kernel queued before both)."""
+    import time
+
+    engine = Engine(EngineConfig(device="cuda", prompt_cache_dir=None, generation=FAST))
+    reqs = [SynthRequest(text="A pause between batches.", seed=1)]
+    first = engine.synthesize(reqs)[0]  # waits for its decode: the stream is done with it
+    time.sleep(0.3)
+    second = engine.synthesize(reqs)[0]
+    assert "generation_idle" not in first.timings
+    assert second.timings["generation_idle"] >= 0.29
+    torch.cuda._sleep(2_000_000_000)  # clock cycles on the generation stream
+    engine.generate(reqs)
+    queued = engine.generate(reqs)[0].finish()
+    assert queued.timings["generation_idle"] < 0.01
+
 
 @pytest.mark.gpu
 def test_cuda_clips_are_encoded_without_waiting_for_the_generation_queued_before():
@@ -402,6 +422,7 @@ def test_a_batch_that_fails_leaves_no_then_running(engine, monkeypatch):
     with pytest.raises(RuntimeError, match="step failed"):
         engine.generate([SynthRequest(text="Fails.", instruct="male", seed=4)], then=slow_then)
     assert finished.is_set()
+
 
 def test_preloaded_clips_give_the_prompts_and_audio_an_unprepared_engine_makes(tmp_path, monkeypatch):
     """preload() prepares on the host the clips the prompt cache lacks (a clip it cannot use keeps its

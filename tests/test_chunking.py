@@ -151,8 +151,10 @@ def test_upstream_chunked_generation_plan(upstream, with_ref):
     import torch
 
     cls = upstream.model.OmniVoice
-    fake = SimpleNamespace(duration_estimator=upstream.estimator,
-                           audio_tokenizer=SimpleNamespace(config=SimpleNamespace(frame_rate=25)))
+    fake = SimpleNamespace(
+        duration_estimator=upstream.estimator,
+        audio_tokenizer=SimpleNamespace(config=SimpleNamespace(frame_rate=25)),
+    )
     fake._estimate_target_tokens = lambda *a, **k: cls._estimate_target_tokens(fake, *a, **k)
     fake._ensure_list = lambda *a, **k: cls._ensure_list(fake, *a, **k)
     calls = []
@@ -165,8 +167,10 @@ def test_upstream_chunked_generation_plan(upstream, with_ref):
     gen = SimpleNamespace(audio_chunk_duration=15.0)
     rng = random.Random(2 + with_ref)
     for _ in range(30):
-        text = " ".join(rng.choice(["One two three.", "Four, five six!", "你好世界。", "Mr. X came?"])
-                        for _ in range(rng.randint(30, 90)))
+        text = " ".join(
+            rng.choice(["One two three.", "Four, five six!", "你好世界。", "Mr. X came?"])
+            for _ in range(rng.randint(30, 90))
+        )
         ref_text, ref_frames = ("Hello world.", rng.randint(20, 200)) if with_ref else (None, None)
         speed = rng.choice([None, 0.7, 1.3])
         duration = rng.choice([None, 40.0, 95.5])
@@ -183,7 +187,5 @@ def test_upstream_chunked_generation_plan(upstream, with_ref):
         total = estimate_target_frames(text, ref_text, ref_frames, speed, duration)
         eff = effective_speed(text, ref_text, ref_frames, speed, duration)
         plan = plan_chunks(text, total, ref_text, ref_frames, eff, 15.0, 25)
-        ours = [
-            (c.text, c.target_frames, plan[0].text if c.first_chunk_is_ref else ref_text) for c in plan
-        ]
+        ours = [(c.text, c.target_frames, plan[0].text if c.first_chunk_is_ref else ref_text) for c in plan]
         assert ours == upstream_chunks

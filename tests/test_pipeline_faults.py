@@ -69,8 +69,10 @@ class FakeEngine:
             frames = 5 + len(r.text)
             t = np.arange(frames * 320) / self.sample_rate
             audio = (0.3 * np.sin(2 * np.pi * (200 + r.seed % 300) * t)).astype(np.float32)
-            # every other call as if prepared beside the call before (Engine.generate's `then`)
-            ahead = {"prepare": 0.0, "prepare_ahead": 0.5} if len(FakeEngine.calls) % 2 else {"prepare": 0.5}
+            # every other call as if prepared beside the call before (Engine.generate's `then`), the others
+            # with their preparation in the call, the generation stream idle meanwhile
+            in_call = {"prepare": 0.5, "generation_idle": 0.5}
+            ahead = {"prepare": 0.0, "prepare_ahead": 0.5} if len(FakeEngine.calls) % 2 else in_call
             timings = {**ahead, "generate": 2.0, "decode": 1.0, "postprocess": 0.01 * frames}
             out.append(SynthResult(audio, self.sample_rate, frames, token_work=frames * 32, timings=timings))
         return out
@@ -222,8 +224,9 @@ def test_a_writer_killed_during_a_run_leaves_no_temp_file_behind(tmp_path: Path)
     assert FakeEngine.calls, "the engine ran"
     assert outcome.summary["rows"]["ok"] == 6
     split = outcome.summary["time"]  # where the wall time went, adding up to it
-    # beside the engine's calls: on its thread, on its own CUDA stream and on writer threads
-    beside = {"prepare_ahead", "decode", "postprocess", "write"}
+    # beside the engine's calls: on its thread, on its own CUDA stream and on writer threads; and the
+    # generation stream's idle, measured inside prepare and other
+    beside = {"prepare_ahead", "decode", "postprocess", "write", "generation_idle"}
     engine = {"prepare", "generate"}
     assert set(split) == {"planning", "worker_start", "capture", *engine, *beside, "other"}
     on_the_wall = sum(v for k, v in split.items() if k not in beside)
@@ -231,7 +234,7 @@ def test_a_writer_killed_during_a_run_leaves_no_temp_file_behind(tmp_path: Path)
     assert split["generate"] == pytest.approx(2.0 * len(FakeEngine.calls), abs=1e-2)
     calls = len(FakeEngine.calls)
     assert split["prepare_ahead"] == pytest.approx(0.5 * ((calls + 1) // 2), abs=1e-2)  # the odd calls
-    assert split["prepare"] == pytest.approx(0.5 * (calls // 2), abs=1e-2)
+    assert split["prepare"] == split["generation_idle"] == pytest.approx(0.5 * (calls // 2), abs=1e-2)
     ahead = [r["prepare_ahead_seconds"] for r in job.read_results().to_pylist()]
     assert {a is None for a in ahead} == ({True, False} if calls > 1 else {False})
     assert not list(job.path.rglob("*.ovtmp-*"))
