@@ -260,7 +260,6 @@ class Engine:
         self._encode_stream = None
         if self.device.type == "cuda":
             self._encode_stream = torch.cuda.Stream(self.device, priority=-1)
-        if self._encode_stream is not None:
             self._encode_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the load
         total = time.perf_counter() - start
         # Seconds of this load by phase; "other": the rest (config, fingerprint, tokenizer, frontends).

@@ -146,8 +146,8 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: SizerFactory) -> JobOutc
     try:
         if start_workers and not cfg.local:
             # Ray starts before the planning: beside it, the planner's GIL-bound work held `import ray` and
-            # ray.init up 2-3x (2.9 -> 5.5-6.1 s on a 2-core machine; Ray's start ended 1.6-2.0 s after an
-            # 8 s planning on the H200's), and the actors start only once Ray is up. They then import
+            # ray.init up 2-3x (2.9 -> 5.5-6.1 s on a 2-core machine; on the H200 machine Ray's start ended
+            # 1.6-2.0 s after an 8 s planning), and the actors start only once Ray is up. They then import
             # and load in their own processes while this one plans.
             workers = Workers(job, cfg)
         elif start_workers:
