@@ -26,7 +26,9 @@ machine that has run a job before has it), planning_seconds; the engine's load b
 Engine.load_timings: weights, merge, codec, ...; jobs: of the slowest actor, beside its import_seconds,
 load_seconds and boot_seconds; worker_start_seconds: Ray's start, before the planning); the engine's seconds
 per phase (phases_seconds: prepare, the clips read and encoded; generate; decode; postprocess) and the job
-summary's time split (time_split: planning, start, capture, phases, other). Each part starts from an empty
+summary's time split (time_split: planning, start, capture, phases, other) and generation_idle (jobs: the
+generation stream's measured idle before each batch, split into before shards' first batches and the others,
+with the longest gaps). Each part starts from an empty
 prompt cache. A device command is limited to 10 minutes: run some parts or precisions per call; entries merge
 into --out by variant name.
 
@@ -100,6 +102,34 @@ def padding_fraction(batches: list[int], buckets: list[int]) -> float | None:
     """Share of the graph buckets the batches ran in (packed tokens each) that no row filled."""
     padded = sum(bucket_for(tokens, buckets) or tokens for tokens in batches)
     return round(1 - sum(batches) / padded, 4) if padded else None
+
+
+def idle_by_batch(rows: list[dict]) -> dict | None:
+    """Where the generation stream idled (results' generation_idle_seconds, summed per batch: the rows of
+    a shard that started together): in all, before the first batch of each shard (waiting for its clips or
+    for the device's turn) and before the others (waiting for the batch's preparation), and the longest
+    gaps. None where no batch measured it (CPU)."""
+    first_start: dict[int, str] = {}
+    batches: dict[tuple, float] = {}
+    for r in rows:
+        first_start[r["shard"]] = min(first_start.get(r["shard"], r["started_at"]), r["started_at"])
+        if r.get("generation_idle_seconds") is not None:
+            key = (r["shard"], r["started_at"])
+            batches[key] = batches.get(key, 0.0) + r["generation_idle_seconds"]
+    if not batches:
+        return None
+    first = {k for k in batches if k[1] == first_start[k[0]]}
+    longest = sorted(batches.items(), key=lambda kv: -kv[1])[:5]
+    return {
+        "batches": len(batches),
+        "seconds": round(sum(batches.values()), 3),
+        "shard_first_batches_seconds": round(sum(batches[k] for k in first), 3),
+        "other_batches_seconds": round(sum(v for k, v in batches.items() if k not in first), 3),
+        "longest": [
+            {"shard": shard, "first_of_shard": (shard, start) in first, "seconds": round(v, 3)}
+            for (shard, start), v in longest
+        ],
+    }
 
 
 def entry(variant: str, rows: int, audio: float, wall: float, gpu: GpuSampler, **extra) -> dict:
@@ -185,6 +215,7 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
         rows_not_ok=len(results) - len(ok),
         engine_x_realtime=summary["engine_x_realtime"],
         time_split=summary["time"],
+        generation_idle=idle_by_batch(ok),
     )
 
 

@@ -50,3 +50,23 @@ def test_the_attention_backend_is_named_for_the_device_the_bench_runs_on():
     from bench.e2e import attention_here
 
     assert attention_here("cpu") == "sdpa"  # the one backend that runs on a CPU
+
+
+def test_generation_idle_is_summed_per_batch_and_split_at_shard_starts():
+    from bench.e2e import idle_by_batch
+
+    def row(shard, start, idle):
+        started = f"2026-12-04T18:00:{start:02d}.000+00:00"
+        return {"shard": shard, "started_at": started, "generation_idle_seconds": idle}
+
+    rows = [
+        row(0, 1, None),  # an engine's first batch: nothing before it to measure from
+        *[row(0, 5, 0.01), row(0, 5, 0.03)],  # one batch: its rows' shares add up
+        row(1, 9, 0.5),  # shard 1's first batch
+        row(1, 12, 0.2),
+    ]
+    got = idle_by_batch(rows)
+    assert got["batches"] == 3 and got["seconds"] == 0.74
+    assert got["shard_first_batches_seconds"] == 0.5 and got["other_batches_seconds"] == 0.24
+    assert got["longest"][0] == {"shard": 1, "first_of_shard": True, "seconds": 0.5}
+    assert idle_by_batch([row(0, 1, None)]) is None
