@@ -13,6 +13,8 @@
 - residual_o, residual_down: x + linear(h) for o (1024 x 2048) and down (1024 x 3072). bf16: cuBLAS + torch's
   add; W4A4: the linear + torch's add, and the add in the GEMM's epilogue.
 - qk_norm_rope: q/k head RMSNorm + RoPE on the q/k/v output (16 + 8 heads of 128): torch against the kernel.
+- snake: the codec's Snake activation (float32) on 16 clips of 10 s where its DAC runs at 24 kHz with 64
+  channels and at 3 kHz with 512: torch (five kernels) against the kernel.
 
 CUDA-graph replays timed like bench/kernels.py (do_bench medians, L2 cleared).
 
@@ -172,6 +174,18 @@ def qk_norm_rope(m: int, g: torch.Generator) -> dict:
     return {"M": m, "case": "qk_norm_rope", **timed(variants, ("fused", "torch"))}
 
 
+def snake_row(shape: tuple[int, int, int], g: torch.Generator) -> dict:
+    x = torch.randn(shape, generator=g, device="cuda")
+    alpha = torch.rand(1, shape[1], 1, generator=g, device="cuda") + 0.5
+    inv_alpha = (alpha + 1e-9).reciprocal()
+    ops = kops.load()
+    variants = {
+        "torch": lambda: x + inv_alpha * torch.sin(alpha * x).pow(2),
+        "fused": lambda: ops.snake(x, alpha, inv_alpha),
+    }
+    return {"shape": list(shape), "case": "snake", **timed(variants, ("fused", "torch"))}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -198,6 +212,9 @@ def main() -> int:
         ):
             rows.append(case(m, g))
             print(json.dumps(rows[-1]), flush=True)
+    for shape in ((16, 64, 240_000), (16, 512, 30_000)):
+        rows.append(snake_row(shape, g))
+        print(json.dumps(rows[-1]), flush=True)
     result = {
         "environment": environment("triton"),
         "notes": "CUDA-graph replays, do_bench medians with L2 cleared; W4A4 rank 32 with smoothing.",

@@ -145,7 +145,7 @@ def floor_rows(result: dict) -> list[str]:
 
 
 def _fused_case(result: dict, m: int, case: str) -> dict:
-    return next(r for r in result["rows"] if r["M"] == m and r["case"] == case)
+    return next(r for r in result["rows"] if r.get("M") == m and r["case"] == case)
 
 
 def fused_rows(result: dict) -> list[str]:

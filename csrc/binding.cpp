@@ -237,6 +237,31 @@ Tensor silu_mul(const Tensor& gate, const Tensor& up) {
   return out;
 }
 
+// The codec's Snake activation of x [batch, channels, length] (float32, contiguous) with alpha and
+// inv_alpha = 1 / (alpha + 1e-9), one each per channel (float32, contiguous) -> a new [batch, channels, length].
+Tensor snake(const Tensor& x, const Tensor& alpha, const Tensor& inv_alpha) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.is_contiguous(), "ovbatch_w4a4: x must be a contiguous CUDA ",
+              "[batch, channels, length], got ", x.sizes(), " on ", x.device());
+  check_dtype(x, at::kFloat, "x");
+  for (auto [t, name] : {std::pair{&alpha, "alpha"}, {&inv_alpha, "inv_alpha"}}) {
+    TORCH_CHECK(t->is_cuda() && t->is_contiguous() && t->numel() == x.size(1), "ovbatch_w4a4: ", name,
+                " must be a contiguous CUDA tensor of ", x.size(1), " values (one per channel), got ", t->sizes());
+    check_dtype(*t, at::kFloat, name);
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor out = torch::empty(x.sizes(), x.options());
+  w4a4::SnakeArgs a{};
+  a.x = x.data_ptr<float>();
+  a.alpha = alpha.data_ptr<float>();
+  a.inv_alpha = inv_alpha.data_ptr<float>();
+  a.out = out.data_ptr<float>();
+  a.rows = x.size(0) * x.size(1);
+  a.length = x.size(2);
+  a.channels = static_cast<int>(x.size(1));
+  check_launch(w4a4::launch_snake(a, c10::cuda::getCurrentCUDAStream()), "snake");
+  return out;
+}
+
 // Row-wise e4m3 codes [rows, K] and scales [rows, 1] (float32) of x, RMSNorm(x) or silu(gate) * up: the
 // operands _scaled_mm takes with scale_a.
 std::tuple<Tensor, Tensor> fp8_quantize_rows(const Tensor& x, const Tensor* second, int64_t second_ld, double eps,
@@ -429,6 +454,7 @@ TORCH_LIBRARY(ovbatch_w4a4, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("snake(Tensor x, Tensor alpha, Tensor inv_alpha) -> Tensor");
   m.def("fp8_quantize(Tensor x) -> (Tensor, Tensor)");
   m.def("rms_norm_fp8(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("add_rms_norm_fp8(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
@@ -453,6 +479,7 @@ TORCH_LIBRARY_IMPL(ovbatch_w4a4, CUDA, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
+  m.impl("snake", &snake);
   m.impl("fp8_quantize", &fp8_quantize);
   m.impl("rms_norm_fp8", &rms_norm_fp8);
   m.impl("add_rms_norm_fp8", &add_rms_norm_fp8);

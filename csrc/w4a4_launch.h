@@ -96,6 +96,16 @@ struct SiluMulArgs {
   bool bf16;  // else fp16; every tensor has this dtype
 };
 
+// The codec's Snake activation (csrc/snake.cu) over float32 [rows = batch * channels, length], contiguous.
+struct SnakeArgs {
+  const float* x;          // [rows, length]
+  const float* alpha;      // [channels]; row r has channel r % channels
+  const float* inv_alpha;  // [channels]: 1 / (alpha + 1e-9), as torch computes it
+  float* out;              // [rows, length]
+  int64_t rows, length;
+  int channels;
+};
+
 // Row-wise e4m3 quantization of an FP8 linear's input in the kernel that produces it (csrc/fp8_quantize.cu).
 enum class Fp8Source { kCopy, kRmsNorm, kAddRmsNorm, kSiluMul };
 constexpr float kFp8MinAmax = 1e-12f;  // a row of zeros gets this tiny scale, not 0 (its codes are 0 either way)
@@ -136,6 +146,7 @@ cudaError_t w4a4_gemm_k_splits(int M, int N, int K, int* k_splits);
 cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& args, cudaStream_t stream);
 cudaError_t launch_rms_norm(const RmsNormArgs& args, cudaStream_t stream);
 cudaError_t launch_silu_mul(const SiluMulArgs& args, cudaStream_t stream);
+cudaError_t launch_snake(const SnakeArgs& args, cudaStream_t stream);
 cudaError_t launch_fp8_quantize(const Fp8QuantizeArgs& args, Fp8Source source, cudaStream_t stream);
 
 }  // namespace w4a4

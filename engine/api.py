@@ -221,7 +221,8 @@ class Engine:
         self.model_id = f"{name}@{checkpoint_fingerprint(ckpt_dir)[:12]}"
         self.text = TextFrontend(ckpt_dir / "tokenizer.json")
         with timer.phase("codec"):
-            self.codec = Codec.from_dir(ckpt_dir / "audio_tokenizer", device=self.device)
+            fused = self.device.type == "cuda" and cfg.fast_paths.fused_kernels
+            self.codec = Codec.from_dir(ckpt_dir / "audio_tokenizer", device=self.device, fused=fused)
         if self.codec.num_codebooks != self.model_config.num_audio_codebook:
             raise CheckpointError(
                 f"{ckpt_dir}: the codec has {self.codec.num_codebooks} codebooks, the model "

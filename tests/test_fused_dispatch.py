@@ -9,7 +9,7 @@ import torch
 
 from engine.config import EngineConfig, FastPaths
 from engine.errors import InputError
-from engine.kernels.fused import fused_ops
+from engine.kernels.fused import fused_float_ops, fused_ops
 from engine.loading import backbone_to_fp8, load_model
 from engine.model import DenseLinear
 from engine.model.layers import RMSNorm
@@ -20,6 +20,20 @@ from engine.w4a4.linear import W4A4Group, W4A4Linear
 
 def test_fused_kernels_cannot_take_cpu_tensors():
     assert fused_ops(torch.zeros(2, 64, dtype=torch.bfloat16)) is None
+    assert fused_float_ops(torch.zeros(2, 64)) is None
+
+
+def test_the_codecs_snakes_are_fused_only_where_asked_and_compute_the_same_off_cuda(tmp_path):
+    from engine.codec.acoustic import Snake
+    from engine.codec.model import Codec
+
+    codec_dir = ensure_tiny_checkpoint(tmp_path) / "audio_tokenizer"
+    snakes = [m for m in Codec.from_dir(codec_dir, fused=True).modules() if isinstance(m, Snake)]
+    assert snakes and all(s.fused for s in snakes)
+    assert not any(m.fused for m in Codec.from_dir(codec_dir).modules() if isinstance(m, Snake))
+    snake, x = snakes[0], torch.randn(2, snakes[0].alpha.shape[1], 33)
+    want = x + (snake.alpha + 1e-9).reciprocal() * torch.sin(snake.alpha * x).pow(2)
+    assert torch.equal(snake(x), want)  # a CPU input takes torch's ops
 
 
 def test_fast_paths_are_fixed_at_load(tmp_path):

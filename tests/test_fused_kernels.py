@@ -182,6 +182,28 @@ def test_silu_mul_equals_torch(m, dtype, k, merged):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("shape", ((1, 64, 24007), (3, 1024, 75), (2, 7, 1), (5, 96, 3000)))
+def test_snake_equals_torch(shape):
+    """The codec's Snake bit for bit torch's five ops, on alphas of both signs, zero and near zero, and
+    inputs up to 3e5 (sinf's slow argument reduction); a strided input is made contiguous first."""
+    from engine.codec.acoustic import Snake
+
+    g = fresh_generator()
+    snake = Snake(shape[1]).to(DEV)
+    with torch.no_grad():
+        snake.alpha.copy_(torch.randn(1, shape[1], 1, generator=g, device=DEV) * 2)
+        snake.alpha.view(-1)[:3] = torch.tensor([0.0, 1e-12, -0.5])
+    x = torch.randn(shape, generator=g, device=DEV) * 10
+    x.view(-1)[:6] = torch.tensor([0.0, -0.0, 1e4, -3e5, 1e-30, 2.5e5])
+    want = snake(x)
+    snake.fused = True
+    poison((shape, torch.float32))
+    got = snake(x)
+    assert torch.equal(got, want) and got.shape == x.shape
+    wide = torch.cat([x, x], dim=-1)[..., : shape[-1]]  # strided
+    assert torch.equal(snake(wide), want)
+
+
 def test_qk_norm_rope_rejects_bad_input():
     q = torch.randn(4, 2, 130, device=DEV, dtype=torch.bfloat16)[..., :128]
     w = torch.ones(128, device=DEV, dtype=torch.bfloat16)

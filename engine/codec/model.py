@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.checkpoint import files_fingerprint, owned_copy
-from engine.codec.acoustic import AcousticDecoder, AcousticEncoder
+from engine.codec.acoustic import AcousticDecoder, AcousticEncoder, Snake
 from engine.codec.checkpoint import check_codec_config, read_codec_config, read_codec_weights
 from engine.codec.config import CodecConfig
 from engine.codec.hubert import Hubert
@@ -62,9 +62,11 @@ class Codec(nn.Module):
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         cache_dir: str | Path | None = None,
+        fused: bool = False,
     ) -> Codec:
         """Load `<checkpoint>/audio_tokenizer/` (config.json + model.safetensors, the official names).
-        cache_dir: where the files' fingerprint is kept (engine.checkpoint.files_fingerprint)."""
+        cache_dir: where the files' fingerprint is kept (engine.checkpoint.files_fingerprint). fused: the
+        Snake activations may run on the CUDA extension's kernel (bit-equal; the engine's fused_kernels)."""
         path = Path(path)
         cfg = read_codec_config(path / "config.json")
         with torch.device("meta"):
@@ -75,6 +77,9 @@ class Codec(nn.Module):
         codec._identity = _identity(cfg, dtype, f"files:{files}")
         owned = {name: owned_copy(t, device, dtype) for name, t in weights.items()}
         codec.load_state_dict(owned, strict=True, assign=True)  # every tensor: nothing left to move
+        for module in codec.modules():
+            if isinstance(module, Snake):
+                module.fused = fused
         return codec.eval()
 
     @property

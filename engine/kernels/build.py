@@ -32,6 +32,7 @@ SOURCES = (
     "qk_norm_rope.cu",
     "rms_norm.cu",
     "silu_mul.cu",
+    "snake.cu",
     "fp8_quantize.cu",
 )
 HEADERS = ("exact_division.cuh", "w4a4_common.cuh", "w4a4_launch.h", "wgmma.cuh")

@@ -1,6 +1,7 @@
 """Whether the fused CUDA kernels (RMSNorm, SiLU(gate) * up, q/k head norm + RoPE, RMSNorm inside W4A4
-activation quantization) can take a tensor: the extension runs on its GPU (sm_90a) and the tensor is
-bf16/fp16. Whether they may is each module's `fused` flag, fixed at load from EngineConfig.fused_kernels.
+activation quantization; the codec's Snake) can take a tensor: the extension runs on its GPU (sm_90a) and
+the tensor is bf16/fp16 (float32 for the codec's). Whether they may is each module's `fused` flag, fixed at
+load from EngineConfig.fused_kernels.
 """
 
 from __future__ import annotations
@@ -30,5 +31,12 @@ def _extension_runs_on(device: str) -> bool:
 def fused_ops(t: torch.Tensor):
     """torch.ops.ovbatch_w4a4 when the fused kernels can take `t` (CUDA sm_90a, bf16/fp16), else None."""
     if not (t.is_cuda and t.dtype in HALF):
+        return None
+    return ops.load() if _extension_runs_on(str(t.device)) else None
+
+
+def fused_float_ops(t: torch.Tensor):
+    """torch.ops.ovbatch_w4a4 when its float32 kernels (the codec's Snake) can take `t`, else None."""
+    if not (t.is_cuda and t.dtype == torch.float32):
         return None
     return ops.load() if _extension_runs_on(str(t.device)) else None
