@@ -120,6 +120,21 @@ def _run_note(run: dict[str, Any]) -> str | None:
     return None
 
 
+def _time_line(split: dict[str, float]) -> str:
+    """The summary's time split in words: what filled the wall, what ran beside the engines' calls, and the
+    generation stream's measured idle (CUDA only: none on the CPU)."""
+    from pipeline.summary import BESIDE_ENGINE, WITHIN_WALL
+
+    def words(keys) -> str:
+        return ", ".join(f"{k.replace('_', ' ')} {split[k]:.1f}" for k in keys if k in split)
+
+    line = f"time (s): {words(k for k in split if k not in BESIDE_ENGINE + WITHIN_WALL)}"
+    line += f" | beside the engine: {words(BESIDE_ENGINE)}"
+    if split.get("generation_idle"):
+        line += f" | {words(WITHIN_WALL)} (within the wall)"
+    return line
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from pipeline.job import status
     from pipeline.store import JobDir
@@ -143,6 +158,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"  wall {s['wall_seconds']:.1f} s over {len(timed)} run(s){idle_note}; "
         f"audio {s['audio_seconds']:.1f} s; x-realtime {s['x_realtime']} (engine {s['engine_x_realtime']})"
     )
+    if timed:
+        print(f"  {_time_line(s['time'])}")
     for run in timed:
         note = _run_note(run)
         if note:

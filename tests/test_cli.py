@@ -312,7 +312,9 @@ def test_paths_on_the_command_line_are_taken_literally(tmp_path: Path, capsys, f
     assert stored.engine_config("default").checkpoint == str(checkpoint)
     assert main(["rerun", str(job), "--local", "--checkpoint", str(checkpoint), "progress=false"]) == 0
     assert main(["status", str(job)]) == 0
-    assert "2 ok, 0 failed" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "2 ok, 0 failed" in out
+    assert "time (s): planning " in out and "| beside the engine: prepare ahead " in out  # the time split
 
 
 def test_literal_settings_sit_between_the_config_file_and_the_overrides(tmp_path: Path):
