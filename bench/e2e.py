@@ -28,9 +28,8 @@ load_seconds and boot_seconds; worker_start_seconds: Ray's start, before the pla
 per phase (phases_seconds: prepare, the clips read and encoded; generate; decode; postprocess) and the job
 summary's time split (time_split: planning, start, capture, phases, other) and generation_idle (jobs: the
 generation stream's measured idle before each batch, split into before shards' first batches and the others,
-with the longest gaps). Each part starts from an empty
-prompt cache. A device command is limited to 10 minutes: run some parts or precisions per call; entries merge
-into --out by variant name.
+with the longest gaps). Each part starts from an empty prompt cache. A device command is limited to 10
+minutes: run some parts or precisions per call; entries merge into --out by variant name.
 
     python bench/e2e.py [--parts official,engine,job_local,job_ray] [--precisions bf16,w4a4,fp8]
                         [--rows 2000] [--official-rows 512] [--size full|tiny] [--device auto]
