@@ -34,9 +34,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on `device`. On CUDA the copy goes through pinned memory and is queued on the current
+    """t on `device`. From the host to CUDA the copy goes through pinned memory and is queued on the current
     stream without waiting: a copy from pageable memory first waits for all the work queued there."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

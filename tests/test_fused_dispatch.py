@@ -9,7 +9,7 @@ import torch
 
 from engine.config import EngineConfig, FastPaths
 from engine.errors import InputError
-from engine.kernels.fused import fused_float_ops, fused_ops
+from engine.kernels.fused import fused_ops
 from engine.loading import backbone_to_fp8, load_model
 from engine.model import DenseLinear
 from engine.model.layers import RMSNorm
@@ -20,7 +20,7 @@ from engine.w4a4.linear import W4A4Group, W4A4Linear
 
 def test_fused_kernels_cannot_take_cpu_tensors():
     assert fused_ops(torch.zeros(2, 64, dtype=torch.bfloat16)) is None
-    assert fused_float_ops(torch.zeros(2, 64)) is None
+    assert fused_ops(torch.zeros(2, 64), (torch.float32,)) is None
 
 
 def test_the_codecs_snakes_are_fused_only_where_asked_and_compute_the_same_off_cuda(tmp_path):

@@ -13,14 +13,14 @@ from torch import nn
 
 from engine.codec.config import AcousticConfig
 from engine.codec.lengths import masked_conv
-from engine.kernels.fused import fused_float_ops
+from engine.kernels.fused import fused_ops
 
 DILATIONS = (1, 3, 9)  # of the three residual units in every block
 
 
 class Snake(nn.Module):
     """x + sin^2(alpha x) / alpha, one alpha per channel. fused: on a CUDA float32 input, one kernel
-    (csrc/snake.cu, bit-equal to the torch ops it replaces) instead of five passes over memory."""
+    (csrc/snake.cu: torch's float32 operations in torch's order, to be bit-equal) instead of five passes."""
 
     def __init__(self, channels: int):
         super().__init__()
@@ -32,7 +32,7 @@ class Snake(nn.Module):
         x = x.reshape(shape[0], shape[1], -1)
         # 1e-9 keeps a zero alpha finite; the order of operations is the reference's, for equal results
         inv_alpha = (self.alpha + 1e-9).reciprocal()
-        ops = fused_float_ops(x) if self.fused else None
+        ops = fused_ops(x, (torch.float32,)) if self.fused else None
         if ops is not None:
             return ops.snake(x.contiguous(), self.alpha, inv_alpha).reshape(shape)
         x = x + inv_alpha * torch.sin(self.alpha * x).pow(2)

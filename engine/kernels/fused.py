@@ -28,15 +28,9 @@ def _extension_runs_on(device: str) -> bool:
     return ok
 
 
-def fused_ops(t: torch.Tensor):
-    """torch.ops.ovbatch_w4a4 when the fused kernels can take `t` (CUDA sm_90a, bf16/fp16), else None."""
-    if not (t.is_cuda and t.dtype in HALF):
-        return None
-    return ops.load() if _extension_runs_on(str(t.device)) else None
-
-
-def fused_float_ops(t: torch.Tensor):
-    """torch.ops.ovbatch_w4a4 when its float32 kernels (the codec's Snake) can take `t`, else None."""
-    if not (t.is_cuda and t.dtype == torch.float32):
+def fused_ops(t: torch.Tensor, dtypes: tuple[torch.dtype, ...] = HALF):
+    """torch.ops.ovbatch_w4a4 when the fused kernels can take `t` (CUDA sm_90a, one of `dtypes`: bf16/fp16,
+    float32 for the codec's Snake), else None."""
+    if not (t.is_cuda and t.dtype in dtypes):
         return None
     return ops.load() if _extension_runs_on(str(t.device)) else None

@@ -32,7 +32,7 @@ class PackedBatch:
 
     def to(self, device: torch.device | str) -> PackedBatch:
         """The batch on `device`; from the host to CUDA without waiting for the work queued there."""
-        return self.apply(lambda t: to_device(t, device) if t.device.type == "cpu" else t.to(device))
+        return self.apply(lambda t: to_device(t, device))
 
     def apply(self, fn: Callable[[Tensor], Tensor]) -> PackedBatch:
         """A batch holding fn(tensor) for each tensor field (max_seqlen kept)."""
