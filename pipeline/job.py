@@ -145,10 +145,10 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: SizerFactory) -> JobOutc
     start_workers = not _complete(job)
     try:
         if start_workers and not cfg.local:
-            # Ray starts before the planning: beside it, the planner's GIL-bound work held `import ray` and
-            # ray.init up 2-3x (2.9 -> 5.5-6.1 s on a 2-core machine; on the H200 machine Ray's start ended
-            # 1.6-2.0 s after an 8 s planning), and the actors start only once Ray is up. They then import
-            # and load in their own processes while this one plans.
+            # Ray starts before the planning: beside it, `import ray` and ray.init wait for the GIL the
+            # planner's thread holds (on the H200 machine Ray's start ended 1.6-2.0 s after an 8 s planning,
+            # e2e's worker_start_seconds), and the actors start only once Ray is up. They then import and
+            # load in their own processes while this one plans.
             workers = Workers(job, cfg)
         elif start_workers:
             # Imported before the planner's thread starts, which imports some of them too: transformers
