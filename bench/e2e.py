@@ -103,18 +103,25 @@ def padding_fraction(batches: list[int], buckets: list[int]) -> float | None:
     return round(1 - sum(batches) / padded, 4) if padded else None
 
 
+def per_batch(rows: list[dict], column: str) -> dict[tuple, float]:
+    """A results column summed per batch (the rows of a shard that started together), where it is set."""
+    sums: dict[tuple, float] = {}
+    for r in rows:
+        if r.get(column) is not None:
+            key = (r["shard"], r["started_at"])
+            sums[key] = sums.get(key, 0) + r[column]
+    return sums
+
+
 def idle_by_batch(rows: list[dict]) -> dict | None:
     """Where the generation stream idled (results' generation_idle_seconds, summed per batch: the rows of
     a shard that started together): in all, before the first batch of each shard (waiting for its clips or
     for the device's turn) and before the others (waiting for the batch's preparation), and the longest
     gaps. None where no batch measured it (CPU)."""
     first_start: dict[int, str] = {}
-    batches: dict[tuple, float] = {}
     for r in rows:
         first_start[r["shard"]] = min(first_start.get(r["shard"], r["started_at"]), r["started_at"])
-        if r.get("generation_idle_seconds") is not None:
-            key = (r["shard"], r["started_at"])
-            batches[key] = batches.get(key, 0.0) + r["generation_idle_seconds"]
+    batches = per_batch(rows, "generation_idle_seconds")
     if not batches:
         return None
     first = {k for k in batches if k[1] == first_start[k[0]]}
@@ -182,17 +189,13 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
     generated = [datetime.fromisoformat(r["finished_at"]).timestamp() for r in results if r["finished_at"]]
     last = max(generated) - start_epoch if generated else wall
     ready = start + launch + run["ready_seconds"]
-    batches: dict[tuple, int] = {}
-    for r in ok:  # a batch: the rows of one shard that started together
-        key = (r["shard"], r["started_at"])
-        batches[key] = batches.get(key, 0) + r["packed_tokens"]
     return entry(
         variant,
         len(ok),
         sum(r["audio_seconds"] for r in ok),
         wall,
         gpu,
-        padding_fraction=padding_fraction(list(batches.values()), list(cfg.engine.buckets)),
+        padding_fraction=padding_fraction([*per_batch(ok, "packed_tokens").values()], [*cfg.engine.buckets]),
         attention_backend=attention_here(cfg.engine.device),
         gpu_busy_execution=busy_since(gpu, ready),  # from the workers' ready on
         # the same until the last batch was queued, and what came after it (its generation, decode and writes,

@@ -1,9 +1,9 @@
 // The codec's Snake activation, x + (1 / (alpha + 1e-9)) * sin(alpha x)^2 with one alpha per channel, over
 // float32 [batch, channels, length] (engine/codec/acoustic.py). torch runs it as five kernels, each reading and
 // writing the whole tensor (the DAC encoder's first blocks hold 64 channels at 24 kHz); this reads x once and
-// writes once. Bit-equal to torch: the same float32 operations in the same order, none contracted into an FMA
-// (the _rn intrinsics), sinf as torch's sin, its square as torch's pow(2) (x * x), and 1 / (alpha + 1e-9)
-// computed by torch and passed in.
+// writes once. Meant to be bit-equal to torch (tests/test_fused_kernels.py): the same float32 operations in
+// the same order, none contracted into an FMA (the _rn intrinsics), sinf as torch's sin, its square as
+// torch's pow(2) (x * x), and 1 / (alpha + 1e-9) computed by torch and passed in.
 #include "w4a4_launch.h"
 
 namespace w4a4 {

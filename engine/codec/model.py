@@ -66,7 +66,8 @@ class Codec(nn.Module):
     ) -> Codec:
         """Load `<checkpoint>/audio_tokenizer/` (config.json + model.safetensors, the official names).
         cache_dir: where the files' fingerprint is kept (engine.checkpoint.files_fingerprint). fused: the
-        Snake activations may run on the CUDA extension's kernel (torch's ops in torch's order; the engine's fused_kernels)."""
+        Snake activations may run on the CUDA extension's kernel (torch's ops in torch's order; the
+        engine's fused_kernels)."""
         path = Path(path)
         cfg = read_codec_config(path / "config.json")
         with torch.device("meta"):
