@@ -24,12 +24,13 @@ the job's workers inherit), startup_seconds (jobs: from the end of planning unti
 their CUDA graphs captured; capture_seconds of it; the CUDA extension is built before the first part, as a
 machine that has run a job before has it), planning_seconds; the engine's load by phase (load_breakdown,
 Engine.load_timings: weights, merge, codec, ...; jobs: of the slowest actor, beside its import_seconds,
-load_seconds and boot_seconds; worker_start_seconds: Ray's start, before the planning); the engine's seconds
-per phase (phases_seconds: prepare, the clips read and encoded; generate; decode; postprocess) and the job
-summary's time split (time_split: planning, start, capture, phases, other) and generation_idle (jobs: the
-generation stream's measured idle before each batch, split into before shards' first batches and the others,
-with the longest gaps). Each part starts from an empty prompt cache. A device command is limited to 10
-minutes: run some parts or precisions per call; entries merge into --out by variant name.
+load_seconds and boot_seconds; worker_start_seconds: Ray's start, before the planning, and its parts
+(worker_start_parts: import, ray_init, actors)); the engine's seconds per phase (phases_seconds: prepare,
+the clips read and encoded; generate; decode; postprocess) and the job summary's time split (time_split:
+planning, start, capture, phases, other) and generation_idle (jobs: the generation stream's measured idle
+before each batch, split into before shards' first batches and the others, with the longest gaps). Each part
+starts from an empty prompt cache. A device command is limited to 10 minutes: run some parts or precisions
+per call; entries merge into --out by variant name.
 
     python bench/e2e.py [--parts official,engine,job_local,job_ray] [--precisions bf16,w4a4,fp8]
                         [--rows 2000] [--official-rows 512] [--size full|tiny] [--device auto]
@@ -213,6 +214,7 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
         load_breakdown=run.get("load_breakdown"),  # its seconds by phase (Engine.load_timings)
         boot_seconds=run.get("boot_seconds"),  # Ray: until the actor's process was up
         worker_start_seconds=run.get("worker_start_seconds"),  # Ray's start, before the planning
+        worker_start_parts=run.get("worker_start_parts") or None,  # import ray, ray.init, actors created
         graphs=run["graphs"],
         rows_not_ok=len(results) - len(ok),
         engine_x_realtime=summary["engine_x_realtime"],

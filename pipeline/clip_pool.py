@@ -1,6 +1,7 @@
 """Per-clip work of the planner in worker processes (pipeline.clip_worker), one per core: a manifest whose
 rows each bring their own reference clip spends most of its planning reading those clips, and that work
-holds the GIL (threads measured no faster than one).
+holds the GIL (threads measured no faster than one). The workers run at a lower CPU priority than the
+engines loading meanwhile (clip_worker.NICENESS).
 
 Workers are fresh interpreters rather than a multiprocessing pool: a pool's spawned children import the
 caller's main module again, which runs a script that calls `submit` without an `if __name__ == "__main__"`

@@ -272,6 +272,7 @@ def execute(
         "started_at": started,
         "planning_seconds": round(planning, 3),
         "worker_start_seconds": round(worker_start, 3),  # what starting the workers held the driver up
+        "worker_start_parts": workers.start_parts if workers is not None else {},
         "mode": "local" if cfg.local else "ray",
         "shards": len(tasks),
         "rows": sum(len(t.rows) for t in tasks),
@@ -410,15 +411,26 @@ class Workers:
         start = time.perf_counter()
         self.relay = BatchRelay()
         self.pool = self.runner = self.loading = None
+        self.start_parts: dict[str, float] = {}  # Ray: its modules' import, ray.init, the actors' creation
         if cfg.local:
             self.runner = ShardRunner(job.path, cfg)
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="ovbatch-engine-load")
             self.loading = self._loader.submit(self.runner.load_engines, cfg.variant_names())
         else:
+            import ray  # noqa: F401 - imported here to time it apart from ray.init
+
             from pipeline.ray_runner import ActorPool, connect
 
+            imported = time.perf_counter()
+            started_ray = connect(cfg)
+            connected = time.perf_counter()
             on_batch = self.relay if cfg.progress else None
-            self.pool = ActorPool(str(job.path), cfg, started_ray=connect(cfg), on_batch=on_batch)
+            self.pool = ActorPool(str(job.path), cfg, started_ray=started_ray, on_batch=on_batch)
+            self.start_parts = {
+                "import": round(imported - start, 3),
+                "ray_init": round(connected - imported, 3),
+                "actors": round(time.perf_counter() - connected, 3),
+            }
         self.started_at = time.perf_counter()
         self.start_seconds = self.started_at - start  # Ray's start; the engines load meanwhile
 

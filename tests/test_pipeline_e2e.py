@@ -156,6 +156,9 @@ def test_end_to_end_on_local_ray(ray_session, tiny, prompt_cache, tmp_path: Path
     (run,) = s["runs"]  # what getting the actors ready took: their boot, engine load, capture
     assert 0 < run["boot_seconds"] < run["ready_seconds"] and 0 < run["load_seconds"] < run["ready_seconds"]
     assert 0 < run["import_seconds"] < run["ready_seconds"]  # a fresh actor process imports the engine
+    parts = run["worker_start_parts"]  # Ray's start before the planning: import, ray.init, actors created
+    assert set(parts) == {"import", "ray_init", "actors"}
+    assert sum(parts.values()) <= run["worker_start_seconds"] + 0.003  # each rounded to 1 ms
     breakdown = run["load_breakdown"]  # the slowest actor's Engine.load_timings
     assert {"weights", "merge", "codec", "other"} <= set(breakdown)
     assert sum(breakdown.values()) <= run["load_seconds"] + 0.01  # each phase rounded to 1 ms

@@ -1,6 +1,8 @@
 """Planning: buckets, shards of one bucket and variant within a token budget, rejections, JSON round trip."""
 
+import os
 import random
+from pathlib import Path
 
 import pytest
 
@@ -180,3 +182,31 @@ def test_many_clips_are_prepared_in_worker_processes_alike(tmp_path, monkeypatch
     real_ask = clip_pool.ask_worker
     monkeypatch.setattr(clip_pool, "ask_worker", lambda spec, share: real_ask(spec, share)[:1])  # then died
     assert sizing.clip_frames_all(frontend, clips[:-1], workers=2) == serial
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="CPU priorities are POSIX's")
+def test_clip_workers_run_below_the_planners_cpu_priority(tmp_path):
+    """The engines load while the rows are sized: the clip workers yield the CPU to them."""
+    import json
+    import subprocess
+    import sys
+
+    from pipeline import clip_worker
+
+    spec = json.dumps({"task": "probe", "clip_dir": None, "max_seconds": 30.0})
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.clip_worker", spec],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    try:
+        worker.stdin.write(json.dumps(str(tmp_path / "missing.wav")) + "\n")
+        worker.stdin.flush()
+        assert "missing.wav" in worker.stdout.readline()  # answered: past its start
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, worker.pid) == min(19, mine + clip_worker.NICENESS)
+    finally:
+        worker.stdin.close()
+        worker.wait(timeout=30)
