@@ -2,7 +2,8 @@
 
 The codec has OmniVoice's audio_tokenizer architecture (24 kHz, hop 960, 8 codebooks of 1024 x 64,
 HuBERT-base) with random weights (bench/codec_parity.py draws them). Rows: our Codec in float32 and
-bfloat16, and transformers' HiggsAudioV2TokenizerModel in float32 in the same run where torchaudio is
+bfloat16, ours in float32 with the Snake kernel (csrc/snake.cu; CUDA only, with its agreement with torch's
+ops), and transformers' HiggsAudioV2TokenizerModel in float32 in the same run where torchaudio is
 installed (it needs it). Batches hold clips of equal length (transformers' model cannot cut a padded
 batch per item); one more row times ours on 16 clips of mixed lengths (3 to 10 s), padding included.
 Each figure is the median of timed repeats after warm-up, with the device synchronised around each.
@@ -140,6 +141,19 @@ def bf16_agreement(fp32: Codec, bf16: Codec, clips: list[torch.Tensor]) -> dict:
     }
 
 
+def fused_agreement(codec: Codec, clips: list[torch.Tensor]) -> dict:
+    """The Snake kernel against torch's ops: meant to be bit-equal (codes and decoded audio)."""
+    codes, audio = codec.encode(clips), codec.decode(codec.encode(clips))
+    codec.use_fused_kernels(True)
+    fused_codes = codec.encode(clips)
+    fused_audio = codec.decode(fused_codes)
+    codec.use_fused_kernels(False)
+    return {
+        "encode_equal_codes": all(torch.equal(a, b) for a, b in zip(codes, fused_codes)),
+        "decode_bit_equal": all(torch.equal(a, b) for a, b in zip(audio, fused_audio)),
+    }
+
+
 def run(size: str, seconds: float, repeats: int, device: str, seed: int) -> dict:
     frames = int(seconds * SAMPLE_RATE) // HOP
     samples = frames * HOP
@@ -164,6 +178,10 @@ def run(size: str, seconds: float, repeats: int, device: str, seed: int) -> dict
         codes = fp32.encode(clips)
         rows += bench_ours(fp32, "ours", clips, codes, device, repeats)
         rows += bench_ours(bf16, "ours", clips, codes, device, repeats)
+        if device.startswith("cuda"):
+            fp32.use_fused_kernels(True)
+            rows += bench_ours(fp32, "ours-fused-snake", clips, codes, device, repeats)
+            fp32.use_fused_kernels(False)
         if reference is not None:
             rows += bench_reference(reference, wavs[:, None], torch.stack(codes), device, repeats)
     lengths = torch.randint(3 * SAMPLE_RATE, int(seconds * SAMPLE_RATE) + 1, (16,), generator=g).tolist()
@@ -178,6 +196,8 @@ def run(size: str, seconds: float, repeats: int, device: str, seed: int) -> dict
         "rows": rows + mixed_rows,
         "bf16_vs_fp32": bf16_agreement(fp32, bf16, mixed[:4]),
     }
+    if device.startswith("cuda"):
+        result["fused_snake_vs_torch"] = fused_agreement(fp32, mixed[:4])
     if reference is None:
         result["transformers_unavailable"] = unavailable
     else:

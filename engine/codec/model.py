@@ -78,10 +78,14 @@ class Codec(nn.Module):
         codec._identity = _identity(cfg, dtype, f"files:{files}")
         owned = {name: owned_copy(t, device, dtype) for name, t in weights.items()}
         codec.load_state_dict(owned, strict=True, assign=True)  # every tensor: nothing left to move
-        for module in codec.modules():
+        codec.use_fused_kernels(fused)
+        return codec.eval()
+
+    def use_fused_kernels(self, fused: bool) -> None:
+        """Whether the Snake activations run on the CUDA extension's kernel (where it applies)."""
+        for module in self.modules():
             if isinstance(module, Snake):
                 module.fused = fused
-        return codec.eval()
 
     @property
     def identity(self) -> str:
