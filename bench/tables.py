@@ -148,10 +148,15 @@ def _fused_case(result: dict, m: int, case: str) -> dict:
     return next(r for r in result["rows"] if r.get("M") == m and r["case"] == case)
 
 
+def _token_counts(result: dict) -> list[int]:
+    """The M (tokens) of the model's rows; the codec's Snake rows have a shape instead."""
+    return sorted({r["M"] for r in result["rows"] if "M" in r})
+
+
 def fused_rows(result: dict) -> list[str]:
     """docs/kernels.md: the fused kernels against torch, and RMSNorm + qkv."""
     rows = []
-    for m in sorted({r["M"] for r in result["rows"]}):
+    for m in _token_counts(result):
         qkv = _fused_case(result, m, "norm_qkv")
         rows.append(
             row(
@@ -165,10 +170,19 @@ def fused_rows(result: dict) -> list[str]:
     return rows
 
 
+def snake_rows(result: dict) -> list[str]:
+    """docs/kernels.md: the codec's Snake kernel against torch's five ops (float32)."""
+    return [
+        row(" x ".join(map(str, r["shape"])), torch_vs_ours(r, 2), f"{r['rel_err_fused_vs_torch']:.1g}")
+        for r in result["rows"]
+        if r["case"] == "snake"
+    ]
+
+
 def group_rows(result: dict) -> list[str]:
     """docs/kernels.md: q/k/v and gate/up one by one and as one GEMM, bf16 and W4A4."""
     rows = []
-    for m in sorted({r["M"] for r in result["rows"]}):
+    for m in _token_counts(result):
         for case, label in (("group_qkv", "qkv"), ("group_gate_up", "gate_up")):
             r = _fused_case(result, m, case)
             rows.append(
@@ -189,7 +203,7 @@ def group_rows(result: dict) -> list[str]:
 def swiglu_rows(result: dict) -> list[str]:
     """docs/kernels.md: RMSNorm -> silu(gate) * up, bf16, W4A4 grouped + silu_mul and the SwiGLU GEMM."""
     rows = []
-    for m in sorted({r["M"] for r in result["rows"]}):
+    for m in _token_counts(result):
         r = _fused_case(result, m, "swiglu")
         rows.append(
             row(
@@ -206,7 +220,7 @@ def swiglu_rows(result: dict) -> list[str]:
 def residual_rows(result: dict) -> list[str]:
     """docs/kernels.md: x + linear(h) for o and down: bf16, W4A4 + torch's add, the add in the epilogue."""
     rows = []
-    for m in sorted({r["M"] for r in result["rows"]}):
+    for m in _token_counts(result):
         for case, label in (("residual_o", "o"), ("residual_down", "down")):
             r = _fused_case(result, m, case)
             rows.append(
@@ -301,6 +315,7 @@ def tables() -> dict[str, tuple[str, list[str]]]:
         "current kernel numbers": ("docs/kernels.md", kernel_rows(kernels)),
         "floors": ("docs/kernels.md", floor_rows(kernels)),
         "fused kernels": ("docs/kernels.md", fused_rows(fused)),
+        "snake": ("docs/kernels.md", snake_rows(fused)),
         "groups": ("docs/kernels.md", group_rows(fused)),
         "swiglu": ("docs/kernels.md", swiglu_rows(fused)),
         "residual": ("docs/kernels.md", residual_rows(fused)),
