@@ -8,7 +8,9 @@ installed (it needs it). Batches hold clips of equal length (transformers' model
 batch per item); one more row times ours on 16 clips of mixed lengths (3 to 10 s), padding included.
 Each figure is the median of timed repeats after warm-up, with the device synchronised around each.
 For bfloat16 the report also gives its agreement with float32 (equal codes; decode error relative to
-the float32 peak), since speed alone does not make it usable.
+the float32 peak), since speed alone does not make it usable. On CUDA, one encode of the mixed-length clips
+(float32, the Snake kernel, as the engine runs it) under torch.profiler: device time, busy fraction and the
+top kernels.
 
     python bench/codec.py [--out bench/results/codec-h200.json] [--size full|tiny] [--seconds 10]
                           [--repeats 7]
@@ -154,6 +156,36 @@ def fused_agreement(codec: Codec, clips: list[torch.Tensor]) -> dict:
     }
 
 
+def encode_profile(codec: Codec, clips: list[torch.Tensor]) -> dict:
+    """One warm encode under torch.profiler (CUDA): wall, device time, busy fraction (busy / wall: well
+    under 1 means the host's launches hold the device back, which threads beside it in a job make worse),
+    kernels launched, and the top kernels by device time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.profile_generate import busy_us, summarize
+
+    codec.encode(clips)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        codec.encode(clips)
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) * 1e6
+    device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    summary = summarize([(e.name, e.time_range.elapsed_us(), 1) for e in device], top=15)
+    busy = busy_us([(e.time_range.start, e.time_range.end) for e in device])
+    return {
+        "clips": len(clips),
+        "audio_seconds": round(sum(c.numel() for c in clips) / SAMPLE_RATE, 2),
+        "profiled_wall_ms": round(wall_us / 1e3, 2),
+        "device_ms": round(summary["device_us"] / 1e3, 2),
+        "gpu_busy_fraction": round(busy / wall_us, 4),
+        "kernels": summary["kernels"],
+        "top_kernels": [{k: v for k, v in r.items() if k != "category"} for r in summary["top_kernels"]],
+    }
+
+
 def run(size: str, seconds: float, repeats: int, device: str, seed: int) -> dict:
     frames = int(seconds * SAMPLE_RATE) // HOP
     samples = frames * HOP
@@ -198,6 +230,9 @@ def run(size: str, seconds: float, repeats: int, device: str, seed: int) -> dict
     }
     if device.startswith("cuda"):
         result["fused_snake_vs_torch"] = fused_agreement(fp32, mixed[:4])
+        fp32.use_fused_kernels(True)  # as the engine runs it
+        result["encode_profile_mixed_lengths"] = encode_profile(fp32, mixed)
+        fp32.use_fused_kernels(False)
     if reference is None:
         result["transformers_unavailable"] = unavailable
     else:
