@@ -3,9 +3,9 @@
 The same ShardRunner serves local mode (in this process) and each Ray actor (pipeline.ray_runner). The
 engine's device waits for as little host work as it can: while a batch generates, a preload thread
 prepares the reference clips of the PRELOAD_AHEAD batches after it (Engine.preload), the engine prepares
-the next batch beside this
-one's steps (Engine.prepare_ahead, as generate's `then`, on the engine's own thread), and writer threads
-post-process and write the batches before it (each Engine.generate output's finish()). A worker holds
+the next batch beside this one's steps (Engine.prepare_ahead, as generate's `then`, on the engine's own
+thread), and writer threads post-process and write the batches before it (each Engine.generate output's
+finish()). A worker holds
 SHARDS_IN_FLIGHT shards at once, one generating at a time, the others taking the device in the order they
 asked for it (pipeline.device_turns): the next shard's first batch is prepared while the one before
 generates (its clips on the preload thread, the batch by the last batch's `then` of the shard before, so
@@ -55,7 +55,7 @@ MAX_ERROR_CHARS = 2000
 SHARDS_IN_FLIGHT = 3
 # Batches whose clips the preload thread reads ahead of the one generating. With one, the next batch's
 # preparation (its `then`, beside this batch's steps) began by waiting for its clips to be read (~0.3 s a
-# batch of the FP8 job's ~1.5 s, whose preparation took as long as its steps); with two they were read
+# batch of the FP8 job's ~1.5 s, whose preparation took as long as its steps); with two they are read
 # during the batch before.
 PRELOAD_AHEAD = 2
 ENGINE_PHASES = ("prepare", "generate", "decode")  # an Engine.generate batch's timed phases
