@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.environment import environment, write_result  # noqa: E402
 from bench.kernels import M_VALUES, graph_time_us, random_layer  # noqa: E402
+from engine.codec.acoustic import Snake  # noqa: E402
 from engine.kernels import CudaW4A4Backend  # noqa: E402
 from engine.kernels import ops as kops  # noqa: E402
 from engine.model.layers import RMSNorm, apply_rope, rms_norm, rope_cos_sin  # noqa: E402
@@ -175,14 +176,14 @@ def qk_norm_rope(m: int, g: torch.Generator) -> dict:
 
 
 def snake_row(shape: tuple[int, int, int], g: torch.Generator) -> dict:
+    """The codec's Snake module as it runs, with its `fused` flag off and on."""
     x = torch.randn(shape, generator=g, device="cuda")
-    alpha = torch.rand(1, shape[1], 1, generator=g, device="cuda") + 0.5
-    inv_alpha = (alpha + 1e-9).reciprocal()
-    ops = kops.load()
-    variants = {
-        "torch": lambda: x + inv_alpha * torch.sin(alpha * x).pow(2),
-        "fused": lambda: ops.snake(x, alpha, inv_alpha),
-    }
+    torch_snake, fused_snake = Snake(shape[1]).cuda(), Snake(shape[1]).cuda()
+    with torch.no_grad():
+        torch_snake.alpha.copy_(torch.rand(1, shape[1], 1, generator=g, device="cuda") + 0.5)
+    fused_snake.load_state_dict(torch_snake.state_dict())
+    fused_snake.fused = True
+    variants = {"torch": lambda: torch_snake(x), "fused": lambda: fused_snake(x)}
     return {"shape": list(shape), "case": "snake", **timed(variants, ("fused", "torch"))}
 
 

@@ -49,9 +49,7 @@ def frame_counter(spec: dict) -> Callable[[str], dict]:
 TASKS = {"probe": prober, "frames": frame_counter}
 
 # The engines load while the job is planned (in Ray's actors, or on a thread of the driver), and their start,
-# not the planning, is what the first batch waits for. Workers at full priority on every core slowed an
-# engine-like import beside a 1,000-row planning from 2.0 to 3.2-3.5 s on 2 cores; at this niceness it took
-# 2.1-2.2 s, and the planning 4-7% longer (commit message).
+# not the planning, is what the first batch waits for: the workers, one per core, yield the CPU to them.
 NICENESS = 10
 
 

@@ -145,10 +145,8 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: SizerFactory) -> JobOutc
     start_workers = not _complete(job)
     try:
         if start_workers and not cfg.local:
-            # Ray starts before the planning: beside it, `import ray` and ray.init wait for the GIL the
-            # planner's thread holds (on the H200 machine Ray's start ended 1.6-2.0 s after an 8 s planning,
-            # e2e's worker_start_seconds), and the actors start only once Ray is up. They then import and
-            # load in their own processes while this one plans.
+            # Ray starts before the planning, as the actors start only once Ray is up; they then import and
+            # load in their own processes while this one plans (its clip workers yield them the CPU).
             workers = Workers(job, cfg)
         elif start_workers:
             # Imported before the planner's thread starts, which imports some of them too: transformers

@@ -357,9 +357,8 @@ def test_submit_never_writes_into_a_folder_that_is_not_a_job(tmp_path: Path):
 
 @pytest.mark.parametrize("local", [True, False])
 def test_ray_starts_before_the_planning_and_a_failed_planning_stops_the_workers(tmp_path, monkeypatch, local):
-    """Ray's start goes first (beside the planner's GIL-bound work it took 2-3x as long, and the actors wait
-    for it); the local engines load beside the planning. A planning that fails stops the workers either
-    way."""
+    """Ray's start goes first (the actors wait for it); the local engines load beside the planning. A
+    planning that fails stops the workers either way."""
     import pipeline.job as job_mod
 
     events = []
