@@ -1,14 +1,15 @@
 """Run shards: pack a shard's rows into batches, synthesize, write wavs atomically, return per-row results.
 
 The same ShardRunner serves local mode (in this process) and each Ray actor (pipeline.ray_runner). The
-engine's device waits for as little host work as it can: while a batch generates, a preload thread prepares
-the reference clips of the PRELOAD_AHEAD batches after it (Engine.preload), the engine prepares the next batch
-beside this one's steps (Engine.prepare_ahead, as generate's `then`, on the engine's own thread), and writer
-threads post-process and write the batches before it (each Engine.generate output's finish()). A worker holds
+engine's device waits for as little host work as it can: while a batch generates, a preload thread
+prepares the next batch's reference clips (Engine.preload), the engine prepares the next batch beside this
+one's steps (Engine.prepare_ahead, as generate's `then`, on the engine's own thread), and writer threads
+post-process and write the batches before it (each Engine.generate output's finish()). A worker holds
 SHARDS_IN_FLIGHT shards at once, one generating at a time, the others taking the device in the order they
-asked for it (pipeline.device_turns): the next shard's first batch is prepared while the one before generates
-(its clips on the preload thread, the batch by the last batch's `then` of the shard before, so that only the
-shard holding the device puts work on it), and it generates while the one before waits for its last writes.
+asked for it (pipeline.device_turns): the next shard's first batch is prepared while the one before
+generates (its clips on the preload thread, the batch by the last batch's `then` of the shard before, so
+that only the shard holding the device puts work on it), and it generates while the one before waits for
+its last writes.
 A batch that raises is split in halves and each half retried, down to single rows, so one bad row
 fails alone and a CUDA out-of-memory error retries smaller batches. A row's synth_seconds is its share
 of its batch's wall time in proportion to its token work (packed tokens x decoding steps). Each batch that
@@ -51,11 +52,6 @@ MAX_ERROR_CHARS = 2000
 # that the shard after the next is in line before the next one's last batch (which prepares its first batch)
 # even while the one before still writes its rows.
 SHARDS_IN_FLIGHT = 3
-# Batches whose clips the preload thread reads ahead of the one generating. With one, the next batch's
-# preparation (its `then`, beside this batch's steps) began by waiting for its clips to be read (~0.3 s a
-# batch of the FP8 job's ~1.5 s, whose preparation took as long as its steps); with two they are read
-# during the batch before.
-PRELOAD_AHEAD = 2
 ENGINE_PHASES = ("prepare", "generate", "decode")  # an Engine.generate batch's timed phases
 
 
@@ -176,7 +172,7 @@ class ShardRunner:
     """Holds one engine per variant (loaded on first use) and runs shards with it.
 
     The engine generates batch after batch on the calling thread; meanwhile the preload thread prepares the
-    next batches' clips, and writer threads post-process and write the rows of the batches before, at most
+    next batch's clips, and writer threads post-process and write the rows of the batches before, at most
     2 x writer_threads batches behind. A batch is reported (on_batch) once its rows are written and the
     engine has finished the batch after it; a shard returns once every one of its rows is written (or
     settled as failed or rejected). run_shard may be called from several threads (SHARDS_IN_FLIGHT): one
@@ -256,9 +252,9 @@ class ShardRunner:
         # The first batch's clips now, while the shard before generates; the batch itself is prepared by
         # that shard's last batch (its `then`), so that device work stays within the device holder's turn.
         first = requests_of(batches[0]) if batches else []
-        preloads = {0: self._preload(engine, first)}  # batch index -> its clips being read
+        preloading = self._preload(engine, first)
         turn = object()
-        self.turns.ask(turn, (engine, first, preloads[0]))
+        self.turns.ask(turn, (engine, first, preloading))
         try:
             with _traced("ovbatch.wait_device"):
                 self.turns.take(turn)
@@ -268,13 +264,12 @@ class ShardRunner:
                         if self.stopping.is_set():
                             raise Stopped(f"shard {task.index} stopped before batch {i + 1}")
                         with _traced("ovbatch.wait_preload"):
-                            wait([preloads.pop(i)])  # this batch's clips; the next ones are read meanwhile
-                        for j in range(i + 1, min(i + 1 + PRELOAD_AHEAD, len(batches))):
-                            if j not in preloads:
-                                preloads[j] = self._preload(engine, requests_of(batches[j]))
+                            wait([preloading])  # this batch's clips; the next ones are prepared meanwhile
+                        upcoming = requests_of(batches[i + 1]) if i + 1 < len(batches) else []
+                        preloading = self._preload(engine, upcoming)
                         then = (
-                            self._ahead(engine, requests_of(batches[i + 1]), preloads[i + 1])
-                            if i + 1 < len(batches)
+                            self._ahead(engine, upcoming, preloading)
+                            if upcoming
                             else self._next_shards_first(engine)
                         )
                         for part in self._generate(engine, task, batch, requests_of, then):
@@ -290,8 +285,7 @@ class ShardRunner:
                 take_oldest()
         finally:
             self.turns.leave(turn)
-            # no writer or clip read outlives its shard, even one that stopped on an error
-            wait([*pending, *preloads.values()])
+            wait([*pending, preloading])  # no writer outlives its shard, even one that stopped on an error
         return results
 
     def _preload(self, engine: Any, reqs: list[Any]) -> Future:

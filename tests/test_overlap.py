@@ -226,26 +226,6 @@ def test_each_batch_is_preloaded_once_before_it_generates(tmp_path: Path):
         )
 
 
-def test_clips_are_read_two_batches_ahead_of_the_one_generating(tmp_path: Path, monkeypatch):
-    """By the time a batch generates, the clips of the PRELOAD_AHEAD batches after it were asked for (so the
-    next batch's preparation, beside this one's steps, does not begin by reading its clips)."""
-    from pipeline import shard_runner
-
-    assert shard_runner.PRELOAD_AHEAD == 2
-    asked = shard_runner.ShardRunner._preload
-
-    def recording(self, engine, reqs):
-        PreloadingEngine.events.append(("asked", tuple(r.text for r in reqs)))
-        return asked(self, engine, reqs)
-
-    monkeypatch.setattr(shard_runner.ShardRunner, "_preload", recording)
-    rows = _run_one_row_batches(tmp_path, PreloadingEngine)
-    events, batches = PreloadingEngine.events, [(r.text,) for r in rows]
-    assert [b for kind, b in events if kind == "asked"] == batches  # each once, in order
-    for i, batch in enumerate(batches[:-2]):
-        assert events.index(("asked", batches[i + 2])) < events.index(("generate", batch))
-
-
 def test_the_next_shard_generates_while_the_one_before_waits_for_its_writes(tmp_path: Path):
     from pipeline.shard_runner import run_local
 
