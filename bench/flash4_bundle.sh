@@ -33,7 +33,8 @@ cat > "$out/assemble.sh" <<'EOF'
 # and puts it on PYTHONPATH (a PYTHONPATH folder's .pth files are not read, so the DSL's folder is added too).
 _d=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 if [ ! -d /tmp/fa4site/flash_attn ]; then
-  (cd /tmp/fa4 && cp "$_d/sha256" . && sha256sum -c --quiet sha256) && cat /tmp/fa4/part* | xz -d | tar x -C /tmp
+  (cd /tmp/fa4 && cp "$_d/sha256" . && sha256sum -c --quiet sha256) && cat /tmp/fa4/part* | xz -d | tar x -C /tmp &&
+    python3 -m compileall -q -j 0 /tmp/fa4site > /dev/null  # .pyc files, as pip install writes them
 fi
 export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import cuda.bindings, google.protobuf" 2>/dev/null || export PYTHONPATH=$PYTHONPATH:/tmp/fa4site/fallback

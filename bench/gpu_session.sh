@@ -15,6 +15,11 @@ mkdir -p "$out/logs"
 [ -f .devwheels/activate ] && source .devwheels/activate
 PY=${PY:-python3}  # the interpreter that has torch (make bench passes the venv's)
 export PY PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+# .devwheels arrive without .pyc files (installed with --no-compile, Ray untarred): compile them once, as pip
+# install does, so that a fresh machine's first job is not charged for compiling Ray's modules.
+if [ -d /tmp/site ] && [ ! -e /tmp/site/.compiled ]; then
+  $PY -m compileall -q -j 0 /tmp/site > /dev/null; touch /tmp/site/.compiled
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/logs/gpu.txt" 2>&1
 
 step() {
