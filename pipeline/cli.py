@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import InputError, OVBatchError
+from pipeline import ray_head
 from pipeline.messages import first_line_of
 
 EXIT_FAILED_ROWS = 1
@@ -95,11 +96,18 @@ def _print_outcome(outcome: Any) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from pipeline.config import load_job_config
-    from pipeline.job import submit
-    from pipeline.sizing import frontend_sizer
 
     cfg = load_job_config(args.config, args.overrides, _flag_settings(args, manifest=args.manifest))
-    return _print_outcome(submit(cfg, args.out, frontend_sizer))
+    # The job's own Ray starts now, while the modules below import and the job reads its input.
+    head = ray_head.RayHead(cfg.ray.num_cpus) if ray_head.wanted(cfg) else None
+    try:
+        from pipeline.job import submit
+        from pipeline.sizing import frontend_sizer
+
+        return _print_outcome(submit(cfg, args.out, frontend_sizer, head))
+    finally:
+        if head is not None:
+            head.close()
 
 
 def cmd_rerun(args: argparse.Namespace) -> int:

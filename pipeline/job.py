@@ -28,6 +28,7 @@ from pipeline.atomic import write_bytes_atomic, write_json_atomic
 from pipeline.config import JobConfig, load_job_config, resolve_checkpoint_names, to_yaml
 from pipeline.messages import first_line
 from pipeline.plan import Plan, RowSize, SizerFactory, make_plan, plan_differences
+from pipeline.ray_head import RayHead
 from pipeline.rows import RequestRow, ResultRow
 from pipeline.shard_runner import BatchCallback, BatchDone, ShardRunner, ShardTask, load_factory, run_local
 from pipeline.store import JobDir, JobDirError
@@ -124,10 +125,13 @@ def check_manifest(cfg: JobConfig, make_sizer: SizerFactory) -> dict[str, Any]:
     }
 
 
-def submit(cfg: JobConfig, out: str | Path, make_sizer: SizerFactory) -> JobOutcome:
+def submit(
+    cfg: JobConfig, out: str | Path, make_sizer: SizerFactory, ray_head: RayHead | None = None
+) -> JobOutcome:
     """Plan MANIFEST into OUT and run it; on an existing OUT with the same plan, run what is unfinished.
     make_sizer(cfg, rows) gives the row sizer (pipeline.sizing.frontend_sizer: the engine's own request
-    preparation, without the model or the codec)."""
+    preparation, without the model or the codec). ray_head: the job's own Ray, started already (the CLI's;
+    the job closes it); else the job starts Ray here when it needs one."""
     t0 = time.perf_counter()
     job = JobDir(out)
     cfg = with_job_defaults(cfg, job)
@@ -147,7 +151,7 @@ def submit(cfg: JobConfig, out: str | Path, make_sizer: SizerFactory) -> JobOutc
         if start_workers and not cfg.local:
             # Ray starts before the planning, as the actors start only once Ray is up; they then import and
             # load in their own processes while this one plans (its clip workers yield them the CPU).
-            workers = Workers(job, cfg)
+            workers = Workers(job, cfg, ray_head)
         elif start_workers:
             # Imported before the planner's thread starts, which imports some of them too: transformers
             # replaces itself in sys.modules at the end of its import, and a second thread importing it
@@ -405,8 +409,9 @@ class Workers:
     the driver plans (Ray: before the planning, the actors then loading in their own processes; local: on a
     thread beside the planner's); run() then feeds them the shards."""
 
-    def __init__(self, job: JobDir, cfg: JobConfig):
+    def __init__(self, job: JobDir, cfg: JobConfig, ray_head: RayHead | None = None):
         start = time.perf_counter()
+        self.ray_head = ray_head
         self.relay = BatchRelay()
         self.pool = self.runner = self.loading = None
         self.start_parts: dict[str, float] = {}  # Ray: its modules' import, ray.init, the actors' creation
@@ -420,7 +425,7 @@ class Workers:
             from pipeline.ray_runner import ActorPool, connect
 
             imported = time.perf_counter()
-            started_ray = connect(cfg)
+            started_ray = connect(cfg, ray_head)
             connected = time.perf_counter()
             on_batch = self.relay if cfg.progress else None
             self.pool = ActorPool(str(job.path), cfg, started_ray=started_ray, on_batch=on_batch)
@@ -451,6 +456,8 @@ class Workers:
     def shutdown(self) -> None:
         if self.pool is not None:
             self.pool.shutdown()
+            if self.ray_head is not None:
+                self.ray_head.close()
         else:
             self._loader.shutdown(wait=True)
 

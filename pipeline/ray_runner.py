@@ -28,6 +28,7 @@ from typing import Any
 from engine.errors import OVBatchError
 from pipeline.config import JobConfig
 from pipeline.messages import first_line
+from pipeline.ray_head import RayHead
 from pipeline.rows import ResultRow
 from pipeline.shard_runner import SHARDS_IN_FLIGHT, BatchCallback, ShardRunner, ShardTask
 
@@ -58,18 +59,23 @@ class ShardActor:
         return self.runner.run_shard(task, on_batch)
 
 
-def connect(cfg: JobConfig) -> bool:
-    """Join the cluster at ray.address / RAY_ADDRESS, or start a local Ray. True when we started it."""
+def connect(cfg: JobConfig, head: RayHead | None = None) -> bool:
+    """Join the cluster at ray.address / RAY_ADDRESS, or the job's own Ray: the one `head` started (the CLI
+    starts it early, pipeline.ray_head), else one started here. True when the job started its Ray."""
     import ray
 
     if ray.is_initialized():
         return False
+    if head is not None:
+        ray.init(address=head.address(), log_to_driver=False)
+        return True
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=False)
         return False
     ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False)
     return True
+
 
 
 def died(e: BaseException) -> bool:

@@ -364,7 +364,7 @@ def test_ray_starts_before_the_planning_and_a_failed_planning_stops_the_workers(
     events = []
 
     class RecordingWorkers:
-        def __init__(self, job, cfg):
+        def __init__(self, job, cfg, ray_head=None):
             events.append("workers")
 
         def shutdown(self):

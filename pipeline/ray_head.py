@@ -1,0 +1,92 @@
+"""A local Ray for one `ovbatch submit`, started in a process of its own as soon as the command has read its
+config, so that Ray's start (its helper processes, ~7 s on the H200) runs beside the command's own imports
+and reading instead of after them. The job's driver connects to it (pipeline.ray_runner.connect) and closes
+it at the end; the head also shuts Ray down when its stdin closes, so a driver that dies leaves no Ray behind.
+
+    python -m pipeline.ray_head NUM_CPUS   # prints Ray's GCS address, keeps Ray up until stdin closes
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from typing import TYPE_CHECKING
+
+from engine.errors import OVBatchError
+
+if TYPE_CHECKING:
+    from pipeline.config import JobConfig
+
+# Ray (2.60 here) gives a cluster it starts token authentication unless RAY_AUTH_MODE says otherwise; a
+# driver that connects to that cluster must be in the same mode before it imports Ray, which reads it then.
+AUTH_MODE = "RAY_AUTH_MODE"
+CLOSE_TIMEOUT_S = 30.0  # for Ray's shutdown once asked; then the head is killed (Ray's processes with it)
+
+
+class RayHead:
+    """The head process: address() waits for Ray to be up; close() shuts it down (idempotent)."""
+
+    def __init__(self, num_cpus: int | None):
+        os.environ.setdefault(AUTH_MODE, "token")  # what Ray gives a cluster it starts; the head inherits it
+        self._errors = tempfile.TemporaryFile()  # Ray's start can fail loudly: kept for the error message
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.ray_head", str(num_cpus or 0)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._errors,
+            text=True,
+        )
+        self._address: str | None = None
+
+    def address(self) -> str:
+        """Ray's GCS address, once the head has started Ray."""
+        if self._address is None:
+            line = self._proc.stdout.readline().strip()
+            if not line:
+                self._proc.wait()
+                self._errors.seek(0)
+                lines = self._errors.read().decode(errors="replace").strip().splitlines()
+                last = lines[-1] if lines else "no message"
+                raise OVBatchError(
+                    f"the local Ray for this job did not start (exit code {self._proc.returncode}): {last}. "
+                    "Pass --local to run without Ray, or --address for a running cluster."
+                )
+            self._address = line
+        return self._address
+
+    def close(self) -> None:
+        """Shut Ray down; a head no driver has used yet (the job stopped before it needed Ray) is killed at
+        once, with Ray's processes, instead of finishing its start first."""
+        if self._proc.stdin.closed:
+            return
+        self._proc.stdin.close()
+        try:
+            self._proc.wait(CLOSE_TIMEOUT_S if self._address is not None else 0)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc.stdout.close()
+        self._errors.close()
+
+
+def wanted(cfg: JobConfig) -> bool:
+    """Whether a job with this config starts a Ray of its own (not local, no cluster address) and this process
+    can still take the head's authentication mode (it has not imported Ray: see AUTH_MODE)."""
+    own = not cfg.local and not (cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+    return own and "ray" not in sys.modules
+
+
+def main() -> None:
+    import ray
+
+    num_cpus = int(sys.argv[1]) or None
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    print(ray.get_runtime_context().gcs_address, flush=True)
+    sys.stdin.read()  # until the driver closes it, or dies
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

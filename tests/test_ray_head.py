@@ -1,0 +1,119 @@
+"""The job's own Ray, started by the CLI in a process of its own (pipeline.ray_head): it serves a driver,
+shuts Ray down when closed or when its driver dies, and a start that fails says why. Drivers run in
+subprocesses: a process that imported Ray already cannot take the head's authentication mode."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.errors import OVBatchError
+from pipeline import ray_head
+from pipeline.config import JobConfig, RayConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _python(code: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, stdout=subprocess.PIPE, text=True, **kwargs
+    )
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _ray_processes(session_pid: int) -> list[str]:
+    """Ray's own processes whose command line names the head's session (its gcs_server and raylet)."""
+    out = subprocess.run(["pgrep", "-f", f"session_.*_{session_pid}"], capture_output=True, text=True)
+    return out.stdout.split()
+
+
+def test_a_driver_runs_on_the_heads_ray_and_close_stops_it():
+    proc = _python(
+        """
+        from pipeline.ray_head import RayHead
+        head = RayHead(1)
+        import ray
+        ray.init(address=head.address(), log_to_driver=False)
+        print(ray.get(ray.remote(lambda: 41 + 1).remote()), head._proc.pid, flush=True)
+        ray.shutdown()
+        head.close()
+        """
+    )
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    answer, head_pid = out.split()
+    assert answer == "42"
+    assert _gone(int(head_pid), 5) and not _ray_processes(int(head_pid))
+
+
+def test_a_driver_that_dies_leaves_no_ray_behind():
+    proc = _python(
+        """
+        import time
+        from pipeline.ray_head import RayHead
+        head = RayHead(1)
+        head.address()
+        print(head._proc.pid, flush=True)
+        time.sleep(600)
+        """
+    )
+    head_pid = int(proc.stdout.readline())
+    assert _ray_processes(head_pid)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert _gone(head_pid, 30), "the head kept running after its driver died"
+    deadline = time.monotonic() + 30
+    while _ray_processes(head_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _ray_processes(head_pid)
+
+
+def test_a_head_closed_before_any_driver_used_it_stops_at_once_with_rays_processes(monkeypatch):
+    monkeypatch.setenv(ray_head.AUTH_MODE, "token")  # RayHead sets it for the process it runs in
+    for seconds in (0.0, 1.5):  # before and during Ray's start
+        head = ray_head.RayHead(1)
+        time.sleep(seconds)
+        start = time.monotonic()
+        head.close()
+        assert time.monotonic() - start < 2
+        time.sleep(3)
+        assert not _ray_processes(head._proc.pid)
+
+
+def test_a_ray_that_cannot_start_says_why_and_how_to_go_on(monkeypatch):
+    monkeypatch.setenv(ray_head.AUTH_MODE, "token")  # RayHead sets it for the process it runs in
+    head = ray_head.RayHead(-1)
+    expected = r"did not start \(exit code 1\): ValueError: .*nonnegative.*--local"
+    with pytest.raises(OVBatchError, match=expected):
+        head.address()
+    head.close()
+
+
+def test_only_a_job_that_starts_its_own_ray_in_a_process_without_ray_gets_a_head(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    assert ray_head.wanted(JobConfig())
+    assert not ray_head.wanted(JobConfig(local=True))
+    assert not ray_head.wanted(JobConfig(ray=RayConfig(address="10.0.0.1:6379")))
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert not ray_head.wanted(JobConfig())
+    monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.setitem(sys.modules, "ray", object())
+    assert not ray_head.wanted(JobConfig())
