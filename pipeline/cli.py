@@ -94,12 +94,17 @@ def _print_outcome(outcome: Any) -> int:
     return EXIT_FAILED_ROWS if rows["failed"] else 0
 
 
+def _start_own_ray(cfg: Any) -> Any:
+    """The job's own Ray, started now so that it comes up while the job's modules import and the job reads its
+    input (pipeline.ray_head); None where the job needs none or this process cannot use one."""
+    return ray_head.RayHead(cfg.ray.num_cpus) if ray_head.wanted(cfg) else None
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     from pipeline.config import load_job_config
 
     cfg = load_job_config(args.config, args.overrides, _flag_settings(args, manifest=args.manifest))
-    # The job's own Ray starts now, while the modules below import and the job reads its input.
-    head = ray_head.RayHead(cfg.ray.num_cpus) if ray_head.wanted(cfg) else None
+    head = _start_own_ray(cfg)
     try:
         from pipeline.job import submit
         from pipeline.sizing import frontend_sizer
@@ -111,9 +116,20 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_rerun(args: argparse.Namespace) -> int:
-    from pipeline.job import rerun
+    from pipeline.config import load_job_config
+    from pipeline.store import JobDir
 
-    return _print_outcome(rerun(args.job, args.overrides, _flag_settings(args)))
+    config = JobDir(args.job).config_path  # a missing job is rerun()'s to report
+    head = None
+    if config.exists():
+        head = _start_own_ray(load_job_config(config, args.overrides, _flag_settings(args)))
+    try:
+        from pipeline.job import rerun
+
+        return _print_outcome(rerun(args.job, args.overrides, _flag_settings(args), head))
+    finally:
+        if head is not None:
+            head.close()
 
 
 def _run_note(run: dict[str, Any]) -> str | None:

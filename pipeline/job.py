@@ -200,10 +200,14 @@ def _complete(job: JobDir) -> bool:
 
 
 def rerun(
-    job_path: str | Path, overrides: list[str] | tuple[str, ...] = (), literal: dict[str, Any] | None = None
+    job_path: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    literal: dict[str, Any] | None = None,
+    ray_head: RayHead | None = None,
 ) -> JobOutcome:
     """Run the shards that are missing a result file or hold failed rows; only their failed rows run.
-    overrides and literal settings go on top of the job's stored config (see load_job_config)."""
+    overrides and literal settings go on top of the job's stored config (see load_job_config); ray_head as
+    in submit."""
     job = JobDir(job_path)
     job.require()
     cfg = load_job_config(job.config_path, overrides, literal)
@@ -227,7 +231,7 @@ def rerun(
             todo.append(shard.index)
         elif any(r.status == "failed" for r in job.read_shard_results(shard.index)):
             todo.append(shard.index)
-    return execute(job, cfg, plan, todo, "rerun")
+    return execute(job, cfg, plan, todo, "rerun", ray_head=ray_head)
 
 
 def _task(
@@ -248,9 +252,10 @@ def execute(
     kind: str,
     t0: float | None = None,
     workers: Workers | None = None,
+    ray_head: RayHead | None = None,
 ) -> JobOutcome:
     """Run `shard_indices` and write their results; t0 (perf_counter) is when the run began, planning
-    included (default: now); workers: started already (default: started here)."""
+    included (default: now); workers: started already (default: started here, on ray_head's Ray if given)."""
     job.remove_temp_files()
     rows = job.read_rows()
     finished = job.finished_shards()
@@ -263,7 +268,7 @@ def execute(
     tasks = [_task(plan, i, rows, kept) for i in shard_indices]
     t0 = time.perf_counter() if t0 is None else t0
     if tasks and workers is None:
-        workers = Workers(job, cfg)
+        workers = Workers(job, cfg, ray_head)
     worker_start = workers.start_seconds if workers is not None else 0.0
     since_t0 = time.perf_counter() - t0
     planning = since_t0 - worker_start

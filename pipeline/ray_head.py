@@ -1,7 +1,8 @@
-"""A local Ray for one `ovbatch submit`, started in a process of its own as soon as the command has read its
-config, so that Ray's start (its helper processes, ~7 s on the H200) runs beside the command's own imports
-and reading instead of after them. The job's driver connects to it (pipeline.ray_runner.connect) and closes
-it at the end; the head also shuts Ray down when its stdin closes, so a driver that dies leaves no Ray behind.
+"""A local Ray for one `ovbatch submit` or `rerun`, started in a process of its own as soon as the command
+has read its config, so that Ray's start (its helper processes, ~7 s on the H200) runs beside the command's
+own imports and reading instead of after them. The job's driver connects to it (pipeline.ray_runner.connect)
+and closes it at the end; the head also shuts Ray down when its stdin closes, so a driver that dies leaves
+no Ray behind.
 
     python -m pipeline.ray_head NUM_CPUS   # prints Ray's GCS address, keeps Ray up until stdin closes
 """
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 # Ray (2.60 here) gives a cluster it starts token authentication unless RAY_AUTH_MODE says otherwise; a
 # driver that connects to that cluster must be in the same mode before it imports Ray, which reads it then.
 AUTH_MODE = "RAY_AUTH_MODE"
-CLOSE_TIMEOUT_S = 30.0  # for Ray's shutdown once asked; then the head is killed (Ray's processes with it)
+CLOSE_TIMEOUT_S = 30.0  # for Ray's shutdown once asked; then the head is killed
 
 
 class RayHead:
@@ -57,13 +58,15 @@ class RayHead:
         return self._address
 
     def close(self) -> None:
-        """Shut Ray down; a head no driver has used yet (the job stopped before it needed Ray) is killed at
-        once, with Ray's processes, instead of finishing its start first."""
+        """Shut Ray down: wait for it when a driver used it; a head not used yet (the job stopped before it
+        needed Ray, or had nothing to run) finishes its start and shuts down on its own, unwaited."""
         if self._proc.stdin.closed:
             return
         self._proc.stdin.close()
+        if self._address is None:
+            return
         try:
-            self._proc.wait(CLOSE_TIMEOUT_S if self._address is not None else 0)
+            self._proc.wait(CLOSE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
