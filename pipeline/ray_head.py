@@ -86,8 +86,11 @@ def main() -> None:
 
     num_cpus = int(sys.argv[1]) or None
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-    print(ray.get_runtime_context().gcs_address, flush=True)
-    sys.stdin.read()  # until the driver closes it, or dies
+    try:
+        print(ray.get_runtime_context().gcs_address, flush=True)
+        sys.stdin.read()  # until the driver closes it, or dies
+    except BrokenPipeError:  # the driver had gone before Ray was up
+        pass
     ray.shutdown()
 
 
