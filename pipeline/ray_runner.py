@@ -77,7 +77,6 @@ def connect(cfg: JobConfig, head: RayHead | None = None) -> bool:
     return True
 
 
-
 def died(e: BaseException) -> bool:
     from ray.exceptions import ActorUnavailableError, RayActorError, WorkerCrashedError
 
