@@ -25,7 +25,8 @@ their CUDA graphs captured; capture_seconds of it; the CUDA extension is built b
 machine that has run a job before has it), planning_seconds; the engine's load by phase (load_breakdown,
 Engine.load_timings: weights, merge, codec, ...; jobs: of the slowest actor, beside its import_seconds,
 load_seconds and boot_seconds; worker_start_seconds: Ray's start, before the planning, and its parts
-(worker_start_parts: import, ray_init, actors)); the engine's seconds per phase (phases_seconds: prepare,
+(worker_start_parts: import, ray_init (with the CLI's early Ray, pipeline.ray_head: the wait for it
+and the connection), actors)); the engine's seconds per phase (phases_seconds: prepare,
 the clips read and encoded; generate; decode; postprocess) and the job summary's time split (time_split:
 planning, start, capture, phases, other) and generation_idle (jobs: the generation stream's measured idle
 before each batch, split into before shards' first batches and the others, with the longest gaps). Each part

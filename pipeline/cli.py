@@ -94,42 +94,28 @@ def _print_outcome(outcome: Any) -> int:
     return EXIT_FAILED_ROWS if rows["failed"] else 0
 
 
-def _start_own_ray(cfg: Any) -> Any:
-    """The job's own Ray, started now so that it comes up while the job's modules import and the job reads its
-    input (pipeline.ray_head); None where the job needs none or this process cannot use one."""
-    return ray_head.RayHead(cfg.ray.num_cpus) if ray_head.wanted(cfg) else None
-
-
 def cmd_submit(args: argparse.Namespace) -> int:
     from pipeline.config import load_job_config
 
     cfg = load_job_config(args.config, args.overrides, _flag_settings(args, manifest=args.manifest))
-    head = _start_own_ray(cfg)
-    try:
+    with ray_head.own_ray(cfg) as head:  # Ray comes up while the job's modules import and it reads its input
         from pipeline.job import submit
         from pipeline.sizing import frontend_sizer
 
         return _print_outcome(submit(cfg, args.out, frontend_sizer, head))
-    finally:
-        if head is not None:
-            head.close()
 
 
 def cmd_rerun(args: argparse.Namespace) -> int:
     from pipeline.config import load_job_config
     from pipeline.store import JobDir
 
-    config = JobDir(args.job).config_path  # a missing job is rerun()'s to report
-    head = None
-    if config.exists():
-        head = _start_own_ray(load_job_config(config, args.overrides, _flag_settings(args)))
-    try:
+    job = JobDir(args.job)
+    job.require()
+    cfg = load_job_config(job.config_path, args.overrides, _flag_settings(args))  # as rerun() reads it
+    with ray_head.own_ray(cfg) as head:
         from pipeline.job import rerun
 
         return _print_outcome(rerun(args.job, args.overrides, _flag_settings(args), head))
-    finally:
-        if head is not None:
-            head.close()
 
 
 def _run_note(run: dict[str, Any]) -> str | None:

@@ -17,7 +17,6 @@ that a shard's batches reach on_batch before its end.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from collections import deque
@@ -28,7 +27,7 @@ from typing import Any
 from engine.errors import OVBatchError
 from pipeline.config import JobConfig
 from pipeline.messages import first_line
-from pipeline.ray_head import RayHead
+from pipeline.ray_head import RayHead, cluster_address
 from pipeline.rows import ResultRow
 from pipeline.shard_runner import SHARDS_IN_FLIGHT, BatchCallback, ShardRunner, ShardTask
 
@@ -69,7 +68,7 @@ def connect(cfg: JobConfig, head: RayHead | None = None) -> bool:
     if head is not None:
         ray.init(address=head.address(), log_to_driver=False)
         return True
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    address = cluster_address(cfg)
     if address:
         ray.init(address=address, log_to_driver=False)
         return False
