@@ -16,22 +16,23 @@ round-to-nearest speed copy), 32 steps. The manifest (bench/manifests.py): --row
 
 Each entry: variant, rows, audio_seconds, wall_seconds, x_realtime (audio / wall), gpu_busy (mean nvidia-smi
 utilization over the entry; jobs also gpu_busy_execution, from the workers' ready on, and gpu_busy_generating,
-from then until the last batch was queued; last_generated_seconds, from the process's start to then, and
-tail_seconds, from then until it exited; launch_seconds, from its start until submit() began),
-padding_fraction (token-weighted share of each batch's graph bucket that holds no row), mean_sm_clock_mhz,
-attention_backend (the engine's; for jobs, what attention=auto picks in the bench's process, whose environment
-the job's workers inherit), startup_seconds (jobs: from the end of planning until the engines are loaded and
-their CUDA graphs captured; capture_seconds of it; the CUDA extension is built before the first part, as a
-machine that has run a job before has it), planning_seconds; the engine's load by phase (load_breakdown,
-Engine.load_timings: weights, merge, codec, ...; jobs: of the slowest actor, beside its import_seconds,
-load_seconds and boot_seconds; worker_start_seconds: Ray's start, before the planning, and its parts
-(worker_start_parts: import, ray_init (with the CLI's early Ray, pipeline.ray_head: the wait for it
-and the connection), actors)); the engine's seconds per phase (phases_seconds: prepare,
-the clips read and encoded; generate; decode; postprocess) and the job summary's time split (time_split:
-planning, start, capture, phases, other) and generation_idle (jobs: the generation stream's measured idle
-before each batch, split into before shards' first batches and the others, with the longest gaps). Each part
-starts from an empty prompt cache. A device command is limited to 10 minutes: run some parts or precisions
-per call; entries merge into --out by variant name.
+from then until the last batch was queued, and gpu_busy_timeline, the same in tenths; last_generated_seconds,
+from the process's start to then, and tail_seconds, from then until it exited; launch_seconds, from its start
+until submit() began), padding_fraction (token-weighted share of each batch's graph bucket that holds no row),
+mean_sm_clock_mhz, attention_backend (the engine's; for jobs, what attention=auto picks in the bench's
+process, whose environment the job's workers inherit), startup_seconds (jobs: from the end of planning until
+the engines are loaded and their CUDA graphs captured; capture_seconds of it; the CUDA extension is built
+before the first part, as a machine that has run a job before has it), planning_seconds; the engine's load by
+phase (load_breakdown, Engine.load_timings: weights, merge, codec, ...; jobs: of the slowest actor, beside its
+import_seconds, load_seconds and boot_seconds; worker_start_seconds: Ray's start, before the planning, and its
+parts (worker_start_parts: import, ray_init (with the CLI's early Ray, pipeline.ray_head: the wait for it and
+the connection), actors)); the engine's seconds per phase (phases_seconds: prepare, the clips read and
+encoded; generate; decode; postprocess) and the job summary's time split (time_split: planning, start,
+capture, phases, other) and generation_idle (jobs: the generation stream's measured idle before each batch,
+split into before shards' first batches and the others, with the longest gaps) and by_bucket (jobs: per plan
+bucket, the rows' shares of generation, preparation ahead and that idle). Each part starts from an empty
+prompt cache. A device command is limited to 10 minutes: run some parts or precisions per call; entries merge
+into --out by variant name.
 
     python bench/e2e.py [--parts official,engine,job_local,job_ray] [--precisions bf16,w4a4,fp8]
                         [--rows 2000] [--official-rows 512] [--size full|tiny] [--device auto]
@@ -91,12 +92,47 @@ def gpu_fields(gpu: GpuSampler) -> dict:
 def busy_since(gpu: GpuSampler, since: float, until: float = float("inf")) -> float | None:
     """The busiest GPU's mean utilization over the samples taken from `since` to `until` (perf_counter): a
     job's execution, once its workers were ready (None without samples then)."""
+    return _busiest_mean(gpu, lambda t: since <= t <= until)
+
+
+def busy_timeline(gpu: GpuSampler, since: float, until: float, parts: int = 10) -> list[float | None] | None:
+    """busy_since over `parts` equal slices of [since, until] (each but the last open at its end): where in
+    a job its GPU idled (its shards run from the longest rows to the shortest, which bring the most clips
+    to encode a second of audio). None without nvidia-smi."""
+    if not gpu.by_gpu:
+        return None
+    width = (until - since) / parts
+    bounds = [since + i * width for i in range(parts)] + [until]
+    return [
+        _busiest_mean(gpu, lambda t, lo=lo, hi=hi, last=i == parts - 1: lo <= t < hi or (last and t == hi))
+        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))
+    ]
+
+
+def _busiest_mean(gpu: GpuSampler, keep) -> float | None:
     means = [
         statistics.fmean(inside)
         for i in gpu.by_gpu
-        if (inside := [p for p, t in zip(gpu.by_gpu[i], gpu.times[i]) if since <= t <= until])
+        if (inside := [p for p, t in zip(gpu.by_gpu[i], gpu.times[i]) if keep(t)])
     ]
     return round(max(means) / 100, 3) if means else None
+
+
+def by_bucket(rows: list[dict]) -> dict[str, dict] | None:
+    """Per plan bucket (its packed-token bound): rows, audio seconds, and the rows' shares of their batches'
+    generation, preparation ahead and generation-stream idle. None where no row has them (an engine
+    factory's engine may time no phase)."""
+    phases = ("generate_seconds", "prepare_ahead_seconds", "generation_idle_seconds")
+    buckets: dict[int, dict[str, float]] = {}
+    for r in rows:
+        b = buckets.setdefault(r["bucket"], {"rows": 0, **dict.fromkeys(("audio_seconds", *phases), 0.0)})
+        b["rows"] += 1
+        b["audio_seconds"] += r["audio_seconds"] or 0.0
+        for phase in phases:
+            b[phase] += r.get(phase) or 0.0
+    if not any(b["generate_seconds"] for b in buckets.values()):
+        return None
+    return {str(k): {n: round(v, 2) for n, v in b.items()} for k, b in sorted(buckets.items())}
 
 
 def padding_fraction(batches: list[int], buckets: list[int]) -> float | None:
@@ -203,6 +239,7 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
         # the same until the last batch was queued, and what came after it (its generation, decode and writes,
         # the results and summary, the workers' stop)
         gpu_busy_generating=busy_since(gpu, ready, start + last),
+        gpu_busy_timeline=busy_timeline(gpu, ready, start + last),
         last_generated_seconds=round(last, 2),
         tail_seconds=round(wall - last, 2),
         launch_seconds=round(launch, 2),  # the process's start and its imports before submit() began
@@ -221,6 +258,7 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
         engine_x_realtime=summary["engine_x_realtime"],
         time_split=summary["time"],
         generation_idle=idle_by_batch(ok),
+        by_bucket=by_bucket(ok),
     )
 
 

@@ -70,3 +70,40 @@ def test_generation_idle_is_summed_per_batch_and_split_at_shard_starts():
     assert got["shard_first_batches_seconds"] == 0.5 and got["other_batches_seconds"] == 0.24
     assert got["longest"][0] == {"shard": 1, "first_of_shard": True, "seconds": 0.5}
     assert idle_by_batch([row(0, 1, None)]) is None
+
+
+def test_the_busy_timeline_splits_the_window_into_equal_slices():
+    from bench.e2e import busy_timeline
+    from bench.pipeline import GpuSampler
+
+    gpu = GpuSampler()
+    gpu.by_gpu = {0: [10.0, 20.0, 90.0, 100.0, 50.0]}
+    gpu.times = {0: [1.0, 2.0, 3.0, 4.0, 9.0]}
+    # [1, 3) [3, 5] in halves; a slice without samples is None
+    assert busy_timeline(gpu, 1.0, 5.0, parts=2) == [0.15, 0.95]
+    assert busy_timeline(gpu, 5.0, 7.0, parts=2) == [None, None]
+    assert busy_timeline(GpuSampler(), 1.0, 5.0) is None  # no nvidia-smi
+
+
+def test_by_bucket_sums_each_buckets_rows_and_phase_shares():
+    from bench.e2e import by_bucket
+
+    def row(bucket, audio, generate, idle):
+        return {
+            "bucket": bucket,
+            "audio_seconds": audio,
+            "generate_seconds": generate,
+            "prepare_ahead_seconds": None,
+            "generation_idle_seconds": idle,
+        }
+
+    got = by_bucket([row(1, 2.0, 0.5, 0.1), row(0, 4.0, 1.0, None), row(1, 3.0, 0.25, 0.2)])
+    assert list(got) == ["0", "1"]
+    assert got["1"] == {
+        "rows": 2,
+        "audio_seconds": 5.0,
+        "generate_seconds": 0.75,
+        "prepare_ahead_seconds": 0.0,
+        "generation_idle_seconds": 0.3,
+    }
+    assert by_bucket([row(0, 1.0, None, None)]) is None  # an engine that times no phase
