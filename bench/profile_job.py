@@ -10,7 +10,8 @@ sets), and each idle gap put down to the innermost `ovbatch.*` range (pipeline/s
 engine/frontend/prompt.py) open on the thread holding the device at the gap's middle ("shard loop" when only
 the hold itself is open, "no shard on the device" between shards). The profiler slows the host, so idle
 seconds are an upper bound; their split is the point. nvidia-smi's mean utilization is sampled over both runs
-too (gpu_busy_nvidia_smi), to set the e2e bench's figure, which comes from it, against the profiler's.
+too (gpu_busy_nvidia_smi), to set the e2e bench's figure, which comes from it, against the profiler's, and
+Python's garbage collections over the unprofiled run (each holds every thread of the process).
 
     python bench/profile_job.py [--rows 3000] [--shards 4] [--warmup-shards 2] [--precision bf16]
                                 [--work DIR] [--size full|tiny] [--out bench/results/profile-job-h200.json]
@@ -19,6 +20,7 @@ too (gpu_busy_nvidia_smi), to set the e2e bench's figure, which comes from it, a
 from __future__ import annotations
 
 import argparse
+import gc
 import shutil
 import sys
 import tempfile
@@ -49,6 +51,46 @@ def run(runner: ShardRunner, tasks: list[ShardTask]) -> tuple[float, float]:
     start = time.perf_counter()
     audio = sum(r.audio_seconds or 0.0 for _, results in run_local(runner, tasks) for r in results)
     return time.perf_counter() - start, audio
+
+
+class GcPauses:
+    """Python's garbage collections while a run lasts: how many of each generation, the seconds they held
+    the process (the collector holds the GIL: no thread launches work meanwhile) and the longest; with the
+    objects the collector tracks after the run and what one full collection of them takes."""
+
+    def __init__(self):
+        self.collections = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self.longest = 0.0
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        seconds = time.perf_counter() - self._started
+        self.collections[info["generation"]] += 1
+        self.seconds[info["generation"]] += seconds
+        self.longest = max(self.longest, seconds)
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def report(self) -> dict:
+        start = time.perf_counter()
+        gc.collect()
+        full = time.perf_counter() - start
+        return {
+            "collections": dict(enumerate(self.collections)),
+            "seconds": {g: round(s, 3) for g, s in enumerate(self.seconds)},
+            "longest_s": round(self.longest, 4),
+            "tracked_objects": len(gc.get_objects()),
+            "full_collection_s": round(full, 4),
+        }
 
 
 def spread_pair(tasks: list, count: int) -> tuple[list, list]:
@@ -153,7 +195,7 @@ def main() -> None:
         runner.load_engines(cfg.variant_names())
         runner.capture(tasks)
         run(runner, tasks[:warm])
-        with GpuSampler() as gpu:
+        with GpuSampler() as gpu, GcPauses() as collections:
             wall, audio = run(runner, unprofiled)
         from torch._C._profiler import _ExperimentalConfig
         from torch.profiler import ProfilerActivity, profile
@@ -182,6 +224,7 @@ def main() -> None:
                 "audio_s": round(audio, 2),
                 "x_realtime": round(audio / wall, 2),
                 "gpu_busy_nvidia_smi": gpu_fields(gpu)["gpu_busy"],
+                "garbage_collections": collections.report(),
             },
             "profiled": {
                 "shards": [t.index for t in profiled],

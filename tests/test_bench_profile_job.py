@@ -72,3 +72,18 @@ def test_the_timed_shards_spread_over_the_plan_from_its_long_rows_to_its_short_o
     first, second = spread_pair(list(range(20)), 4)
     assert first == [0, 5, 10, 15] and second == [2, 7, 12, 17]
     assert spread_pair(list(range(8)), 4) == ([0, 2, 4, 6], [1, 3, 5, 7])  # every shard, none twice
+
+
+def test_gc_pauses_count_the_collections_of_a_run_by_generation():
+    import gc
+
+    from bench.profile_job import GcPauses
+
+    with GcPauses() as pauses:
+        gc.collect(0)
+        gc.collect(2)
+    gc.collect(1)  # after the run: not counted
+    report = pauses.report()
+    assert report["collections"][0] >= 1 and report["collections"][2] >= 1  # at least the two asked for
+    assert 0 < report["longest_s"] <= max(report["seconds"].values()) + 1e-3  # both rounded
+    assert report["tracked_objects"] > 0 and report["full_collection_s"] > 0
