@@ -55,8 +55,10 @@ def run(runner: ShardRunner, tasks: list[ShardTask]) -> tuple[float, float]:
 
 class GcPauses:
     """Python's garbage collections while a run lasts: how many of each generation, the seconds they held
-    the process (the collector holds the GIL: no thread launches work meanwhile) and the longest; with the
-    objects the collector tracks after the run and what one full collection of them takes."""
+    the process (the collector holds the GIL: no thread launches work meanwhile) and the longest; after
+    the run, the objects the collector walks and those the runner froze out of its walks
+    (ShardRunner.capture), and what one full collection takes as the runner leaves it and with nothing
+    frozen."""
 
     def __init__(self):
         self.collections = [0, 0, 0]
@@ -81,16 +83,26 @@ class GcPauses:
         gc.callbacks.remove(self._callback)
 
     def report(self) -> dict:
-        start = time.perf_counter()
-        gc.collect()
-        full = time.perf_counter() - start
+        walked, frozen = len(gc.get_objects()), gc.get_freeze_count()
+        full = _seconds(gc.collect)
+        gc.unfreeze()
+        full_unfrozen = _seconds(gc.collect)
+        gc.freeze()
         return {
             "collections": dict(enumerate(self.collections)),
             "seconds": {g: round(s, 3) for g, s in enumerate(self.seconds)},
             "longest_s": round(self.longest, 4),
-            "tracked_objects": len(gc.get_objects()),
+            "walked_objects": walked,
+            "frozen_objects": frozen,
             "full_collection_s": round(full, 4),
+            "full_collection_unfrozen_s": round(full_unfrozen, 4),
         }
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def spread_pair(tasks: list, count: int) -> tuple[list, list]:

@@ -18,6 +18,7 @@ settles its rows (ok, failed or rejected) is reported to an optional callback, s
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import os
@@ -211,7 +212,8 @@ class ShardRunner:
 
     def capture(self, tasks: list[ShardTask]) -> dict[str, Any]:
         """Have each variant's engine capture the CUDA graphs the tasks' batches will replay (engines
-        without capture() skip it): graphs captured, seconds spent, the seconds the engine's imports and
+        without capture() skip it), then freeze what the process holds out of the garbage collector's
+        full collections: graphs captured, seconds spent, the seconds the engine's imports and
         load_engines took, and the engines' load seconds by phase (load_breakdown)."""
         start = time.perf_counter()
         graphs = 0
@@ -227,6 +229,10 @@ class ShardRunner:
                 for batch in pack_batches(task.rows, engine_cfg)
             ]
             graphs += capture(shapes)
+        # The imports, engines and graphs live as long as the worker: frozen, a full collection (which holds
+        # every thread, the device's feeders too) walks only what the shards make. Garbage goes first.
+        gc.collect()
+        gc.freeze()
         return {
             "graphs": graphs,
             "capture_seconds": round(time.perf_counter() - start, 3),

@@ -1,3 +1,5 @@
+import gc
+
 import pytest
 import torch
 
@@ -9,3 +11,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def unfrozen_heap():
+    """ShardRunner.capture freezes the process's objects out of the garbage collector's walks, as a worker
+    wants; after each test they are walked again, so that no test's garbage outlives it."""
+    yield
+    gc.unfreeze()

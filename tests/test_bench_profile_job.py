@@ -86,4 +86,20 @@ def test_gc_pauses_count_the_collections_of_a_run_by_generation():
     report = pauses.report()
     assert report["collections"][0] >= 1 and report["collections"][2] >= 1  # at least the two asked for
     assert 0 < report["longest_s"] <= max(report["seconds"].values()) + 1e-3  # both rounded
-    assert report["tracked_objects"] > 0 and report["full_collection_s"] > 0
+    assert report["walked_objects"] > 0 and report["full_collection_unfrozen_s"] > 0
+
+
+def test_gc_pauses_time_full_collections_frozen_and_not_and_leave_the_heap_frozen():
+    import gc
+
+    from bench.profile_job import GcPauses
+
+    held = [[i] for i in range(200_000)]  # long-lived objects, as a worker's imports and engines
+    gc.freeze()
+    try:
+        report = GcPauses().report()
+        assert report["frozen_objects"] >= len(held) > report["walked_objects"]
+        assert report["full_collection_unfrozen_s"] > report["full_collection_s"]
+        assert gc.get_freeze_count() >= len(held)
+    finally:
+        gc.unfreeze()

@@ -3,6 +3,7 @@ and write the last ones, at most 2 x writer_threads batches behind; nothing is l
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from pathlib import Path
@@ -188,6 +189,7 @@ def test_the_engines_capture_the_batches_of_the_run_before_its_first_shard(tmp_p
     assert 0 <= run["load_seconds"] <= run["ready_seconds"]  # the engines loaded before the run was ready
     assert run["load_breakdown"] == CapturingEngine.load_timings  # where the load's seconds went
     assert "capture" in outcome.summary["time"]
+    assert gc.get_freeze_count() > 0  # what the worker held then is out of the collector's full walks
 
 
 class PreloadingEngine(StagedEngine):
