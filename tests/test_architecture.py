@@ -22,9 +22,9 @@ REPO = Path(__file__).resolve().parents[1]
 ENGINE = REPO / "engine"
 QUANTIZATION = ("engine.w4a4", "engine.fp8", "engine.quantizer")
 FORWARD_PATH = ("engine/model", "engine/generate", "engine/w4a4", "engine/fp8", "engine/kernels")
-# Builds the CUDA extension once per process (its cache directory and extra compiler flags) and points
-# flash-attn-4's kernel cache: not per forward.
-FORWARD_PATH_EXEMPT = ("engine/kernels/build.py",)
+# Once per process: the CUDA extension's build (its cache directory and extra compiler flags), and
+# flash-attn-4's import (its kernel cache, and whether quack's ptxas patch is asked for). Not per forward.
+FORWARD_PATH_EXEMPT = ("engine/kernels/build.py", "engine/kernels/flash4.py")
 
 
 def module_name(path: Path) -> str:

@@ -1,13 +1,14 @@
-"""engine.model.attention.import_flash4_forward on stand-in packages: quack's package __init__ is skipped,
-quack.dsl still runs first, and any failure leaves quack to the usual import."""
+"""engine.kernels.flash4.import_flash4_forward on stand-in packages: the kernel cache is pointed, quack's
+package __init__ is skipped, quack.dsl still runs first, and any failure leaves quack to the usual import."""
 
+import os
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from engine.model.attention import import_flash4_forward
+from engine.kernels.flash4 import import_flash4_forward
 
 
 def write(path: Path, text: str = "") -> None:
@@ -34,7 +35,12 @@ def packages(tmp_path, monkeypatch):
         """,
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delenv("CUTE_DSL_PTXAS_PATH", raising=False)
+    for name in (
+        "CUTE_DSL_PTXAS_PATH",
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",
+    ):
+        monkeypatch.delenv(name, raising=False)  # and restored after the test
     import builtins
 
     for flag in ("quack_init_ran", "quack_dsl_ran"):
@@ -52,6 +58,8 @@ def test_quack_is_entered_bare_with_its_dsl_imported(packages):
     assert forward() == 7
     assert builtins.quack_dsl_ran and not builtins.quack_init_ran
     assert sys.modules["quack"].__path__ == [str(packages / "quack")]
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"].endswith("flash4")
 
 
 @pytest.mark.parametrize("why", ["imported already", "ptxas patch asked for"])

@@ -45,13 +45,6 @@ CUDA_FLAGS = ("-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-Xpt
 LINK_FLAGS = ("-Wl,--exclude-libs,ALL",)
 
 
-def keep_flash4_kernels() -> None:
-    """flash-attn-4 compiles each kernel configuration on its first call (seconds); its disk cache, set by
-    environment variables it reads when imported, keeps them under our cache for the processes after."""
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(cache_root() / "flash4"))
-
-
 def tuning_defines() -> list[str]:
     """Extra -D flags for tuning experiments (OVBATCH_KERNEL_DEFINES="-DW4A4_GEMM_STAGES=8 ..."), the
     `Tuning knob` #ifndef's in csrc/w4a4_gemm.cu and csrc/quantize_act.cu; empty in normal use."""

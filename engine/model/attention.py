@@ -7,19 +7,16 @@ Tokens attend to every token of their own sequence and to nothing else.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import inspect
 import logging
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from engine.errors import BackendUnavailable
-from engine.kernels.build import keep_flash4_kernels
+from engine.kernels.flash4 import import_flash4_forward
 
 log = logging.getLogger(__name__)
 
@@ -70,30 +67,6 @@ class FlashAttnBackend(Backend):
         )
 
 
-def import_flash4_forward():
-    """flash-attn-4's varlen forward (flash_attn.cute.interface._flash_attn_fwd), imported without quack's
-    package __init__. quack, the CuTe kernel library flash-attn-4 builds on, imports its own RMSNorm,
-    softmax and cross-entropy kernels there, and torch._dynamo with them: 30% of flash-attn-4's import
-    (3.8 -> 2.7 s on 2 cores), on every worker's start. flash-attn-4 imports only quack's
-    submodules, so quack is entered as a bare package (its __init__ not run) and quack.dsl imported, as that
-    __init__ does first (it patches CuTe's tensor indexing, which the kernels use). A quack imported
-    already, or one asked for its ptxas patch (CUTE_DSL_PTXAS_PATH), is imported as usual. In this process
-    `from quack import rmsnorm` then gives quack's module of that name, not its function."""
-    spec = None
-    if "quack" not in sys.modules and "CUTE_DSL_PTXAS_PATH" not in os.environ:
-        spec = importlib.util.find_spec("quack")
-    if spec is not None and spec.submodule_search_locations is not None:
-        sys.modules["quack"] = importlib.util.module_from_spec(spec)
-        try:
-            importlib.import_module("quack.dsl")
-        except Exception:
-            for name in [m for m in sys.modules if m == "quack" or m.startswith("quack.")]:
-                del sys.modules[name]  # the import below tries again as usual, and reports
-    from flash_attn.cute.interface import _flash_attn_fwd
-
-    return _flash_attn_fwd
-
-
 class FlashAttn4Backend(Backend):
     """flash-attn-4's varlen forward (CuTe DSL kernels for sm_90 and sm_100, compiled on the first call of
     each configuration: a layout is run once before graph capture, as the runner's warm-up does)."""
@@ -119,7 +92,6 @@ class FlashAttn4Backend(Backend):
         major, _ = torch.cuda.get_device_capability(device)
         if major not in (9, 10):
             return False, "flash-attn-4 runs on Hopper (sm_90) and Blackwell (sm_100) only"
-        keep_flash4_kernels()
         try:
             self._fn = import_flash4_forward()
         except Exception as e:  # not installed, or installed without a working nvidia-cutlass-dsl
