@@ -465,6 +465,7 @@ class Workers:
                 self.ray_head.close()
         else:
             self._loader.shutdown(wait=True)
+            self.runner.close()
 
 
 def status(job_path: str | Path) -> dict[str, Any]:

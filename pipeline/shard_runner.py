@@ -213,7 +213,7 @@ class ShardRunner:
     def capture(self, tasks: list[ShardTask]) -> dict[str, Any]:
         """Have each variant's engine capture the CUDA graphs the tasks' batches will replay (engines
         without capture() skip it), then freeze what the process holds out of the garbage collector's
-        full collections: graphs captured, seconds spent, the seconds the engine's imports and
+        full collections (until close()): graphs captured, seconds spent, the seconds the engine's imports and
         load_engines took, and the engines' load seconds by phase (load_breakdown)."""
         start = time.perf_counter()
         graphs = 0
@@ -240,6 +240,11 @@ class ShardRunner:
             "load_seconds": round(self.load_seconds, 3),
             "load_breakdown": {phase: round(t, 3) for phase, t in self.load_breakdown.items()},
         }
+
+    def close(self) -> None:
+        """Give what capture froze back to the garbage collector: the process may go on without this runner
+        (another job, a test), and the runner's objects must be collectable then."""
+        gc.unfreeze()
 
     def run_shard(self, task: ShardTask, on_batch: BatchCallback | None = None) -> list[ResultRow]:
         engine = self.engine(task.variant)

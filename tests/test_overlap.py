@@ -145,10 +145,16 @@ def test_a_write_that_fails_fails_the_shard_after_every_writer_stopped(tmp_path:
 
 
 class CapturingEngine(StagedEngine):
-    """StagedEngine that records the batch shapes it is asked to capture graphs for."""
+    """StagedEngine that records the batch shapes it is asked to capture graphs for, and how many objects
+    were frozen out of the garbage collector's walks as each batch ran."""
 
     shapes: list[list[tuple[int, int]]] = []
+    frozen: list[int] = []
     load_timings = {"weights": 0.25, "codec": 0.125}  # as Engine reports its load
+
+    def generate(self, reqs):
+        CapturingEngine.frozen.append(gc.get_freeze_count())
+        return super().generate(reqs)
 
     def capture(self, batches):
         CapturingEngine.shapes += batches
@@ -163,7 +169,7 @@ def test_the_engines_capture_the_batches_of_the_run_before_its_first_shard(tmp_p
     from pipeline.plan import RowSize
 
     StagedEngine.gate.set()
-    CapturingEngine.shapes = []
+    CapturingEngine.shapes, CapturingEngine.frozen = [], []
     manifest = tmp_path / "m.parquet"
     texts = [f"row {i}" for i in range(5)]
     none = pa.array([None] * 5, pa.string())
@@ -189,7 +195,9 @@ def test_the_engines_capture_the_batches_of_the_run_before_its_first_shard(tmp_p
     assert 0 <= run["load_seconds"] <= run["ready_seconds"]  # the engines loaded before the run was ready
     assert run["load_breakdown"] == CapturingEngine.load_timings  # where the load's seconds went
     assert "capture" in outcome.summary["time"]
-    assert gc.get_freeze_count() > 0  # what the worker held then is out of the collector's full walks
+    # after capture the worker's objects are out of the collector's full walks; after the job, back in
+    assert len(CapturingEngine.frozen) == 5 and min(CapturingEngine.frozen) > 0
+    assert gc.get_freeze_count() == 0
 
 
 class PreloadingEngine(StagedEngine):
