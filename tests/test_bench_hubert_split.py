@@ -25,14 +25,16 @@ def test_split_terms_add_up_to_the_float32_value_within_their_precision():
 
 def test_each_variant_is_a_linear_close_to_float32_in_order_of_its_precision():
     g = torch.Generator().manual_seed(0)
-    x, w, b = (
-        torch.randn(64, 256, generator=g),
-        torch.randn(128, 256, generator=g),
-        torch.randn(128, generator=g),
-    )
-    want = F.linear(x.double(), w.double(), b.double())
-    error = {
-        name: ((linear(x, w, b) - want).norm() / want.norm()).item() for name, linear in VARIANTS.items()
-    }
+    layer = torch.nn.Linear(256, 128)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(128, 256, generator=g))
+        layer.bias.copy_(torch.randn(128, generator=g))
+    x = torch.randn(4, 16, 256, generator=g)  # a leading batch shape, as HuBERT's [B, F, hidden]
+    want = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+    error = {}
+    for name, make in VARIANTS.items():
+        got = make(layer)(x)
+        assert got.shape == (4, 16, 128) and got.dtype == torch.float32
+        error[name] = ((got - want).norm() / want.norm()).item()
     assert error["tf32x1"] > 10 * error["bf16x3"] > 10 * error["tf32x3"]
     assert error["float64"] < 1e-7 and error["bf16x6"] < 1e-6
