@@ -8,7 +8,8 @@ unprofiled (wall, x realtime), the second profiled. From the profiled run: the w
 taking the device to the last one leaving it, the device's busy time in it (union of kernels, copies and
 sets), and each idle gap put down to the innermost `ovbatch.*` range (pipeline/shard_runner.py, engine/api.py,
 engine/frontend/prompt.py) open on the thread holding the device at the gap's middle ("shard loop" when only
-the hold itself is open, "no shard on the device" between shards). The profiler slows the host, so idle
+the hold itself is open, "no shard on the device" between shards), with what the other threads were inside
+meanwhile (idle_beside: the then thread's encode, the preload, writers). The profiler slows the host, so idle
 seconds are an upper bound; their split is the point. nvidia-smi's mean utilization is sampled over both runs
 too (gpu_busy_nvidia_smi), to set the e2e bench's figure, which comes from it, against the profiler's, and
 Python's garbage collections over the unprofiled run (each holds every thread of the process).
@@ -137,18 +138,21 @@ def idle_split(events) -> dict:
     if cursor + MIN_GAP_US < end:
         gaps.append((cursor, end))
     by_range: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    beside: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for gap_start, gap_end in gaps:
         middle = (gap_start + gap_end) / 2
         holder = next((t for t, s, e in holds if s <= middle < e), None)
         if holder is None:
             label = "no shard on the device"
         else:
-            # innermost: the latest to open, and of those the first to close
-            open_here = [(s, -e, name) for t, s, e, name in ranges if t == holder and s <= middle < e]
-            label = max(open_here)[2] if open_here else "shard loop"
+            label = _innermost(ranges, holder, middle) or "shard loop"
             label = "shard loop" if label == ON_DEVICE else label
         by_range[label][0] += gap_end - gap_start
         by_range[label][1] += 1
+        for thread in {t for t, *_ in ranges} - {holder}:
+            other = _innermost(ranges, thread, middle)
+            if other is not None and other not in (ON_DEVICE, "ovbatch.wait_device"):
+                beside[label][other] += gap_end - gap_start
     host: dict[str, float] = defaultdict(float)
     for _, s, e, name in ranges:
         host[name] += e - s
@@ -161,8 +165,21 @@ def idle_split(events) -> dict:
             k: {"s": round(v[0] / 1e6, 3), "gaps": v[1]}
             for k, v in sorted(by_range.items(), key=lambda kv: -kv[1][0])
         },
+        # what the other threads were inside meanwhile (the then thread's encode or prompt store, the
+        # preload thread, writers), in seconds of those gaps: a gap counts once per thread
+        "idle_beside": {
+            k: {o: round(v / 1e6, 3) for o, v in sorted(others.items(), key=lambda kv: -kv[1])}
+            for k, others in beside.items()
+        },
         "host_range_s": {k: round(v / 1e6, 3) for k, v in sorted(host.items(), key=lambda kv: -kv[1])},
     }
+
+
+def _innermost(ranges: list, thread: int, at: float) -> str | None:
+    """The innermost `ovbatch.*` range open on `thread` at time `at`: the latest to open, and of those the
+    first to close."""
+    open_here = [(s, -e, name) for t, s, e, name in ranges if t == thread and s <= at < e]
+    return max(open_here)[2] if open_here else None
 
 
 def main() -> None:

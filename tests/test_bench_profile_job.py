@@ -47,6 +47,8 @@ def test_gaps_go_to_the_innermost_range_of_the_thread_holding_the_device():
         cpu("ovbatch.generate", 300 * ms, 900 * ms, thread=1),
         cpu("ovbatch.wait_device", 0, 1000 * ms, thread=2),  # another shard waits: never the holder
         cpu("ovbatch.settle", 950 * ms, 1300 * ms, thread=3),  # a writer: not the holder either
+        cpu("ovbatch.then", 0, 120 * ms, thread=4),  # the engine's thread, encoding the next batch's clips
+        cpu("ovbatch.encode", 20 * ms, 110 * ms, thread=4),
         cpu(ON_DEVICE, 1100 * ms, 1600 * ms, thread=2),  # 900-1100 ms: no shard on the device
         kernel(100 * ms, 250 * ms),
         kernel(250 * ms + 10, 900 * ms),  # 10 us after the last one: launch spacing, not idle
@@ -62,6 +64,11 @@ def test_gaps_go_to_the_innermost_range_of_the_thread_holding_the_device():
         "shard loop": {"s": 0.05, "gaps": 1},
     }
     assert split["host_range_s"]["ovbatch.settle"] == 0.35
+    # what the other threads were inside at each gap's middle (shard 2's wait for the device is no work)
+    assert split["idle_beside"] == {
+        "ovbatch.prepare": {"ovbatch.encode": 0.1},
+        "no shard on the device": {"ovbatch.settle": 0.2},
+    }
 
 
 def test_a_profile_without_a_shard_on_the_device_says_so():
