@@ -137,6 +137,9 @@ def idle_split(events) -> dict:
         cursor = max(cursor, e)
     if cursor + MIN_GAP_US < end:
         gaps.append((cursor, end))
+    by_thread: dict[int, list[tuple[float, float, str]]] = defaultdict(list)
+    for thread, s, e, name in ranges:
+        by_thread[thread].append((s, e, name))
     by_range: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     beside: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for gap_start, gap_end in gaps:
@@ -145,12 +148,12 @@ def idle_split(events) -> dict:
         if holder is None:
             label = "no shard on the device"
         else:
-            label = _innermost(ranges, holder, middle) or "shard loop"
+            label = _innermost(by_thread[holder], middle) or "shard loop"
             label = "shard loop" if label == ON_DEVICE else label
         by_range[label][0] += gap_end - gap_start
         by_range[label][1] += 1
-        for thread in {t for t, *_ in ranges} - {holder}:
-            other = _innermost(ranges, thread, middle)
+        for thread in by_thread.keys() - {holder}:
+            other = _innermost(by_thread[thread], middle)
             if other is not None and other not in (ON_DEVICE, "ovbatch.wait_device"):
                 beside[label][other] += gap_end - gap_start
     host: dict[str, float] = defaultdict(float)
@@ -175,10 +178,10 @@ def idle_split(events) -> dict:
     }
 
 
-def _innermost(ranges: list, thread: int, at: float) -> str | None:
-    """The innermost `ovbatch.*` range open on `thread` at time `at`: the latest to open, and of those the
-    first to close."""
-    open_here = [(s, -e, name) for t, s, e, name in ranges if t == thread and s <= at < e]
+def _innermost(ranges: list[tuple[float, float, str]], at: float) -> str | None:
+    """The innermost of one thread's (start, end, name) ranges open at time `at`: the latest to open, and of
+    those the first to close."""
+    open_here = [(s, -e, name) for s, e, name in ranges if s <= at < e]
     return max(open_here)[2] if open_here else None
 
 
