@@ -239,14 +239,25 @@ Tensor silu_mul(const Tensor& gate, const Tensor& up) {
 
 // The codec's Snake activation of x [batch, channels, length] (float32, contiguous) with alpha and
 // inv_alpha = 1 / (alpha + 1e-9), one each per channel (float32, contiguous) -> a new [batch, channels, length].
-Tensor snake(const Tensor& x, const Tensor& alpha, const Tensor& inv_alpha) {
+// bias: one per channel (float32), added to x first; limits: each item's valid length (int64 [batch]), past
+// which the output is 0.
+Tensor snake(const Tensor& x, const Tensor& alpha, const Tensor& inv_alpha, const std::optional<Tensor>& bias,
+             const std::optional<Tensor>& limits) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.is_contiguous(), "ovbatch_w4a4: x must be a contiguous CUDA ",
               "[batch, channels, length], got ", x.sizes(), " on ", x.device());
   check_dtype(x, at::kFloat, "x");
-  for (auto [t, name] : {std::pair{&alpha, "alpha"}, {&inv_alpha, "inv_alpha"}}) {
+  std::vector<std::pair<const Tensor*, const char*>> per_channel{{&alpha, "alpha"}, {&inv_alpha, "inv_alpha"}};
+  if (bias) per_channel.emplace_back(&*bias, "bias");
+  for (auto [t, name] : per_channel) {
     TORCH_CHECK(t->is_cuda() && t->is_contiguous() && t->numel() == x.size(1), "ovbatch_w4a4: ", name,
                 " must be a contiguous CUDA tensor of ", x.size(1), " values (one per channel), got ", t->sizes());
     check_dtype(*t, at::kFloat, name);
+  }
+  if (limits) {
+    TORCH_CHECK(limits->is_cuda() && limits->is_contiguous() && limits->numel() == x.size(0), "ovbatch_w4a4: ",
+                "limits must be a contiguous CUDA tensor of ", x.size(0), " lengths (one per item), got ",
+                limits->sizes());
+    check_dtype(*limits, at::kLong, "limits");
   }
   const c10::cuda::CUDAGuard guard(x.device());
   Tensor out = torch::empty(x.sizes(), x.options());
@@ -254,6 +265,8 @@ Tensor snake(const Tensor& x, const Tensor& alpha, const Tensor& inv_alpha) {
   a.x = x.data_ptr<float>();
   a.alpha = alpha.data_ptr<float>();
   a.inv_alpha = inv_alpha.data_ptr<float>();
+  a.bias = bias ? bias->data_ptr<float>() : nullptr;
+  a.limits = limits ? limits->data_ptr<int64_t>() : nullptr;
   a.out = out.data_ptr<float>();
   a.rows = x.size(0) * x.size(1);
   a.length = x.size(2);
@@ -454,7 +467,7 @@ TORCH_LIBRARY(ovbatch_w4a4, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
-  m.def("snake(Tensor x, Tensor alpha, Tensor inv_alpha) -> Tensor");
+  m.def("snake(Tensor x, Tensor alpha, Tensor inv_alpha, Tensor? bias=None, Tensor? limits=None) -> Tensor");
   m.def("fp8_quantize(Tensor x) -> (Tensor, Tensor)");
   m.def("rms_norm_fp8(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("add_rms_norm_fp8(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");

@@ -101,6 +101,8 @@ struct SnakeArgs {
   const float* x;          // [rows, length]
   const float* alpha;      // [channels]; row r has channel r % channels
   const float* inv_alpha;  // [channels]: 1 / (alpha + 1e-9), as torch computes it
+  const float* bias;       // [channels] added to x first, or nullptr
+  const int64_t* limits;   // [rows / channels]: each item's valid length, past which out is 0; or nullptr
   float* out;              // [rows, length]
   int64_t rows, length;
   int channels;

@@ -443,3 +443,16 @@ def test_cuda_matches_transformers_and_batches(tiny_dir, fp32_cuda):
     audio = gpu.decode(batched)
     for codes, a in zip(batched, audio):
         assert (a - gpu.decode([codes])[0]).abs().max().item() <= 1e-3
+
+
+@pytest.mark.gpu
+def test_the_snake_kernels_leave_codes_and_audio_bit_equal(tiny_dir):
+    """The codec on the Snake kernels (the convs' bias adds and padding masks folded into them) against
+    torch's ops, on a padded batch of three lengths: the same codes, the same audio bit for bit."""
+    plain = Codec.from_dir(tiny_dir, device="cuda")
+    fused = Codec.from_dir(tiny_dir, device="cuda", fused=True)
+    wavs = [w.cuda() for w in clips(7, [HOP * 50, HOP * 13 + 5, HOP * 120])]
+    codes = plain.encode(wavs)
+    assert all(torch.equal(a, b) for a, b in zip(fused.encode(wavs), codes))
+    audio = plain.decode(codes)
+    assert all(torch.equal(a, b) for a, b in zip(fused.decode(codes), audio))

@@ -34,6 +34,13 @@ def test_the_codecs_snakes_are_fused_only_where_asked_and_compute_the_same_off_c
     snake, x = snakes[0], torch.randn(2, snakes[0].alpha.shape[1], 33)
     want = x + (snake.alpha + 1e-9).reciprocal() * torch.sin(snake.alpha * x).pow(2)
     assert torch.equal(snake(x), want)  # a CPU input takes torch's ops
+    # with a conv's bias added first and the padding past each item's length zeroed, as the kernel does
+    bias = torch.randn(x.shape[1])
+    got = snake(x, bias=bias, lengths=[33, 20])
+    shifted = x + bias[:, None]
+    want = shifted + (snake.alpha + 1e-9).reciprocal() * torch.sin(snake.alpha * shifted).pow(2)
+    want[1, :, 20:] = 0
+    assert torch.equal(got, want)
 
 
 def test_fast_paths_are_fixed_at_load(tmp_path):

@@ -204,6 +204,28 @@ def test_snake_equals_torch(shape):
     assert torch.equal(snake(wide), want)
 
 
+@pytest.mark.parametrize("with_bias,with_lengths", [(True, False), (False, True), (True, True)])
+def test_snake_adds_the_conv_bias_and_zeroes_the_padding_as_torch_does(with_bias, with_lengths):
+    """The Snake kernel with a conv's bias (added first) and the items' valid lengths (zero past them) bit
+    for bit torch's add, five ops and masked_fill; items with no padding and with one valid position."""
+    from engine.codec.acoustic import Snake
+
+    g = fresh_generator()
+    snake = Snake(96).to(DEV)
+    with torch.no_grad():
+        snake.alpha.copy_(torch.randn(1, 96, 1, generator=g, device=DEV) * 2)
+    x = torch.randn(3, 96, 1000, generator=g, device=DEV) * 10
+    bias = torch.randn(96, generator=g, device=DEV) if with_bias else None
+    lengths = [1000, 617, 1] if with_lengths else None
+    want = snake(x, bias=bias, lengths=lengths)
+    snake.fused = True
+    poison(((3, 96, 1000), torch.float32))
+    got = snake(x, bias=bias, lengths=lengths)
+    assert torch.equal(got, want)
+    if with_lengths:
+        assert not got[1, :, 617:].any() and not got[2, :, 1:].any()
+
+
 def test_qk_norm_rope_rejects_bad_input():
     q = torch.randn(4, 2, 130, device=DEV, dtype=torch.bfloat16)[..., :128]
     w = torch.ones(128, device=DEV, dtype=torch.bfloat16)

@@ -87,7 +87,9 @@ def load() -> object:
         lambda x, delta, weight, eps: x.new_empty(x.shape)
     )
     torch.library.register_fake("ovbatch_w4a4::silu_mul")(lambda gate, up: gate.new_empty(gate.shape))
-    torch.library.register_fake("ovbatch_w4a4::snake")(lambda x, alpha, inv_alpha: x.new_empty(x.shape))
+    torch.library.register_fake("ovbatch_w4a4::snake")(
+        lambda x, alpha, inv_alpha, bias=None, limits=None: x.new_empty(x.shape)
+    )
     torch.library.register_fake("ovbatch_w4a4::gemm_lora_up")(_fake_gemm)
     torch.library.register_fake("ovbatch_w4a4::w4a4_linear")(_fake_linear)
     torch.library.register_fake("ovbatch_w4a4::fp8_quantize")(_fake_fp8_rows)
