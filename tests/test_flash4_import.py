@@ -1,6 +1,7 @@
 """engine.kernels.flash4.import_flash4_forward on stand-in packages: the kernel cache is pointed, quack's
 package __init__ is skipped, quack.dsl still runs first, and any failure leaves quack to the usual import."""
 
+import builtins
 import os
 import sys
 import textwrap
@@ -41,8 +42,6 @@ def packages(tmp_path, monkeypatch):
         "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",
     ):
         monkeypatch.delenv(name, raising=False)  # and restored after the test
-    import builtins
-
     for flag in ("quack_init_ran", "quack_dsl_ran"):
         monkeypatch.setattr(builtins, flag, False, raising=False)
     before = set(sys.modules)
@@ -52,8 +51,6 @@ def packages(tmp_path, monkeypatch):
 
 
 def test_quack_is_entered_bare_with_its_dsl_imported(packages):
-    import builtins
-
     forward = import_flash4_forward()
     assert forward() == 7
     assert builtins.quack_dsl_ran and not builtins.quack_init_ran
@@ -64,8 +61,6 @@ def test_quack_is_entered_bare_with_its_dsl_imported(packages):
 
 @pytest.mark.parametrize("why", ["imported already", "ptxas patch asked for"])
 def test_quack_imports_as_usual_where_it_must(packages, monkeypatch, why):
-    import builtins
-
     if why == "imported already":
         import quack  # noqa: F401
     else:
@@ -75,8 +70,6 @@ def test_quack_imports_as_usual_where_it_must(packages, monkeypatch, why):
 
 
 def test_a_failing_quack_dsl_is_left_to_the_usual_import_to_report(packages):
-    import builtins
-
     write(packages / "quack/dsl/__init__.py", "raise ImportError('no cutlass here')\n")
     with pytest.raises(ImportError, match="no cutlass here"):
         import_flash4_forward()
