@@ -74,3 +74,13 @@ def test_a_failing_quack_dsl_is_left_to_the_usual_import_to_report(packages):
     with pytest.raises(ImportError, match="no cutlass here"):
         import_flash4_forward()
     assert builtins.quack_init_ran  # the bare quack was dropped, then imported as usual
+
+
+def test_without_flash_attn_no_bare_quack_is_left_behind(packages):
+    write(packages / "flash_attn/cute/interface.py", "raise ImportError('no flash_attn here')\n")
+    with pytest.raises(ImportError, match="no flash_attn here"):
+        import_flash4_forward()
+    assert "quack" not in sys.modules
+    import quack
+
+    assert quack.rmsnorm == "fn" and builtins.quack_init_ran  # a later `import quack` gets the real package

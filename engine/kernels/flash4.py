@@ -30,13 +30,23 @@ def import_flash4_forward():
     spec = None
     if "quack" not in sys.modules and "CUTE_DSL_PTXAS_PATH" not in os.environ:
         spec = importlib.util.find_spec("quack")
-    if spec is not None and spec.submodule_search_locations is not None:
+    bare = spec is not None and spec.submodule_search_locations is not None
+    if bare:
         sys.modules["quack"] = importlib.util.module_from_spec(spec)
         try:
             importlib.import_module("quack.dsl")
         except Exception:
-            for name in [m for m in sys.modules if m == "quack" or m.startswith("quack.")]:
-                del sys.modules[name]  # the import below tries again as usual, and reports
-    from flash_attn.cute.interface import _flash_attn_fwd
-
+            _forget_quack()  # the import below tries again as usual, and reports
+            bare = False
+    try:
+        from flash_attn.cute.interface import _flash_attn_fwd
+    except Exception:
+        if bare:
+            _forget_quack()  # no bare quack left behind for the process's other users
+        raise
     return _flash_attn_fwd
+
+
+def _forget_quack() -> None:
+    for name in [m for m in sys.modules if m == "quack" or m.startswith("quack.")]:
+        del sys.modules[name]
