@@ -65,14 +65,13 @@ class RayHead:
         if self._proc.stdin.closed:
             return
         self._proc.stdin.close()
-        if self._address is None:
-            return
-        try:
-            self._proc.wait(CLOSE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        self._proc.stdout.close()
+        if self._address is not None:
+            try:
+                self._proc.wait(CLOSE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc.stdout.close()  # an unused head's print then fails, which it takes as the driver gone
         self._errors.close()
 
 

@@ -19,8 +19,8 @@ def import_flash4_forward():
     for the processes after.
 
     Then the import, without quack's package __init__. quack, the CuTe kernel library flash-attn-4 builds
-    on, imports its own RMSNorm, softmax and cross-entropy kernels there, and torch._dynamo with them: 30%
-    of flash-attn-4's import (3.8 -> 2.7 s on 2 cores), on every worker's start. flash-attn-4 imports only
+    on, imports its own RMSNorm, softmax and cross-entropy kernels there, and torch._dynamo with them,
+    none of which the forward uses, on every worker's start. flash-attn-4 imports only
     quack's submodules, so quack is entered as a bare package (its __init__ not run) and quack.dsl
     imported, as that __init__ does first (it patches CuTe's tensor indexing, which the kernels use). A
     quack imported already, or one asked for its ptxas patch (CUTE_DSL_PTXAS_PATH), is imported as usual.
