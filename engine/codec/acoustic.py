@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.codec.config import AcousticConfig
-from engine.codec.lengths import conv_output_lengths, masked_conv, zero_past_lengths
-from engine.devices import to_device
+from engine.codec.lengths import conv_output_lengths, masked_conv, padded_limits, zero_past_lengths
 from engine.kernels.fused import fused_ops
 
 DILATIONS = (1, 3, 9)  # of the three residual units in every block
@@ -47,7 +46,7 @@ class Snake(nn.Module):
         inv_alpha = (self.alpha + 1e-9).reciprocal()
         ops = self.kernel(x)
         if ops is not None:
-            limits = None if lengths is None else to_device(torch.tensor(lengths), x.device)
+            limits = None if lengths is None else padded_limits(x, lengths)
             return ops.snake(x.contiguous(), self.alpha, inv_alpha, bias, limits).reshape(shape)
         if bias is not None:
             x = x + bias[:, None]

@@ -22,13 +22,19 @@ def conv_output_lengths(conv: nn.Conv1d | nn.ConvTranspose1d, lengths: list[int]
     return [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n in lengths]
 
 
+def padded_limits(x: torch.Tensor, lengths: list[int]) -> torch.Tensor | None:
+    """The items' valid lengths on x's device (int64 [B]), or None when x [B, C, T] holds no padding."""
+    if all(n >= x.shape[-1] for n in lengths):
+        return None
+    return to_device(torch.tensor(lengths), x.device)  # the host does not wait for the stream
+
+
 def zero_past_lengths(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """x [B, C, T]: zero every position t >= lengths[b]. No-op when nothing is padded."""
-    size = x.shape[-1]
-    if all(n >= size for n in lengths):
+    limits = padded_limits(x, lengths)
+    if limits is None:
         return x
-    limits = to_device(torch.tensor(lengths), x.device)  # the host does not wait for the stream
-    valid = torch.arange(size, device=x.device) < limits[:, None]
+    valid = torch.arange(x.shape[-1], device=x.device) < limits[:, None]
     return x.masked_fill(~valid[:, None, :], 0)
 
 
