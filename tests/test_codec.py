@@ -215,6 +215,18 @@ def test_batched_decode_equals_one_by_one(codec):
         assert (audio - codec.decode([c])[0]).abs().max().item() <= 1e-4
 
 
+def test_padding_is_zeroed_past_each_length_and_an_unpadded_batch_left_alone():
+    from engine.codec.lengths import padded_limits, zero_past_lengths
+
+    x = torch.randn(3, 4, 10, generator=torch.Generator().manual_seed(5)) + 5  # no zeros of its own
+    assert padded_limits(x, [10, 10, 12]) is None and zero_past_lengths(x, [10, 10, 12]) is x
+    limits = padded_limits(x, [10, 7, 1])
+    assert limits.dtype == torch.long and limits.tolist() == [10, 7, 1]
+    y = zero_past_lengths(x, [10, 7, 1])
+    for item, n in enumerate([10, 7, 1]):
+        assert torch.equal(y[item, :, :n], x[item, :, :n]) and not y[item, :, n:].any()
+
+
 def test_frames_and_code_range(codec):
     (codes,) = codec.encode([clips(4, [HOP * 33])[0]])
     assert codes.shape == (8, 33) and codes.dtype == torch.int64
