@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call, many steps: GPU tests and benchmarks, each under its own time limit.
 # Usage on the GPU machine (repo root):  bash bench/gpu_session.sh STEP[:SECONDS] ...
-# Steps: tests memcheck official parity generate attention profile codec-parity codec hubert-split quantize
+# Steps: tests memcheck official parity generate attention profile codec-parity codec quantize
 # pipeline e2e profile-job kernels fused scaling
 # (GPU_TESTS narrows the test paths, MEMCHECK_TESTS the tests run under compute-sanitizer memcheck,
 # PIPELINE_ROWS the pipeline bench's rows, E2E_PARTS / E2E_PRECISIONS / E2E_ROWS what the e2e bench runs
@@ -34,7 +34,6 @@ step() {
     profile)      $PY bench/profile_generate.py ;;
     codec-parity) $PY bench/codec_parity.py ;;
     codec)        $PY bench/codec.py ;;
-    hubert-split) $PY bench/hubert_split.py --device cuda ;;
     quantize)     $PY bench/quantize.py ;;
     pipeline)     $PY bench/pipeline.py --rows ${PIPELINE_ROWS:-512} ;;
     e2e)          $PY bench/e2e.py --parts ${E2E_PARTS:-official,engine,job_local,job_ray} \
