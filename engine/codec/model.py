@@ -128,7 +128,7 @@ class Codec(nn.Module):
         e_semantic, frames = self.encoder_semantic(
             pad_stack([s.t() for s in semantic]), [s.shape[0] for s in semantic]
         )
-        clips = [self._acoustic_input(w, f) for w, f in zip(wavs, frames)]
+        clips = self._acoustic_inputs(wavs, frames)
         e_acoustic, acoustic_frames = self.acoustic_encoder(
             pad_stack([c[None] for c in clips]), [c.shape[-1] for c in clips]
         )
@@ -138,20 +138,16 @@ class Codec(nn.Module):
         codes = self.quantizer.encode(latents)
         return [codes[i, :, :f] for i, f in enumerate(frames)]
 
-    def _acoustic_frames(self, samples: int) -> int:
-        lengths = [samples]
+    def _acoustic_inputs(self, wavs: list[torch.Tensor], frames: list[int]) -> list[torch.Tensor]:
+        """As the reference: each clip as is when the DAC encoder yields as many frames as HuBERT does,
+        else padded by half a hop on both sides. With frame rates that agree (check_codec_config) one of
+        the two matches for every length; encode asserts it."""
+        lengths = [w.shape[-1] for w in wavs]
         for conv in self.acoustic_encoder.modules():
             if isinstance(conv, nn.Conv1d):
                 lengths = conv_output_lengths(conv, lengths)
-        return lengths[0]
-
-    def _acoustic_input(self, wav: torch.Tensor, frames: int) -> torch.Tensor:
-        """As the reference: the clip as is when the DAC encoder yields as many frames as HuBERT does,
-        else padded by half a hop on both sides. With frame rates that agree (check_codec_config) one of
-        the two matches for every length; encode asserts it."""
-        if self._acoustic_frames(wav.shape[-1]) == frames:
-            return wav
-        return F.pad(wav, (self.hop_length // 2, self.hop_length // 2))
+        half = (self.hop_length // 2,) * 2
+        return [w if n == f else F.pad(w, half) for w, n, f in zip(wavs, lengths, frames, strict=True)]
 
     def _checked_wavs(self, wavs: list[torch.Tensor]) -> list[torch.Tensor]:
         for index, wav in enumerate(wavs):
