@@ -4,7 +4,9 @@ The same ShardRunner serves local mode (in this process) and each Ray actor (pip
 engine's device waits for as little host work as it can: while a batch generates, a preload thread
 prepares the next batch's reference clips (Engine.preload), the engine prepares the next batch beside this
 one's steps (Engine.prepare_ahead, as generate's `then`, on the engine's own thread), and writer threads
-post-process and write the batches before it (each Engine.generate output's finish()). A worker holds
+post-process and write the batches before it (each Engine.generate output's finish()), each batch from its
+successor's `then` on, so that no writer competes for the interpreter with the set-up of a batch that the
+device waits for. A worker holds
 SHARDS_IN_FLIGHT shards at once, one generating at a time, the others taking the device in the order they
 asked for it (pipeline.device_turns): the next shard's first batch is prepared while the one before
 generates (its clips on the preload thread, the batch by the last batch's `then` of the shard before, so
@@ -159,6 +161,18 @@ class _Part:
     settled: list[ResultRow] | None = None
 
 
+def _after(first: Callable[[], None], then: Callable[[], None] | None) -> Callable[[], None] | None:
+    """`then` preceded by `first` (None where there is no `then`)."""
+    if then is None:
+        return None
+
+    def both() -> None:
+        first()
+        then()
+
+    return both
+
+
 def _engine_outputs(engine: Any, reqs: list[Any], then: Callable[[], None] | None = None) -> list[Any]:
     """engine.generate where the engine has it (outputs whose finish() post-processes them, run on a writer
     thread), else engine.synthesize (an engine_factory's engine may offer only that). then: only for
@@ -254,6 +268,15 @@ class ShardRunner:
         def take_oldest() -> None:  # reported here, on the thread that called run_shard
             results.extend(_reported(pending.popleft().result(), task, on_batch))
 
+        # A batch's outputs go to the writers once the batch after it is set up (that batch's `then`): the
+        # host's set-up of a batch, while the device waits for it, then shares the interpreter with no writer.
+        unwritten: list[_Part] = []
+
+        def write_unwritten() -> None:  # on the engine's `then` thread while this one waits in generate()
+            for part in unwritten:
+                pending.append(self.writers.submit(self._settle, engine, task, part))
+            unwritten.clear()
+
         batches = pack_batches(task.rows, self.cfg.engine_config(task.variant))
         requests = {id(r): synth_request(r) for r in task.rows}  # one object per row: prepare_ahead's key
 
@@ -278,19 +301,24 @@ class ShardRunner:
                             wait([preloading])  # this batch's clips; the next ones are prepared meanwhile
                         upcoming = requests_of(batches[i + 1]) if i + 1 < len(batches) else []
                         preloading = self._preload(engine, upcoming)
-                        then = (
+                        then = _after(
+                            write_unwritten,
                             self._ahead(engine, upcoming, preloading)
                             if upcoming
-                            else self._next_shards_first(engine)
+                            else self._next_shards_first(engine),
                         )
-                        for part in self._generate(engine, task, batch, requests_of, then):
-                            pending.append(self.writers.submit(self._settle, engine, task, part))
+                        parts = self._generate(engine, task, batch, requests_of, then)
+                        write_unwritten()  # where the batch never got to its `then` (an error, a split)
+                        unwritten.extend(parts)
+                        if then is None:  # an engine without prepare_ahead: no set-up to keep clear
+                            write_unwritten()
                         while pending and pending[0].done():
                             take_oldest()
                         with _traced("ovbatch.wait_writers"):
                             while len(pending) > 2 * self.cfg.writer_threads:
                                 take_oldest()
             finally:
+                write_unwritten()  # the last batch's; or, after an error, the rows that were finished
                 self.turns.give_back()
             while pending:  # the next shard generates meanwhile
                 take_oldest()

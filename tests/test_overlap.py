@@ -350,3 +350,53 @@ def test_shards_take_the_device_in_line_each_first_batch_prepared_by_the_shard_b
         want += [("ahead", text), ("generate", text)]
     assert HandOffEngine.events == want
     assert not runner.turns.waiting()
+
+
+class SetUpEngine(AheadEngine):
+    """AheadEngine whose batches take 0.1 s to set up before their `then`, as the device waits for them."""
+
+    def generate(self, reqs, then=None):
+        outputs = StagedEngine.generate(self, reqs)
+        time.sleep(0.1)
+        SetUpEngine.events.append(("set up", reqs[0].text))
+        if then is not None:
+            then()
+        return outputs
+
+
+def test_a_batch_goes_to_the_writers_once_the_batch_after_it_is_set_up(tmp_path: Path, monkeypatch):
+    """The writers' post-processing never shares the interpreter with the next batch's set-up (the host
+    work the device waits for): a batch's writes start in the next batch's `then`, the last batch's once
+    its call is done."""
+    settle = ShardRunner._settle
+
+    def recorded(self, engine, task, part):
+        SetUpEngine.events.append(("write", part.rows[0].text))
+        return settle(self, engine, task, part)
+
+    monkeypatch.setattr(ShardRunner, "_settle", recorded)
+    rows = _run_one_row_batches(tmp_path, SetUpEngine)
+    texts = [r.text for r in rows]
+    events = [e for e in SetUpEngine.events if e[0] in ("set up", "write")]
+    assert sorted(text for kind, text in events if kind == "write") == sorted(texts)  # each batch once
+    for before, after in zip(texts, texts[1:]):
+        assert events.index(("write", before)) > events.index(("set up", after))
+    assert {p.stem for p in (tmp_path / "wavs" / "default").iterdir()} == {r.id for r in rows}
+
+
+class FailingSetUpEngine(SetUpEngine):
+    def generate(self, reqs, then=None):
+        if "FAIL" in reqs[0].text:
+            raise RuntimeError("set-up failed")
+        return super().generate(reqs, then)
+
+
+def test_the_batch_before_one_that_fails_before_its_then_is_still_written(tmp_path: Path):
+    StagedEngine.gate.set()
+    FailingSetUpEngine.events = []
+    cfg = _cfg(writers=1)
+    cfg.engine_factory = f"{__name__}:FailingSetUpEngine"
+    rows = _rows(["row 0", "FAIL 1", "row 2"])
+    results = ShardRunner(tmp_path, cfg).run_shard(ShardTask(0, "default", 128, 1, rows))
+    assert [(r.id, r.status) for r in results] == [("r00", "ok"), ("r01", "failed"), ("r02", "ok")]
+    assert {p.stem for p in (tmp_path / "wavs" / "default").iterdir()} == {"r00", "r02"}
