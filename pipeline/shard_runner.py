@@ -6,12 +6,11 @@ prepares the next batch's reference clips (Engine.preload), the engine prepares 
 one's steps (Engine.prepare_ahead, as generate's `then`, on the engine's own thread), and writer threads
 post-process and write the batches before it (each Engine.generate output's finish()), each batch from its
 successor's `then` on, so that no writer competes for the interpreter with the set-up of a batch that the
-device waits for. A worker holds
-SHARDS_IN_FLIGHT shards at once, one generating at a time, the others taking the device in the order they
-asked for it (pipeline.device_turns): the next shard's first batch is prepared while the one before
-generates (its clips on the preload thread, the batch by the last batch's `then` of the shard before, so
-that only the shard holding the device puts work on it), and it generates while the one before waits for
-its last writes.
+device waits for. A worker holds SHARDS_IN_FLIGHT shards at once, one generating at a time, the others
+taking the device in the order they asked for it (pipeline.device_turns): the next shard's first batch is
+prepared while the one before generates (its clips on the preload thread, the batch by the last batch's
+`then` of the shard before, so that only the shard holding the device puts work on it), and it generates
+while the one before waits for its last writes.
 A batch that raises is split in halves and each half retried, down to single rows, so one bad row
 fails alone and a CUDA out-of-memory error retries smaller batches. A row's synth_seconds is its share
 of its batch's wall time in proportion to its token work (packed tokens x decoding steps). Each batch that
