@@ -245,11 +245,15 @@ class Engine:
         with timer.phase("runner"):  # on CUDA it picks the attention backend (imports flash-attn)
             self.runner = Runner(self.model, cfg, self.device, self.dtype)
         self._references: dict[str, PreparedReference | AudioError] = {}  # preload(): cache key -> ready
+        # preload(): (clip, reference text) -> cache key, so that preparing its batch reads and hashes the
+        # clip no second time (and keys the prompt by the bytes it was prepared from)
+        self._clip_keys: dict[tuple[object, str], str] = {}
         self._clip_readers = ThreadPoolExecutor(PRELOAD_THREADS, thread_name_prefix="ovbatch-clip")
         self._beside = ThreadPoolExecutor(1, thread_name_prefix="ovbatch-then")  # generate's `then`
         # prepare_ahead(): the request objects' ids -> (those requests, their preparation, its seconds)
         self._ahead: dict[tuple[int, ...], tuple[list[SynthRequest], list[PreparedRequest], float]] = {}
-        # _references changes on the preload threads and the generating one; _ahead on each shard's thread.
+        # _references and _clip_keys change on the preload threads and the generating one; _ahead on each
+        # shard's thread.
         self._lock = threading.Lock()
         # CUDA: where a batch's decode runs, beside the next batch's generation
         self._decode_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -304,17 +308,29 @@ class Engine:
         if not wanted:
             return prompts
 
-        def make_many(misses: list[tuple[int, bytes, str]]) -> list[VoicePrompt | AudioError]:
-            clips = [(raw, wanted[j][1], wanted[j][2]) for j, raw, _ in misses]
+        def make_many(misses: list[tuple[int, bytes | None, str]]) -> list[VoicePrompt | AudioError]:
             with self._lock:  # what preload() prepared
                 ready = [self._references.pop(key, None) for _, _, key in misses]
+            clips = []
+            for m, (j, raw, _) in enumerate(misses):
+                if raw is None and ready[m] is None:  # keyed by preload(), its preparation since dropped
+                    try:
+                        raw = read_clip_bytes(sources[j])
+                    except AudioError as e:
+                        ready[m] = e
+                clips.append((raw, wanted[j][1], wanted[j][2]))
             # Every tensor of the encode lives and dies on its stream (None: no-op): nothing to record.
             with torch.cuda.stream(self._encode_stream):
                 return build_prompts(clips, self.codec, self.reference_settings, ready)
 
-        made = self.prompts.get_or_create_many(
-            [reqs[i].ref_audio for i, _, _ in wanted], [text for _, _, text in wanted], make_many
-        )
+        sources = [reqs[i].ref_audio for i, _, _ in wanted]
+        seen = [(source, text) for source, (_, _, text) in zip(sources, wanted)]
+        with self._lock:
+            keys = [self._clip_keys.get(clip) for clip in seen]
+        made = self.prompts.get_or_create_many(sources, [text for _, _, text in wanted], make_many, keys)
+        with self._lock:
+            for clip in seen:
+                self._clip_keys.pop(clip, None)
         for (i, name, _), prompt in zip(wanted, made):
             seconds = prompt.tokens.shape[1] / self.frame_rate
             if seconds > LONG_REFERENCE_S:
@@ -336,12 +352,18 @@ class Engine:
             if clip is None:
                 return
             raw = read_clip_bytes(req.ref_audio)
-            key = self.prompts.key(raw, clip[1])
-            with self._lock:
-                if key in self._references:
-                    return
-            if self.prompts.has(key):
+        except (AudioError, InputError):  # generate() reports it
+            return
+        key = self.prompts.key(raw, clip[1])
+        with self._lock:
+            self._clip_keys[(req.ref_audio, clip[1])] = key
+            while len(self._clip_keys) > PRELOADED_CLIPS:  # keys a failed batch never used
+                self._clip_keys.pop(next(iter(self._clip_keys)))
+            if key in self._references:
                 return
+        if self.prompts.has(key):
+            return
+        try:
             rate, hop = self.codec.sample_rate, self.codec.hop_length
             ref = prepare_reference(clip[0], rate, hop, self.reference_settings, raw=raw)
         except AudioError as e:

@@ -458,6 +458,30 @@ def test_preloaded_clips_give_the_prompts_and_audio_an_unprepared_engine_makes(t
     assert not engine._references
 
 
+def test_a_preloaded_clip_is_read_once_and_its_prompt_keyed_by_those_bytes(tmp_path):
+    """preload() reads and hashes a clip; the batch's preparation takes that key and reads the clip no
+    second time (here it is gone from disk by then), with the same audio as an engine that never
+    preloaded. A clip preload cannot read is left for synthesize to report."""
+    import shutil
+
+    name = sorted(n for n in CLIPS if n.endswith(".wav"))[0]
+    clip = tmp_path / name
+    shutil.copy(DATA / name, clip)
+    reqs = [SynthRequest(text="Line one.", ref_audio=clip, ref_text=CLIPS[name]["transcript"], seed=3)]
+    cold = lambda: Engine(EngineConfig(prompt_cache_dir=None, generation=FAST))  # noqa: E731
+    want = cold().synthesize(reqs)
+
+    engine = cold()
+    missing = SynthRequest(text="x", ref_audio=tmp_path / "missing.wav", ref_text="words")
+    engine.preload([*reqs, missing])
+    clip.unlink()
+    (got,) = engine.synthesize(reqs)
+    assert np.array_equal(got.audio, want[0].audio) and np.array_equal(got.tokens, want[0].tokens)
+    assert not engine._clip_keys and not engine._references
+    with pytest.raises(AudioError, match="missing.wav"):
+        engine.synthesize([missing])
+
+
 def test_preload_prepares_a_clip_that_rows_share_once(tmp_path, monkeypatch):
     """preload() reads clips on several threads; rows that share a clip and its transcript (one speaker's
     rows) have it prepared once, not once per thread that meets it."""

@@ -190,31 +190,35 @@ class PromptCache:
         self,
         clips: list[ClipSource],
         ref_texts: list[str],
-        make_many: Callable[[list[tuple[int, bytes, str]]], list[VoicePrompt | AudioError]],
+        make_many: Callable[[list[tuple[int, bytes | None, str]]], list[VoicePrompt | AudioError]],
+        keys: list[str | None] | None = None,
     ) -> list[VoicePrompt]:
         """Prompts for many clips: hits are read back, the misses made by ONE make_many call.
 
         make_many receives (index into clips, clip bytes, key) for one clip per distinct missing key and
-        returns a prompt or an AudioError for each. Every prompt made is cached before the first
-        error (unreadable clip or AudioError) is raised, so a retry without the bad clip hits the cache.
+        returns a prompt or an AudioError for each. keys: a clip's key where the caller has it already (it
+        read and hashed the clip): that clip is not read again, and make_many gets None for its bytes.
+        Every prompt made is cached before the first error (unreadable clip or AudioError) is raised, so
+        a retry without the bad clip hits the cache.
         """
         found: list[VoicePrompt | None] = [None] * len(clips)
         errors: list[AudioError] = []
         misses: dict[str, list[int]] = {}
         raws: dict[int, bytes] = {}
         for i, (clip, ref_text) in enumerate(zip(clips, ref_texts, strict=True)):
-            try:
-                raw = read_clip_bytes(clip)
-            except AudioError as e:
-                errors.append(e)
-                continue
-            key = self.key(raw, ref_text)
+            key = keys[i] if keys is not None else None
+            if key is None:
+                try:
+                    raws[i] = read_clip_bytes(clip)
+                except AudioError as e:
+                    errors.append(e)
+                    continue
+                key = self.key(raws[i], ref_text)
             found[i] = self._memory.get(key) if self.directory is None else self._load(key)
             if found[i] is None:
                 misses.setdefault(key, []).append(i)
-                raws[i] = raw
         if misses:
-            made = make_many([(group[0], raws[group[0]], key) for key, group in misses.items()])
+            made = make_many([(group[0], raws.get(group[0]), key) for key, group in misses.items()])
             with record_function("ovbatch.prompt_store"):
                 for (key, group), prompt in zip(misses.items(), made, strict=True):
                     if isinstance(prompt, AudioError):
