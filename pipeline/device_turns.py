@@ -54,6 +54,11 @@ class DeviceTurns:
                 return None
             return self._to_prepare.pop(self._line[0], None)
 
+    def busy(self) -> bool:
+        """Whether a shard holds the device or waits for it."""
+        with self._changed:
+            return self._taken or bool(self._line)
+
     def waiting(self) -> int:
         with self._changed:
             return len(self._line)

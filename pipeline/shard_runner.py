@@ -1,16 +1,16 @@
 """Run shards: pack a shard's rows into batches, synthesize, write wavs atomically, return per-row results.
 
 The same ShardRunner serves local mode (in this process) and each Ray actor (pipeline.ray_runner). The
-engine's device waits for as little host work as it can: while a batch generates, a preload thread
-prepares the next batch's reference clips (Engine.preload), the engine prepares the next batch beside this
-one's steps (Engine.prepare_ahead, as generate's `then`, on the engine's own thread), and writer threads
-post-process and write the batches before it (each Engine.generate output's finish()), each batch from its
-successor's `then` on, so that no writer competes for the interpreter with the set-up of a batch that the
-device waits for. A worker holds SHARDS_IN_FLIGHT shards at once, one generating at a time, the others
-taking the device in the order they asked for it (pipeline.device_turns): the next shard's first batch is
-prepared while the one before generates (its clips on the preload thread, the batch by the last batch's
-`then` of the shard before, so that only the shard holding the device puts work on it), and it generates
-while the one before waits for its last writes.
+engine's device waits for as little host work as it can: while a batch generates, a preload thread prepares
+the next batch's reference clips (Engine.preload), the engine prepares the next batch beside this one's steps
+(Engine.prepare_ahead, as generate's `then`, on the engine's own thread), and writer threads post-process and
+write the batches before it (each Engine.generate output's finish()), each batch from its successor's `then`
+on (a shard's last batch: the next shard's first), so that no writer competes for the interpreter with the
+set-up of a batch that the device waits for. A worker holds SHARDS_IN_FLIGHT shards at once, one generating at
+a time, the others taking the device in the order they asked for it (pipeline.device_turns): the next shard's
+first batch is prepared while the one before generates (its clips on the preload thread, the batch by the last
+batch's `then` of the shard before, so that only the shard holding the device puts work on it), and it
+generates while the one before waits for its last writes.
 A batch that raises is split in halves and each half retried, down to single rows, so one bad row
 fails alone and a CUDA out-of-memory error retries smaller batches. A row's synth_seconds is its share
 of its batch's wall time in proportion to its token work (packed tokens x decoding steps). Each batch that
@@ -54,6 +54,10 @@ MAX_ERROR_CHARS = 2000
 # that the shard after the next is in line before the next one's last batch (which prepares its first batch)
 # even while the one before still writes its rows.
 SHARDS_IN_FLIGHT = 3
+# How long a shard's last batch waits for the next shard's first batch to be set up before going to the
+# writers anyway (that set-up, prepared ahead, takes tens of milliseconds; a shard in line that fails first
+# would hold the writes up this long).
+NEXT_SET_UP_WAIT_S = 1.0
 ENGINE_PHASES = ("prepare", "generate", "decode")  # an Engine.generate batch's timed phases
 
 
@@ -208,6 +212,9 @@ class ShardRunner:
         # the device's turns; a shard in line gives (engine, its first batch's requests, their preload)
         self.turns = DeviceTurns()
         self.stopping = threading.Event()  # set: running shards stop before their next batch
+        # batches set up on this worker so far (their `then` began), for a shard's last batch to wait on
+        self._set_ups = 0
+        self._set_up = threading.Condition()
 
     def engine(self, variant: str) -> Any:
         if variant not in self.engines:
@@ -267,14 +274,19 @@ class ShardRunner:
         def take_oldest() -> None:  # reported here, on the thread that called run_shard
             results.extend(_reported(pending.popleft().result(), task, on_batch))
 
-        # A batch's outputs go to the writers once the batch after it is set up (that batch's `then`): the
-        # host's set-up of a batch, while the device waits for it, then shares the interpreter with no writer.
+        # A batch's outputs go to the writers once the batch after it is set up (that batch's `then`, or the
+        # next shard's first batch's for the last one): the host's set-up of a batch, while the device waits
+        # for it, then shares the interpreter with no writer.
         unwritten: list[_Part] = []
 
-        def write_unwritten() -> None:  # on the engine's `then` thread while this one waits in generate()
+        def write_unwritten() -> None:  # also on the `then` thread, while this one waits in generate()
             for part in unwritten:
                 pending.append(self.writers.submit(self._settle, engine, task, part))
             unwritten.clear()
+
+        def set_up() -> None:  # the engine's `then` begins: the batch is set up
+            write_unwritten()
+            self._note_set_up()
 
         batches = pack_batches(task.rows, self.cfg.engine_config(task.variant))
         requests = {id(r): synth_request(r) for r in task.rows}  # one object per row: prepare_ahead's key
@@ -301,7 +313,7 @@ class ShardRunner:
                         upcoming = requests_of(batches[i + 1]) if i + 1 < len(batches) else []
                         preloading = self._preload(engine, upcoming)
                         then = _after(
-                            write_unwritten,
+                            set_up,
                             self._ahead(engine, upcoming, preloading)
                             if upcoming
                             else self._next_shards_first(engine),
@@ -316,15 +328,37 @@ class ShardRunner:
                         with _traced("ovbatch.wait_writers"):
                             while len(pending) > 2 * self.cfg.writer_threads:
                                 take_oldest()
-            finally:
-                write_unwritten()  # the last batch's; or, after an error, the rows that were finished
+            except BaseException:
+                write_unwritten()  # the rows that were finished
                 self.turns.give_back()
+                raise
+            seen = self._set_ups_so_far()
+            self.turns.give_back()
+            if unwritten:  # the last batch's, once the next shard's first batch is set up
+                with _traced("ovbatch.wait_next_set_up"):
+                    self._wait_next_set_up(seen)
+                write_unwritten()
             while pending:  # the next shard generates meanwhile
                 take_oldest()
         finally:
             self.turns.leave(turn)
             wait([*pending, preloading])  # no writer outlives its shard, even one that stopped on an error
         return results
+
+    def _note_set_up(self) -> None:
+        with self._set_up:
+            self._set_ups += 1
+            self._set_up.notify_all()
+
+    def _set_ups_so_far(self) -> int:
+        with self._set_up:
+            return self._set_ups
+
+    def _wait_next_set_up(self, seen: int) -> None:
+        """Until a batch is set up after the first `seen`, where a shard holds the device or waits for it
+        (NEXT_SET_UP_WAIT_S at most)."""
+        with self._set_up:
+            self._set_up.wait_for(lambda: self._set_ups > seen or not self.turns.busy(), NEXT_SET_UP_WAIT_S)
 
     def _preload(self, engine: Any, reqs: list[Any]) -> Future:
         """engine.preload (host-side clip preparation) of the requests on the preload thread; a no-op for

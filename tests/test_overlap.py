@@ -400,3 +400,32 @@ def test_the_batch_before_one_that_fails_before_its_then_is_still_written(tmp_pa
     results = ShardRunner(tmp_path, cfg).run_shard(ShardTask(0, "default", 128, 1, rows))
     assert [(r.id, r.status) for r in results] == [("r00", "ok"), ("r01", "failed"), ("r02", "ok")]
     assert {p.stem for p in (tmp_path / "wavs" / "default").iterdir()} == {"r00", "r02"}
+
+
+def test_a_shards_last_batch_goes_to_the_writers_once_the_next_shards_first_is_set_up(
+    tmp_path: Path, monkeypatch
+):
+    from pipeline import shard_runner
+    from pipeline.shard_runner import run_local
+
+    settle = ShardRunner._settle
+
+    def recorded(self, engine, task, part):
+        SetUpEngine.events.append(("write", part.rows[0].text))
+        return settle(self, engine, task, part)
+
+    monkeypatch.setattr(ShardRunner, "_settle", recorded)
+    monkeypatch.setattr(shard_runner, "NEXT_SET_UP_WAIT_S", 30.0)  # a wait that ran out would show
+    StagedEngine.gate.set()
+    SetUpEngine.events = []
+    cfg = _cfg(writers=1)
+    cfg.engine_factory = f"{__name__}:SetUpEngine"
+    rows = _rows(["shard zero", "shard one"])
+    tasks = [ShardTask(i, "default", 128, 1, [row]) for i, row in enumerate(rows)]
+    start = time.monotonic()
+    results = list(run_local(ShardRunner(tmp_path, cfg), tasks))
+    assert time.monotonic() - start < 10  # neither shard's writes waited the 30 s out
+    assert sorted((t.index, [r.status for r in rs]) for t, rs in results) == [(0, ["ok"]), (1, ["ok"])]
+    events = [e for e in SetUpEngine.events if e[0] in ("set up", "write")]
+    first, second = [text for kind, text in events if kind == "set up"]
+    assert events.index(("write", first)) > events.index(("set up", second))
