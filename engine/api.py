@@ -39,7 +39,7 @@ from engine.frontend.prompt import PromptCache, VoicePrompt, build_prompts
 from engine.frontend.requests import CodecShape, PreparedRequest, RequestFrontend, SynthRequest
 from engine.frontend.text import TextFrontend
 from engine.generate.batching import even_batches
-from engine.generate.loop import Runner
+from engine.generate.loop import HostBatch, Runner
 from engine.generate.packing import GenItem, packed_tokens
 from engine.kernels.fused import fused_ops
 from engine.loading import LoadTimer, load_model
@@ -193,6 +193,15 @@ def _chunk_seed(seed: int, index: int) -> int:
     return seed if index == 0 else (seed * 1_000_003 + index * 0x9E3779B97F4A7C15) % (1 << 63)
 
 
+@dataclass
+class _Ahead:
+    """A batch's requests prepared, and where prepare_ahead made them, its first chunk round's runner calls
+    packed on the host."""
+
+    requests: list[PreparedRequest]
+    first_calls: list[HostBatch] = field(default_factory=list)
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig):
         start = time.perf_counter()
@@ -250,8 +259,9 @@ class Engine:
         self._clip_keys: dict[tuple[object, str], str] = {}
         self._clip_readers = ThreadPoolExecutor(PRELOAD_THREADS, thread_name_prefix="ovbatch-clip")
         self._beside = ThreadPoolExecutor(1, thread_name_prefix="ovbatch-then")  # generate's `then`
-        # prepare_ahead(): the request objects' ids -> (those requests, their preparation, its seconds)
-        self._ahead: dict[tuple[int, ...], tuple[list[SynthRequest], list[PreparedRequest], float]] = {}
+        # prepare_ahead(): the request objects' ids -> (those requests, their preparation and first runner
+        # calls packed on the host, its seconds)
+        self._ahead: dict[tuple[int, ...], tuple[list[SynthRequest], _Ahead, float]] = {}
         # _references and _clip_keys change on the preload threads and the generating one; _ahead on each
         # shard's thread.
         self._lock = threading.Lock()
@@ -410,30 +420,32 @@ class Engine:
         return self.runner.capture([[(packed - target, target) for packed, target in b] for b in batches])
 
     def prepare_ahead(self, reqs: list[SynthRequest]) -> None:
-        """prepare_many(reqs) now, for the generate() call that comes with these same request objects: a
-        caller runs it while the device generates another batch (generate's `then`), so that this batch's
-        host work overlaps the device's. The last PREPARED_AHEAD batches prepared are kept. What fails here
-        is left for that generate() to raise."""
+        """prepare_many(reqs) now, and the batch's first runner calls packed on the host, for the generate()
+        call that comes with these same request objects: a caller runs it while the device generates another
+        batch (generate's `then`), so that this batch's host work overlaps the device's. The last
+        PREPARED_AHEAD batches prepared are kept. What fails here is left for that generate() to raise."""
         start = time.perf_counter()
         try:
             prepared = self.prepare_many(reqs)
+            ahead = _Ahead(prepared, self._runner_calls(prepared, 0, [[] for _ in prepared]))
         except Exception as e:  # noqa: BLE001 - generate() prepares again and reports it with its batch
             log.debug("prepare_ahead left %d requests to generate(): %s", len(reqs), e)
             return
         with self._lock:
-            self._ahead[tuple(map(id, reqs))] = (reqs, prepared, time.perf_counter() - start)
+            self._ahead[tuple(map(id, reqs))] = (reqs, ahead, time.perf_counter() - start)
             while len(self._ahead) > PREPARED_AHEAD:
                 self._ahead.pop(next(iter(self._ahead)))
 
-    def _prepared(self, reqs: list[SynthRequest]) -> tuple[list[PreparedRequest], dict[str, float]]:
+    def _prepared(self, reqs: list[SynthRequest]) -> tuple[_Ahead, dict[str, float]]:
         """The requests prepared, and its seconds: "prepare", prepared here, or "prepare_ahead", by
-        prepare_ahead beside an earlier batch (when it had these very objects)."""
+        prepare_ahead beside an earlier batch (when it had these very objects; its first runner calls
+        packed too)."""
         with self._lock:  # an entry holds its requests, so their ids are not reused while it is kept
             ahead = self._ahead.pop(tuple(map(id, reqs)), None)
         if ahead is not None:
             return ahead[1], {"prepare": 0.0, "prepare_ahead": ahead[2]}
         start = time.perf_counter()
-        prepared = self.prepare_many(reqs)
+        prepared = _Ahead(self.prepare_many(reqs))
         return prepared, {"prepare": time.perf_counter() - start}
 
     def generate(self, reqs: list[SynthRequest], then: Callable[[], None] | None = None) -> list[Generated]:
@@ -448,7 +460,8 @@ class Engine:
         if not reqs:
             return []
         with record_function("ovbatch.prepare"):
-            prepared, timings = self._prepared(reqs)
+            ahead, timings = self._prepared(reqs)
+        prepared = ahead.requests
         t0 = time.perf_counter()
         began = self._device_mark()
         beside: list[Future] = []  # `then`, once started
@@ -458,7 +471,7 @@ class Engine:
 
         try:
             with record_function("ovbatch.generate"):
-                tokens, work = self._generate_tokens(prepared, start_then if then is not None else None)
+                tokens, work = self._generate_tokens(ahead, start_then if then is not None else None)
         except BaseException:
             wait(beside)  # a batch that fails leaves no `then` running
             raise
@@ -510,25 +523,45 @@ class Engine:
         return GenItem(ids, ref_tokens, p.chunks[index].target_frames, _chunk_seed(p.request.seed, index))
 
     def _generate_tokens(
-        self, prepared: list[PreparedRequest], on_last_start: Callable[[], None] | None = None
+        self, ahead: _Ahead, on_last_start: Callable[[], None] | None = None
     ) -> tuple[list[list[torch.Tensor]], list[int]]:
         """Tokens of every chunk of every request, and each request's token work. on_last_start: called
         when the last runner call's batch is set up (no graph capture follows it)."""
+        prepared = ahead.requests
         tokens: list[list[torch.Tensor]] = [[] for _ in prepared]
         work = [0] * len(prepared)
         rounds = max(len(p.chunks) for p in prepared)
         for index in range(rounds):
             members = [i for i, p in enumerate(prepared) if index < len(p.chunks)]
-            items = [self._gen_item(prepared[i], index, tokens[i][0] if tokens[i] else None) for i in members]
+            if index == 0 and ahead.first_calls:
+                calls = ahead.first_calls
+            else:
+                calls = self._runner_calls(prepared, index, tokens)
             out: list[torch.Tensor] = []
-            batches = list(even_batches(items, packed_tokens, self.cfg.max_batch_tokens))
-            for b, chunk in enumerate(batches):
-                last = index == rounds - 1 and b == len(batches) - 1
-                out += self.runner.generate(chunk, self.gen, on_start=on_last_start if last else None)
-            for i, item, t in zip(members, items, out):
+            for b, host in enumerate(calls):
+                last = index == rounds - 1 and b == len(calls) - 1
+                out += self.runner.generate(
+                    host.items, self.gen, on_start=on_last_start if last else None, packed=host
+                )
+            items = [item for host in calls for item in host.items]
+            for i, item, t in zip(members, items, out, strict=True):
                 tokens[i].append(t)
                 work[i] += Runner.packed_tokens(item) * self.gen.num_step
         return tokens, work
+
+    def _runner_calls(
+        self, prepared: list[PreparedRequest], index: int, tokens: list[list[torch.Tensor]]
+    ) -> list[HostBatch]:
+        """The runner calls of chunk round `index` (the requests with that many chunks; a later round's
+        items may take a request's first-chunk tokens as its reference): cut into batches, packed on the
+        host."""
+        items = [
+            self._gen_item(p, index, tokens[i][0] if tokens[i] else None)
+            for i, p in enumerate(prepared)
+            if index < len(p.chunks)
+        ]
+        batches = even_batches(items, packed_tokens, self.cfg.max_batch_tokens)
+        return [self.runner.pack(batch) for batch in batches]
 
     def _decode(self, codes: list[torch.Tensor]) -> list[np.ndarray]:
         """The audio of each code sequence, on this thread's stream, waited for."""

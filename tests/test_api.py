@@ -528,9 +528,10 @@ def test_decode_calls_take_clips_of_like_length_and_keep_their_order(engine, mon
 
 def test_a_batch_prepared_ahead_generates_as_one_prepared_in_its_call(tmp_path, monkeypatch):
     """generate(batch_a, then=...) runs `then` once, after batch_a's generation is queued; prepare_ahead
-    there prepares batch_b, whose generate() then prepares nothing (the same code ran earlier: the audio is
-    bit-equal to a cold engine's). Only the very request objects given to prepare_ahead count, and batches
-    prepared ahead are kept apart; what it cannot prepare is raised by that batch's own generate()."""
+    there prepares batch_b and packs its runner call on the host, whose generate() then prepares and packs
+    nothing (the same code ran earlier: the audio is bit-equal to a cold engine's). Only the very request
+    objects given to prepare_ahead count, and batches prepared ahead are kept apart; what it cannot
+    prepare is raised by that batch's own generate()."""
     clips = sorted(n for n in CLIPS if n.endswith((".wav", ".flac")))
     batch_a = [
         SynthRequest(text="First batch.", ref_audio=DATA / clips[0], ref_text=CLIPS[clips[0]]["transcript"])
@@ -546,11 +547,14 @@ def test_a_batch_prepared_ahead_generates_as_one_prepared_in_its_call(tmp_path, 
     prepares = []
     real = engine.prepare_many
     monkeypatch.setattr(engine, "prepare_many", lambda reqs: prepares.append(len(reqs)) or real(reqs))
+    packs = []
+    real_pack = engine.runner.pack
+    monkeypatch.setattr(engine.runner, "pack", lambda items: packs.append(len(items)) or real_pack(items))
     calls = []
     engine.generate(batch_a, then=lambda: calls.append(1) or engine.prepare_ahead(batch_b))
-    assert calls == [1] and prepares == [1, len(batch_b)]
+    assert calls == [1] and prepares == [1, len(batch_b)] and packs == [1, len(batch_b)]
     got = [g.finish() for g in engine.generate(batch_b)]
-    assert prepares == [1, len(batch_b)]  # batch_b was not prepared again
+    assert prepares == [1, len(batch_b)] and packs == [1, len(batch_b)]  # batch_b was not prepared again
     for a, b in zip(got, want, strict=True):
         assert np.array_equal(a.audio, b.audio) and np.array_equal(a.tokens, b.tokens)
         assert a.timings["prepare"] == 0 and a.timings["prepare_ahead"] > 0  # its seconds, beside batch_a

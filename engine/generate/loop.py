@@ -12,7 +12,7 @@ import functools
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -23,7 +23,7 @@ from engine.generate.decoding import BatchDecoder
 from engine.generate.packing import GenItem, PackLayout, check_items, cond_len, pack_items, packed_tokens
 from engine.model import OmniVoiceModel, PackedBatch
 
-__all__ = ["GenItem", "Runner", "choose_layout"]
+__all__ = ["GenItem", "HostBatch", "Runner", "choose_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,15 @@ class GraphedForward:
         return self.hidden
 
 
+@dataclass(frozen=True)
+class HostBatch:
+    """A batch checked and packed on the host (Runner.pack), ready for its generate() call."""
+
+    items: list[GenItem]
+    layout: PackLayout | None  # the padded layout on CUDA (its graph's key); None elsewhere
+    packed: PackedBatch  # on the host
+
+
 class Runner:
     def __init__(self, model: OmniVoiceModel, cfg: EngineConfig, device, dtype: torch.dtype) -> None:
         self.model, self.cfg = model, cfg
@@ -98,21 +107,29 @@ class Runner:
     def packed_tokens(item: GenItem) -> int:
         return packed_tokens(item)
 
-    def _prepare(self, items: list[GenItem]) -> tuple[PackedBatch, Callable[[PackedBatch], Tensor]]:
-        """The device batch the loop updates in place, and the forward pass to run on it (logits at the
-        batch's target rows, in the heads' dtype).
+    def pack(self, items: list[GenItem]) -> HostBatch:
+        """Check the items and pack them on the host: the host work of generate() before the device's,
+        which a caller may do ahead (on another thread) and pass to generate().
 
         On CUDA the batch is padded to its bucket layout whether or not graphs are on, so eager and
         graph runs compute on the same shapes and give the same tokens.
         """
+        check_items(items, self.num_codebooks, self.mask_id, self.model.cfg.llm.vocab_size)
         layout = choose_layout(items, self.cfg.buckets) if self.device.type == "cuda" else None
-        batch = pack_items(items, self.num_codebooks, self.mask_id, layout).to(self.device)
+        return HostBatch(items, layout, pack_items(items, self.num_codebooks, self.mask_id, layout))
+
+    def _prepare(self, host: HostBatch) -> tuple[PackedBatch, Callable[[PackedBatch], Tensor]]:
+        """The device batch the loop updates in place, and the forward pass to run on it (logits at the
+        batch's target rows, in the heads' dtype)."""
+        layout = host.layout
+        batch = host.packed.to(self.device)
         eager = functools.partial(self.model, float32=False)
         if not self.use_graphs:
             return batch, eager
         if layout is None:
             log.info(
-                "batch of %d tokens exceeds every bucket: running eagerly", sum(map(packed_tokens, items))
+                "batch of %d tokens exceeds every bucket: running eagerly",
+                sum(map(packed_tokens, host.items)),
             )
             return batch, eager
         graphed = self.graphs.get(layout)
@@ -136,19 +153,24 @@ class Runner:
             items = [GenItem([0] * (cond - target), None, target, 0) for cond, target in shapes]
             layout = choose_layout(items, self.cfg.buckets)
             if layout is not None and layout not in self.graphs:  # None: such a batch runs eagerly
-                self._prepare(items)
+                self._prepare(self.pack(items))
         return len(self.graphs) - before
 
     @torch.inference_mode()
     def generate(
-        self, items: list[GenItem], gen: GenerationConfig, on_start: Callable[[], None] | None = None
+        self,
+        items: list[GenItem],
+        gen: GenerationConfig,
+        on_start: Callable[[], None] | None = None,
+        packed: HostBatch | None = None,
     ) -> list[Tensor]:
         """Audio tokens [C, target_len] per item, in order. on_start: called once the batch is set up (its
-        graph captured) and before its steps are queued."""
+        graph captured) and before its steps are queued. packed: these very items' pack(), made ahead."""
         if not items:
             return []
-        check_items(items, self.num_codebooks, self.mask_id, self.model.cfg.llm.vocab_size)
-        batch, forward = self._prepare(items)
+        if packed is None or packed.items is not items:
+            packed = self.pack(items)
+        batch, forward = self._prepare(packed)
         n = sum(item.target_len for item in items)
         write_index = batch.target_index[: 2 * n]  # cond targets, then uncond targets
         decoder = BatchDecoder(
