@@ -441,12 +441,12 @@ class Engine:
         prepare_ahead beside an earlier batch (when it had these very objects; its first runner calls
         packed too)."""
         with self._lock:  # an entry holds its requests, so their ids are not reused while it is kept
-            ahead = self._ahead.pop(tuple(map(id, reqs)), None)
-        if ahead is not None:
-            return ahead[1], {"prepare": 0.0, "prepare_ahead": ahead[2]}
+            entry = self._ahead.pop(tuple(map(id, reqs)), None)
+        if entry is not None:
+            return entry[1], {"prepare": 0.0, "prepare_ahead": entry[2]}
         start = time.perf_counter()
-        prepared = _Ahead(self.prepare_many(reqs))
-        return prepared, {"prepare": time.perf_counter() - start}
+        ahead = _Ahead(self.prepare_many(reqs))
+        return ahead, {"prepare": time.perf_counter() - start}
 
     def generate(self, reqs: list[SynthRequest], then: Callable[[], None] | None = None) -> list[Generated]:
         """synthesize() up to the decoded audio; each Generated's finish() does the rest on the host.
