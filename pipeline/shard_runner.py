@@ -55,8 +55,8 @@ MAX_ERROR_CHARS = 2000
 # even while the one before still writes its rows.
 SHARDS_IN_FLIGHT = 3
 # How long a shard's last batch waits for the next shard's first batch to be set up before going to the
-# writers anyway (that set-up, prepared ahead, takes tens of milliseconds; a shard in line that fails first
-# would hold the writes up this long).
+# writers anyway: a bound, far above a set-up prepared ahead (18 ms for 58 rows on the 2-core CPU, unmeasured
+# on the H200), which only a shard in line that fails before its set-up reaches.
 NEXT_SET_UP_WAIT_S = 1.0
 ENGINE_PHASES = ("prepare", "generate", "decode")  # an Engine.generate batch's timed phases
 
