@@ -2,7 +2,7 @@
 
 A shard asks (ask) with what the shard before it needs to prepare its first batch (its engine, that batch's
 requests, their preload), waits for its turn (take), and gives the device back (give_back). The shard on
-the device prepares the first batch of the shard next in line (next_to_prepare) in its last batch's
+the device prepares the first batch of the shard next in line (next_to_prepare) from its last batches'
 `then`, so the order the device goes in must be the order of the line: a plain lock wakes any waiter.
 """
 

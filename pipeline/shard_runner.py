@@ -1,16 +1,17 @@
 """Run shards: pack a shard's rows into batches, synthesize, write wavs atomically, return per-row results.
 
 The same ShardRunner serves local mode (in this process) and each Ray actor (pipeline.ray_runner). The
-engine's device waits for as little host work as it can: while a batch generates, a preload thread prepares
-the next batch's reference clips (Engine.preload), the engine prepares the next batch beside this one's steps
-(Engine.prepare_ahead, as generate's `then`, on the engine's own thread), and writer threads post-process and
+engine's device waits for as little host work as it can: a preload thread prepares the reference clips of the
+batches to come (Engine.preload), a preparing thread prepares each batch (Engine.prepare_ahead: its clips
+encoded, its first runner calls packed) PREPARE_AHEAD batches before it generates, from the `then` of the
+batch that many before (generate's hook, run once a batch is set up), and writer threads post-process and
 write the batches before it (each Engine.generate output's finish()), each batch from its successor's `then`
 on (a shard's last batch: the next shard's first), so that no writer competes for the interpreter with the
 set-up of a batch that the device waits for. A worker holds SHARDS_IN_FLIGHT shards at once, one generating at
 a time, the others taking the device in the order they asked for it (pipeline.device_turns): the next shard's
-first batch is prepared while the one before generates (its clips on the preload thread, the batch by the last
-batch's `then` of the shard before, so that only the shard holding the device puts work on it), and it
-generates while the one before waits for its last writes.
+first batch is prepared from the last batches of the one before (its clips on the preload thread before that),
+so that only the shard holding the device puts work on it, and it generates while the one before waits for its
+last writes.
 A batch that raises is split in halves and each half retried, down to single rows, so one bad row
 fails alone and a CUDA out-of-memory error retries smaller batches. A row's synth_seconds is its share
 of its batch's wall time in proportion to its token work (packed tokens x decoding steps). Each batch that
@@ -58,6 +59,11 @@ SHARDS_IN_FLIGHT = 3
 # writers anyway: a bound, far above a set-up prepared ahead (18 ms for 58 rows on the 2-core CPU, unmeasured
 # on the H200), which only a shard in line that fails before its set-up reaches.
 NEXT_SET_UP_WAIT_S = 1.0
+# How many batches ahead of the one generating a batch is prepared: its reference clips are encoded on the
+# device beside the generation, and with two batches of generation to do it in, a preparation that outlasts
+# one batch (the short rows' batches, which have the most clips per second of speech) still leaves the device
+# no gap.
+PREPARE_AHEAD = 2
 ENGINE_PHASES = ("prepare", "generate", "decode")  # an Engine.generate batch's timed phases
 
 
@@ -153,6 +159,17 @@ def pack_batches(rows: list[RequestRow], engine_cfg: EngineConfig) -> list[list[
 
 
 @dataclass
+class _FirstBatch:
+    """What a shard in line for the device gives the shard on it: its engine, its first batch's requests and
+    their preload; and, once the shard on it has queued that batch's preparation, its future."""
+
+    engine: Any
+    requests: list[Any]
+    preloading: Future | None
+    prepared: Future | None = None
+
+
+@dataclass
 class _Part:
     """Rows one engine call settled: its outputs (to finish and write), or results made already."""
 
@@ -164,22 +181,10 @@ class _Part:
     settled: list[ResultRow] | None = None
 
 
-def _after(first: Callable[[], None], then: Callable[[], None] | None) -> Callable[[], None] | None:
-    """`then` preceded by `first` (None where there is no `then`)."""
-    if then is None:
-        return None
-
-    def both() -> None:
-        first()
-        then()
-
-    return both
-
-
 def _engine_outputs(engine: Any, reqs: list[Any], then: Callable[[], None] | None = None) -> list[Any]:
     """engine.generate where the engine has it (outputs whose finish() post-processes them, run on a writer
     thread), else engine.synthesize (an engine_factory's engine may offer only that). then: only for
-    engines with prepare_ahead (ShardRunner._ahead), whose generate takes it."""
+    engines with prepare_ahead (ShardRunner._prepares), whose generate takes it."""
     generate = getattr(engine, "generate", None)
     if generate is None:
         return engine.synthesize(reqs)
@@ -189,12 +194,12 @@ def _engine_outputs(engine: Any, reqs: list[Any], then: Callable[[], None] | Non
 class ShardRunner:
     """Holds one engine per variant (loaded on first use) and runs shards with it.
 
-    The engine generates batch after batch on the calling thread; meanwhile the preload thread prepares the
-    next batch's clips, and writer threads post-process and write the rows of the batches before, at most
-    2 x writer_threads batches behind. A batch is reported (on_batch) once its rows are written and the
-    engine has finished the batch after it; a shard returns once every one of its rows is written (or
-    settled as failed or rejected). run_shard may be called from several threads (SHARDS_IN_FLIGHT): one
-    shard at a time generates; the others wait for the device in line, or for their writes."""
+    The engine generates batch after batch on the calling thread; meanwhile the preload and preparing threads
+    prepare the batches to come, and writer threads post-process and write the rows of the batches before, at
+    most 2 x writer_threads batches behind. A batch is reported (on_batch) once its rows are written and the
+    engine has finished the batch after it; a shard returns once every one of its rows is written (or settled
+    as failed or rejected). run_shard may be called from several threads (SHARDS_IN_FLIGHT): one shard at a
+    time generates; the others wait for the device in line, or for their writes."""
 
     def __init__(self, job_path: str | Path, cfg: JobConfig):
         self.job = JobDir(job_path)
@@ -209,6 +214,7 @@ class ShardRunner:
         self.worker = f"{self.host}:{os.getpid()}"
         self.writers = ThreadPoolExecutor(cfg.writer_threads, thread_name_prefix="ovbatch-writer")
         self.preloader = ThreadPoolExecutor(1, thread_name_prefix="ovbatch-preload")
+        self.preparer = ThreadPoolExecutor(1, thread_name_prefix="ovbatch-prepare")
         # the device's turns; a shard in line gives (engine, its first batch's requests, their preload)
         self.turns = DeviceTurns()
         self.stopping = threading.Event()  # set: running shards stop before their next batch
@@ -294,34 +300,56 @@ class ShardRunner:
         def requests_of(rows: list[RequestRow]) -> list[Any]:
             return [requests[id(r)] for r in rows]
 
+        preloads: dict[int, Future] = {}  # batch index -> its clips' preload
+        prepared: dict[int, Future] = {}  # batch index -> its preparation ahead
+
+        def preload(i: int) -> None:
+            if i < len(batches) and i not in preloads:
+                preloads[i] = self._preload(engine, requests_of(batches[i]))
+
+        def prepare(i: int) -> None:  # batch i (not the first: the shard before prepares it) ahead, once
+            if self._prepares(engine) and 0 < i < len(batches) and i not in prepared:
+                reqs = requests_of(batches[i])
+                prepared[i] = self.preparer.submit(self._prepare, engine, reqs, preloads[i])
+
+        def then_of(i: int) -> Callable[[], None] | None:  # batch i's `then`: set up, so prepare ahead
+            if not self._prepares(engine):
+                return None
+
+            def then() -> None:
+                set_up()
+                prepare(i + PREPARE_AHEAD)
+                if i + PREPARE_AHEAD >= len(batches):
+                    self._prepare_next_shards_first()
+
+            return then
+
         # The first batch's clips now, while the shard before generates; the batch itself is prepared by
-        # that shard's last batch (its `then`), so that device work stays within the device holder's turn.
-        first = requests_of(batches[0]) if batches else []
-        preloading = self._preload(engine, first)
+        # that shard, so that device work stays within the device holder's turn.
+        preload(0)
+        first = _FirstBatch(engine, requests_of(batches[0]) if batches else [], preloads.get(0))
         turn = object()
-        self.turns.ask(turn, (engine, first, preloading))
+        self.turns.ask(turn, first)
         try:
             with _traced("ovbatch.wait_device"):
                 self.turns.take(turn)
+            if first.prepared is not None:
+                prepared[0] = first.prepared
             try:
                 with _traced("ovbatch.shard_on_device"):
                     for i, batch in enumerate(batches):
                         if self.stopping.is_set():
                             raise Stopped(f"shard {task.index} stopped before batch {i + 1}")
-                        with _traced("ovbatch.wait_preload"):
-                            wait([preloading])  # this batch's clips; the next ones are prepared meanwhile
-                        upcoming = requests_of(batches[i + 1]) if i + 1 < len(batches) else []
-                        preloading = self._preload(engine, upcoming)
-                        then = _after(
-                            set_up,
-                            self._ahead(engine, upcoming, preloading)
-                            if upcoming
-                            else self._next_shards_first(engine),
-                        )
-                        parts = self._generate(engine, task, batch, requests_of, then)
+                        for ahead in range(1, PREPARE_AHEAD + 1):  # the clips of the batches to come
+                            preload(i + ahead)
+                        for ahead in range(1, PREPARE_AHEAD):  # where no `then` has (the first batches)
+                            prepare(i + ahead)
+                        with _traced("ovbatch.wait_prepared"):  # this batch's clips and preparation
+                            wait([preloads[i], *([prepared[i]] if i in prepared else [])])
+                        parts = self._generate(engine, task, batch, requests_of, then_of(i))
                         write_unwritten()  # where the batch never got to its `then` (an error, a split)
                         unwritten.extend(parts)
-                        if then is None:  # an engine without prepare_ahead: no set-up to keep clear
+                        if not self._prepares(engine):  # no `then`: no set-up to keep clear
                             write_unwritten()
                         while pending and pending[0].done():
                             take_oldest()
@@ -342,7 +370,8 @@ class ShardRunner:
                 take_oldest()
         finally:
             self.turns.leave(turn)
-            wait([*pending, preloading])  # no writer outlives its shard, even one that stopped on an error
+            # no writer or preparation outlives its shard, even one that stopped on an error
+            wait([*pending, *preloads.values(), *prepared.values()])
         return results
 
     def _note_set_up(self) -> None:
@@ -393,35 +422,28 @@ class ShardRunner:
         )
 
     @staticmethod
-    def _ahead(engine: Any, reqs: list[Any], preloading: Future) -> Callable[[], None] | None:
-        """What the engine does for the next batch while the device generates this one (generate's `then`):
-        its clips from the preload thread, then engine.prepare_ahead. None for engines without it."""
-        prepare_ahead = getattr(engine, "prepare_ahead", None)
-        if prepare_ahead is None or not reqs:
-            return None
+    def _prepares(engine: Any) -> bool:
+        """Whether the engine prepares batches ahead (prepare_ahead) and takes generate's `then`."""
+        return getattr(engine, "prepare_ahead", None) is not None
 
-        def then() -> None:
-            wait([preloading])
-            prepare_ahead(reqs)
+    @staticmethod
+    def _prepare(engine: Any, reqs: list[Any], preloading: Future | None) -> None:
+        """On the preparing thread: engine.prepare_ahead(reqs) once their clips are preloaded. Its errors are
+        the batch's to report, when it generates."""
+        wait([preloading] if preloading is not None else [])
+        try:
+            with _traced("ovbatch.prepare_ahead"):
+                engine.prepare_ahead(reqs)
+        except Exception as e:  # noqa: BLE001 - generate() prepares what prepare_ahead could not
+            log.debug("prepare_ahead failed: %s", e)
 
-        return then
-
-    def _next_shards_first(self, engine: Any) -> Callable[[], None] | None:
-        """generate's `then` for a shard's last batch: the first batch of the shard next in line for the
-        device, prepared ahead on its own engine (None where this engine takes no `then`)."""
-        if getattr(engine, "prepare_ahead", None) is None:
-            return None
-
-        def then() -> None:
-            first = self.turns.next_to_prepare()
-            if first is None:
-                return
-            next_engine, reqs, preloading = first
-            ahead = self._ahead(next_engine, reqs, preloading)
-            if ahead is not None:
-                ahead()
-
-        return then
+    def _prepare_next_shards_first(self) -> None:
+        """The first batch of the shard next in line for the device, prepared ahead on its own engine (once;
+        nothing when no shard is in line yet)."""
+        first = self.turns.next_to_prepare()
+        if first is not None and first.requests and self._prepares(first.engine):
+            prepare = self._prepare
+            first.prepared = self.preparer.submit(prepare, first.engine, first.requests, first.preloading)
 
     def _generate(
         self,
@@ -431,9 +453,9 @@ class ShardRunner:
         requests_of: Callable[[list[RequestRow]], list[Any]],
         then: Callable[[], None] | None = None,
     ) -> list[_Part]:
-        """The engine's outputs for `rows` (then: see _ahead). A call that raises is split in halves, each
-        half tried again, down to single rows: one bad row fails alone, and an out-of-memory error retries
-        smaller batches."""
+        """The engine's outputs for `rows` (then: generate's, see run_shard). A call that raises is split in
+        halves, each half tried again, down to single rows: one bad row fails alone, and an out-of-memory
+        error retries smaller batches."""
         started = _now()
         t0 = time.perf_counter()
         try:

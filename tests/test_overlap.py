@@ -214,13 +214,16 @@ class PreloadingEngine(StagedEngine):
         return super().generate(reqs)
 
 
+ROW_TEXTS = [f"row {i}" for i in range(4)]
+
+
 def _run_one_row_batches(tmp_path: Path, engine_class: type) -> list[RequestRow]:
     """One shard of four rows, one row a batch, on `engine_class` (its `events` emptied first)."""
     StagedEngine.gate.set()
     engine_class.events = []
     cfg = _cfg(writers=1)
     cfg.engine_factory = f"{__name__}:{engine_class.__name__}"
-    rows = _rows([f"row {i}" for i in range(4)])
+    rows = _rows(ROW_TEXTS)
     ShardRunner(tmp_path, cfg).run_shard(ShardTask(0, "default", 128, 1, rows))
     return rows
 
@@ -275,33 +278,49 @@ def test_a_local_run_that_stops_early_starts_no_further_shard(tmp_path: Path):
 
 
 class AheadEngine(StagedEngine):
-    """Records prepare_ahead calls and where generate runs `then`."""
+    """Records prepare_ahead and generate. A batch's generate checks that it gets the very objects prepared
+    ahead, and waits (10 s at most) for the next batch to be prepared before it runs its `then`: a batch whose
+    preparation waited for the generate call before it would show as a wait that ran out."""
 
-    events: list[tuple[str, tuple[str, ...]]] = []
+    events: list[tuple[str, str]] = []
 
     def prepare_ahead(self, reqs):
-        AheadEngine.events.append(("ahead", tuple(r.text for r in reqs)))
-        self.ahead = reqs
+        self.prepared = {**getattr(self, "prepared", {}), reqs[0].text: reqs}
+        AheadEngine.events.append(("ahead", reqs[0].text))
 
     def generate(self, reqs, then=None):
-        AheadEngine.events.append(("generate", tuple(r.text for r in reqs)))
-        if getattr(self, "ahead", None) is not None:
-            assert self.ahead == reqs and all(a is b for a, b in zip(self.ahead, reqs)), (
-                "not the same objects"
-            )
+        text = reqs[0].text
+        if text in getattr(self, "prepared", {}):
+            assert all(a is b for a, b in zip(self.prepared[text], reqs, strict=True)), "not the same objects"
+        AheadEngine.events.append(("generate", text))
+        following = f"row {int(text.split()[1]) + 1}"
+        deadline = time.monotonic() + 10
+        while following in ROW_TEXTS and ("ahead", following) not in AheadEngine.events:
+            if time.monotonic() > deadline:
+                AheadEngine.events.append(("waited out", following))
+                break
+            time.sleep(0.01)
         outputs = super().generate(reqs)
         if then is not None:
             then()
         return outputs
 
 
-def test_each_batch_after_the_first_is_prepared_while_the_one_before_generates(tmp_path: Path):
-    rows = _run_one_row_batches(tmp_path, AheadEngine)
-    texts = [(r.text,) for r in rows]
-    want = [("generate", texts[0])]
-    for batch in texts[1:]:
-        want += [("ahead", batch), ("generate", batch)]
-    assert AheadEngine.events == want
+def test_each_batch_is_prepared_two_ahead_without_waiting_for_the_one_before(tmp_path: Path):
+    """Batch i + 2 is prepared once batch i is set up (its `then`), on the preparing thread: its preparation
+    runs beside batches i and i + 1 and needs neither generate call to return."""
+    from pipeline.shard_runner import PREPARE_AHEAD
+
+    assert PREPARE_AHEAD == 2
+    _run_one_row_batches(tmp_path, AheadEngine)
+    events = AheadEngine.events
+    assert not [e for e in events if e[0] == "waited out"], events
+    assert [text for kind, text in events if kind == "generate"] == ROW_TEXTS
+    assert [text for kind, text in events if kind == "ahead"] == ROW_TEXTS[1:]  # no shard before the first
+    for i, text in enumerate(ROW_TEXTS[1:], start=1):
+        assert events.index(("ahead", text)) < events.index(("generate", text))
+        if i >= PREPARE_AHEAD:
+            assert events.index(("ahead", text)) > events.index(("generate", ROW_TEXTS[i - PREPARE_AHEAD]))
 
 
 class HandOffEngine(StagedEngine):
