@@ -30,7 +30,9 @@ the connection), actors)); the engine's seconds per phase (phases_seconds: prepa
 encoded; generate; decode; postprocess) and the job summary's time split (time_split: planning, start,
 capture, phases, other) and generation_idle (jobs: the generation stream's measured idle before each batch,
 split into before shards' first batches and the others, with the longest gaps) and by_bucket (jobs: per plan
-bucket, the rows' shares of generation, preparation ahead and that idle). Each part starts from an empty
+bucket, the rows' shares of generation, preparation ahead and that idle), and session (the machine session
+that measured it: $OVBATCH_SESSION, which bench/gpu_session.sh sets once per machine, else this run's start;
+README's "vs engine" compares a job with the engine of its own session). Each part starts from an empty
 prompt cache. A device command is limited to 10 minutes: run some parts or precisions per call; entries merge
 into --out by variant name.
 
@@ -399,8 +401,14 @@ def main() -> None:
         base = [*SETTINGS[args.size], f"engine.device={args.device}", "progress=false"]
         meta = {"size": args.size, "rows": args.rows, "environment": environment("ray", "omnivoice")}
 
+        # "vs engine" compares entries of one session (one machine, one lease): gpu_session.sh names it
+        session = os.environ.get("OVBATCH_SESSION") or datetime.now().astimezone().strftime(
+            "%Y-%m-%dT%H:%M%z"
+        )
+
         def record(new: list[dict]) -> None:  # entry by entry: a call cut short keeps what it measured
             for e in new:
+                e["session"] = session
                 print(json.dumps(e), flush=True)
             write_result(args.out, merge(Path(args.out), new, meta))
 

@@ -20,6 +20,9 @@ export PY PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVL
 if [ -d /tmp/site ] && [ ! -e /tmp/site/.compiled ]; then
   $PY -m compileall -q -j 0 /tmp/site > /dev/null; touch /tmp/site/.compiled
 fi
+# One name for every call on this machine (bench/e2e.py stamps its entries with it): /tmp lives as long as it.
+[ -s /tmp/ovbatch-session ] || date -u +%Y-%m-%dT%H:%MZ > /tmp/ovbatch-session
+export OVBATCH_SESSION=$(cat /tmp/ovbatch-session)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/logs/gpu.txt" 2>&1
 
 step() {

@@ -11,8 +11,9 @@ engine/frontend/prompt.py) open on the thread holding the device at the gap's mi
 the hold itself is open, "no shard on the device" between shards), with what the other threads were inside
 meanwhile (idle_beside: the then thread's encode, the preload, writers). The profiler slows the host, so idle
 seconds are an upper bound; their split is the point. nvidia-smi's mean utilization is sampled over both runs
-too (gpu_busy_nvidia_smi), to set the e2e bench's figure, which comes from it, against the profiler's, and
-Python's garbage collections over the unprofiled run (each holds every thread of the process).
+too (gpu_busy_nvidia_smi), to set the e2e bench's figure, which comes from it, against the profiler's,
+Python's garbage collections over the unprofiled run (each holds every thread of the process), and whether
+the clips' encode waits on its host thread or on the device (encode_launches).
 
     python bench/profile_job.py [--rows 3000] [--shards 4] [--warmup-shards 2] [--precision bf16]
                                 [--work DIR] [--size full|tiny] [--out bench/results/profile-job-h200.json]
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -178,6 +180,54 @@ def idle_split(events) -> dict:
     }
 
 
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def encode_launches(events) -> dict:
+    """Whether the clips' encode (`ovbatch.encode`) waits on its host thread or on the device: its kernels,
+    matched to their launches by correlation id. launch_span_s: from each encode's first launch to its last,
+    summed; beside host_s (the ranges' seconds) it says how long the host was still launching. device_s: the
+    kernels' own seconds; queue_ms: from a kernel's launch to its start (the device busy with other work,
+    or the kernels before it)."""
+    from torch.autograd import DeviceType
+
+    ranges: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    launched: dict[int, float] = {}  # correlation id -> launch start
+    launch_thread: dict[int, int] = {}
+    for e in events:
+        if e.device_type() != DeviceType.CPU:
+            continue
+        if e.name() == "ovbatch.encode":
+            ranges[e.start_thread_id()].append((e.start_ns() / 1e3, e.end_ns() / 1e3))
+        elif e.name() in LAUNCHES:
+            launched[e.correlation_id()] = e.start_ns() / 1e3
+            launch_thread[e.correlation_id()] = e.start_thread_id()
+    per_range: dict[tuple[int, float, float], list[tuple[float, float, float]]] = defaultdict(list)
+    for e in events:
+        if e.device_type() != DeviceType.CUDA or e.correlation_id() not in launched:
+            continue
+        at = launched[e.correlation_id()]
+        thread = launch_thread[e.correlation_id()]
+        inside = next(((s, end) for s, end in ranges.get(thread, []) if s <= at < end), None)
+        if inside is not None:
+            per_range[(thread, *inside)].append((at, e.start_ns() / 1e3, e.end_ns() / 1e3))
+    kernels = [k for ks in per_range.values() for k in ks]
+    if not kernels:
+        return {"skipped": "no kernel launched inside ovbatch.encode matched its launch"}
+    queue = sorted(start - at for at, start, _ in kernels)
+    return {
+        "encodes": len(per_range),
+        "kernels": len(kernels),
+        "host_s": round(sum(end - s for _, s, end in per_range) / 1e6, 4),
+        "launch_span_s": round(
+            sum(max(k[0] for k in ks) - min(k[0] for k in ks) for ks in per_range.values()) / 1e6, 4
+        ),
+        "device_s": round(sum(end - start for _, start, end in kernels) / 1e6, 4),
+        "queue_ms_median": round(statistics.median(queue) / 1e3, 3),
+        "queue_ms_p90": round(queue[int(len(queue) * 0.9)] / 1e3, 3),
+    }
+
+
 def _innermost(ranges: list[tuple[float, float, str]], at: float) -> str | None:
     """The innermost of one thread's (start, end, name) ranges open at time `at`: the latest to open, and of
     those the first to close."""
@@ -241,7 +291,8 @@ def main() -> None:
             profiled_wall, profiled_audio = run(runner, profiled)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-        split = idle_split(prof.profiler.kineto_results.events())  # raw events: far quicker than events()
+        events = prof.profiler.kineto_results.events()  # raw events: far quicker than events()
+        split = idle_split(events)
         report = {
             "bench": "profile_job",
             "environment": environment(),
@@ -264,6 +315,7 @@ def main() -> None:
                 "wall_s": round(profiled_wall, 3),
                 "audio_s": round(profiled_audio, 2),
                 **split,
+                "encode_launches": encode_launches(events),
                 "gpu_busy_nvidia_smi": gpu_fields(profiled_gpu)["gpu_busy"],  # over the run, not the window
             },
         }

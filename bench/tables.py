@@ -266,10 +266,11 @@ def _e2e_order(entry: dict) -> tuple:
 
 def e2e_rows(result: dict) -> list[str]:
     """README: the official package, the engine alone and the job from submit to the last row, each entry of
-    one run; "vs engine" only against the engine entry of the same precision over the same number of rows."""
+    one run; "vs engine" only against the engine entry of the same precision over the same number of rows,
+    measured in the same session (one machine)."""
     entries = result["entries"]
     engine = {
-        (e["variant"][len("engine_") :], e["rows"]): e["x_realtime"]
+        (e["variant"][len("engine_") :], e["rows"], e.get("session")): e["x_realtime"]
         for e in entries
         if "engine_" in e["variant"]
     }
@@ -283,7 +284,7 @@ def e2e_rows(result: dict) -> list[str]:
             reason = "out of GPU memory" if "out of memory" in e["skipped"] else "skipped"
             out.append(row(e["variant"], *["-"] * 3, reason, *["-"] * 7))
             continue
-        base = engine.get((e["variant"].split("_")[-1], e["rows"]))
+        base = engine.get((e["variant"].split("_")[-1], e["rows"], e.get("session")))
         out.append(
             row(
                 e["variant"],

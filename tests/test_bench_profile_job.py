@@ -5,15 +5,23 @@ from __future__ import annotations
 
 from torch.autograd import DeviceType
 
-from bench.profile_job import ON_DEVICE, idle_split, spread_pair
+from bench.profile_job import ON_DEVICE, encode_launches, idle_split, spread_pair
 
 
 class Event:
     """The few methods of a kineto event that idle_split reads (times given in microseconds)."""
 
-    def __init__(self, name: str, device: DeviceType, start_us: float, end_us: float, thread: int = 0):
+    def __init__(
+        self,
+        name: str,
+        device: DeviceType,
+        start_us: float,
+        end_us: float,
+        thread: int = 0,
+        correlation: int = 0,
+    ):
         self._name, self._device, self._thread = name, device, thread
-        self._start, self._end = start_us, end_us
+        self._start, self._end, self._correlation = start_us, end_us, correlation
 
     def name(self) -> str:
         return self._name
@@ -29,6 +37,9 @@ class Event:
 
     def start_thread_id(self) -> int:
         return self._thread
+
+    def correlation_id(self) -> int:
+        return self._correlation
 
 
 def cpu(name: str, start: float, end: float, thread: int) -> Event:
@@ -110,3 +121,42 @@ def test_gc_pauses_time_full_collections_frozen_and_not_and_leave_the_heap_froze
         assert gc.get_freeze_count() >= len(held)
     finally:
         gc.unfreeze()
+
+
+def test_the_encodes_kernels_are_matched_to_their_launches():
+    """Two encodes: the first launches all its kernels at once and waits on the device (launch span 0.2 of
+    its 10 ms), the second launches until its end (host-bound); kernels launched elsewhere do not count."""
+
+    def launch(at: float, correlation: int, thread: int = 4) -> Event:
+        return Event("cudaLaunchKernel", DeviceType.CPU, at, at + 5, thread, correlation)
+
+    def run(start: float, end: float, correlation: int) -> Event:
+        return Event("conv", DeviceType.CUDA, start, end, correlation=correlation)
+
+    events = [
+        cpu("ovbatch.encode", 0, 10_000, thread=4),
+        launch(100, 1),
+        launch(2_100, 2),
+        run(6_000, 8_000, 1),  # queued 5.9 ms behind other work
+        run(8_000, 9_900, 2),
+        cpu("ovbatch.encode", 20_000, 24_000, thread=4),
+        launch(20_100, 3),
+        launch(23_900, 4),
+        run(20_200, 20_300, 3),
+        run(24_000, 24_100, 4),
+        launch(30_000, 5),  # outside an encode
+        run(30_010, 30_020, 5),
+        launch(1_000, 6, thread=7),  # in an encode's time, but another thread's
+        run(1_010, 1_020, 6),
+    ]
+    report = encode_launches(events)
+    assert report == {
+        "encodes": 2,
+        "kernels": 4,
+        "host_s": 0.014,
+        "launch_span_s": 0.0058,
+        "device_s": 0.0041,
+        "queue_ms_median": 3.0,
+        "queue_ms_p90": 5.9,
+    }
+    assert "skipped" in encode_launches([cpu("ovbatch.encode", 0, 10, thread=4)])

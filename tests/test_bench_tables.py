@@ -45,9 +45,16 @@ def test_generation_row_reads_every_variant():
     assert rows[0] == want
 
 
-def test_e2e_rows_compare_a_job_only_with_the_engine_over_as_many_rows():
-    def entry(variant, rows, x):
-        return {"variant": variant, "rows": rows, "audio_seconds": 10.0, "wall_seconds": 1.0, "x_realtime": x}
+def test_e2e_rows_compare_a_job_only_with_the_engine_over_as_many_rows_in_its_session():
+    def entry(variant, rows, x, session="s1"):
+        return {
+            "variant": variant,
+            "rows": rows,
+            "audio_seconds": 10.0,
+            "wall_seconds": 1.0,
+            "x_realtime": x,
+            "session": session,
+        }
 
     rows = e2e_rows(
         {
@@ -55,11 +62,19 @@ def test_e2e_rows_compare_a_job_only_with_the_engine_over_as_many_rows():
                 entry("engine_bf16", 2000, 80.0),
                 entry("job_local_bf16", 2000, 88.0),
                 entry("job_ray_bf16", 1000, 60.0),
+                entry("job_ray_fp8", 2000, 90.0),
+                entry("engine_fp8", 2000, 70.0, session="s2"),
             ]
         }
     )
-    assert rows[1].split(" | ")[5] == "1.10"
-    assert rows[2].split(" | ")[5] == "-"
+    ratios = {r.split(" | ")[0].strip("| "): r.split(" | ")[5] for r in rows}
+    assert ratios == {
+        "engine_bf16": "1.00",
+        "job_local_bf16": "1.10",
+        "job_ray_bf16": "-",
+        "engine_fp8": "1.00",
+        "job_ray_fp8": "-",
+    }
 
 
 def test_e2e_rows_show_an_entry_that_did_not_run_and_why():
