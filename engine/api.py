@@ -193,6 +193,11 @@ def _chunk_seed(seed: int, index: int) -> int:
     return seed if index == 0 else (seed * 1_000_003 + index * 0x9E3779B97F4A7C15) % (1 << 63)
 
 
+def _round_members(prepared: list[PreparedRequest], index: int) -> list[int]:
+    """The requests that chunk round `index` generates: those with more than `index` chunks."""
+    return [i for i, p in enumerate(prepared) if index < len(p.chunks)]
+
+
 @dataclass
 class _Ahead:
     """A batch's requests prepared, and where prepare_ahead made them, its first chunk round's runner calls
@@ -532,7 +537,7 @@ class Engine:
         work = [0] * len(prepared)
         rounds = max(len(p.chunks) for p in prepared)
         for index in range(rounds):
-            members = [i for i, p in enumerate(prepared) if index < len(p.chunks)]
+            members = _round_members(prepared, index)
             if index == 0 and ahead.first_calls:
                 calls = ahead.first_calls
             else:
@@ -556,9 +561,8 @@ class Engine:
         items may take a request's first-chunk tokens as its reference): cut into batches, packed on the
         host."""
         items = [
-            self._gen_item(p, index, tokens[i][0] if tokens[i] else None)
-            for i, p in enumerate(prepared)
-            if index < len(p.chunks)
+            self._gen_item(prepared[i], index, tokens[i][0] if tokens[i] else None)
+            for i in _round_members(prepared, index)
         ]
         batches = even_batches(items, packed_tokens, self.cfg.max_batch_tokens)
         return [self.runner.pack(batch) for batch in batches]

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -185,11 +186,11 @@ def test_batched_semantic_features_equal_each_clip_alone(codec):
     assert isinstance(codec.semantic_model.feature_extractor.conv_layers[0].layer_norm, torch.nn.GroupNorm)
     wavs = clips(5, [HOP * 12, HOP * 3, HOP * 20, 24000 + 333, HOP * 2])
     with torch.inference_mode():
-        batched = semantic_features(codec.semantic_model, wavs, codec.config)
-        for wav, features in zip(wavs, batched):
-            alone = semantic_features(codec.semantic_model, [wav], codec.config)[0]
-            assert features.shape == alone.shape
-            assert (features - alone).abs().max().item() <= 1e-5
+        batched, frames = semantic_features(codec.semantic_model, wavs, codec.config)
+        for wav, features, f in zip(wavs, batched, frames, strict=True):
+            alone, (f_alone,) = semantic_features(codec.semantic_model, [wav], codec.config)
+            assert f == f_alone == alone.shape[-1]
+            assert (features[:, :f] - alone[0]).abs().max().item() <= 1e-5
 
 
 def test_encode_batches_by_padded_audio_and_keeps_the_clips_order(codec, monkeypatch):
@@ -243,7 +244,7 @@ def test_frames_and_code_range(codec):
         (torch.zeros(2, 9600), r"\(2, 9600\).*mono"),
         (torch.zeros(9600, dtype=torch.int16), "torch.int16.*float"),
         (torch.zeros(500), "500 samples, fewer than one frame"),
-        (torch.full((9600,), float("nan")), "NaN"),
+        (torch.full((9600,), float("nan")), r"wavs\[1\] contains NaN"),
     ],
 )
 def test_encode_rejects(codec, wav, message):
@@ -468,3 +469,39 @@ def test_the_snake_kernels_leave_codes_and_audio_bit_equal(tiny_dir):
     assert all(torch.equal(a, b) for a, b in zip(fused.encode(wavs), codes))
     audio = plain.decode(codes)
     assert all(torch.equal(a, b) for a, b in zip(fused.decode(codes), audio))
+
+
+@pytest.mark.gpu
+def test_cuda_encode_of_host_clips_to_the_host_equals_the_device_path(tiny_dir):
+    """Clips given on the host go to the device in one copy and their codes come back in one copy per encode
+    batch (device="cpu"): the same codes as clips given on the device, codes left there."""
+    gpu = Codec.from_dir(tiny_dir, device="cuda")
+    wavs = clips(8, [HOP * 50, HOP * 13 + 5, HOP * 120, HOP * 7])
+    on_device = gpu.encode([w.cuda() for w in wavs])
+    on_host = gpu.encode(wavs, device="cpu")
+    assert all(c.device.type == "cuda" for c in on_device) and all(c.device.type == "cpu" for c in on_host)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(on_device, on_host, strict=True))
+
+
+@pytest.mark.gpu
+def test_cuda_encode_of_host_clips_waits_for_the_device_once_per_encode_batch(tiny_dir, monkeypatch):
+    """Beside the generation the host must not wait on the device mid-encode: clips from the host are checked
+    there and copied without a wait, and only each encode batch's codes coming back wait (torch's sync debug
+    mode warns on every wait)."""
+    from engine.codec import model
+
+    gpu = Codec.from_dir(tiny_dir, device="cuda")
+    wavs = clips(9, [HOP * 50, HOP * 40, HOP * 13 + 5, HOP * 7])
+    monkeypatch.setattr(model, "ENCODE_BATCH_SECONDS", HOP * 100 / 24000)  # two batches: 50 + 40, 13 + 7
+    want = gpu.encode(wavs, device="cpu")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = gpu.encode(wavs, device="cpu")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    waits = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(waits) == 2, [str(w.message) for w in waits]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -31,7 +31,7 @@ class CountingCodec:
         self.calls = 0
         self.seen: list[torch.Tensor] = []
 
-    def encode(self, wavs):
+    def encode(self, wavs, device=None):
         self.calls += 1
         self.seen.extend(wavs)
         out = []

@@ -18,7 +18,7 @@ from torch.nn.utils.parametrizations import weight_norm
 
 from engine.codec.config import SemanticConfig
 from engine.codec.lengths import conv_output_lengths
-from engine.devices import building_on_meta
+from engine.devices import building_on_meta, to_device
 
 # transformers' HuBERT initialisation: Linear weights drawn with this std, every conv weight He-normal.
 INITIALIZER_RANGE = 0.02
@@ -192,7 +192,8 @@ class Hubert(nn.Module):
         x = self.feature_projection(features.transpose(1, 2))
         mask = None
         if any(f < x.shape[1] for f in frames):
-            valid = torch.arange(x.shape[1], device=x.device) < torch.tensor(frames, device=x.device)[:, None]
+            limits = to_device(torch.tensor(frames), x.device)  # the host does not wait for the stream
+            valid = torch.arange(x.shape[1], device=x.device) < limits[:, None]
             x = x.masked_fill(~valid[:, :, None], 0)
             mask = valid[:, None, None, :].expand(-1, 1, x.shape[1], -1)
         return self.encoder(x, mask), frames

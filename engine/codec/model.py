@@ -27,6 +27,7 @@ from engine.codec.hubert import Hubert
 from engine.codec.lengths import conv_output_lengths, pad_stack
 from engine.codec.quantizer import ResidualVectorQuantizer
 from engine.codec.semantic import SemanticEncoder, semantic_features
+from engine.devices import to_device
 from engine.errors import InputError
 
 # Padded audio one encode batch may hold: bounds its activations (HuBERT's first conv writes 512 channels
@@ -104,8 +105,11 @@ class Codec(nn.Module):
     # ----------------------------------------------------------------------------------------- encode
 
     @torch.inference_mode()
-    def encode(self, wavs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Mono float clips [T] at sample_rate -> codes [num_codebooks, F] (int64, on the codec's device).
+    def encode(
+        self, wavs: list[torch.Tensor], device: torch.device | str | None = None
+    ) -> list[torch.Tensor]:
+        """Mono float clips [T] at sample_rate -> codes [num_codebooks, F] (int64, on `device`, by default
+        the codec's; moved there in one copy per encode batch).
 
         F is the number of HuBERT frames at the codec rate (T / hop for T a multiple of hop_length, which
         is how OmniVoice trims its references). Clips run longest first in right-padded batches of at most
@@ -119,15 +123,15 @@ class Codec(nn.Module):
         while order:
             size = max(1, int(budget // wavs[order[0]].shape[-1]))  # clips of the longest one's length
             group, order = order[:size], order[size:]
-            for i, c in zip(group, self._encode_batch([wavs[i] for i in group])):
-                codes[i] = c
+            batch, frames = self._encode_batch([wavs[i] for i in group])
+            batch = batch.to(device if device is not None else self.device)
+            for i, clip_codes, f in zip(group, batch, frames, strict=True):
+                codes[i] = clip_codes[:, :f]
         return codes
 
-    def _encode_batch(self, wavs: list[torch.Tensor]) -> list[torch.Tensor]:
-        semantic = semantic_features(self.semantic_model, wavs, self.config)
-        e_semantic, frames = self.encoder_semantic(
-            pad_stack([s.t() for s in semantic]), [s.shape[0] for s in semantic]
-        )
+    def _encode_batch(self, wavs: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+        """Codes [B, num_codebooks, max F] of right-padded clips, and each clip's F."""
+        e_semantic, frames = self.encoder_semantic(*semantic_features(self.semantic_model, wavs, self.config))
         clips = self._acoustic_inputs(wavs, frames)
         e_acoustic, acoustic_frames = self.acoustic_encoder(
             pad_stack([c[None] for c in clips]), [c.shape[-1] for c in clips]
@@ -135,8 +139,7 @@ class Codec(nn.Module):
         assert acoustic_frames == frames, (acoustic_frames, frames)
         latents = torch.cat([e_acoustic, e_semantic], dim=1)
         latents = self.fc(latents.transpose(1, 2)).transpose(1, 2)
-        codes = self.quantizer.encode(latents)
-        return [codes[i, :, :f] for i, f in enumerate(frames)]
+        return self.quantizer.encode(latents), frames
 
     def _acoustic_inputs(self, wavs: list[torch.Tensor], frames: list[int]) -> list[torch.Tensor]:
         """As the reference: each clip as is when the DAC encoder yields as many frames as HuBERT does,
@@ -162,13 +165,17 @@ class Codec(nn.Module):
                     f"wavs[{index}] has {wav.shape[0]} samples, fewer than one frame ({self.hop_length} "
                     f"samples at {self.sample_rate} Hz); pass a longer clip."
                 )
-        wavs = [w.to(self.device, self.fc.weight.dtype) for w in wavs]
-        finite = torch.stack([torch.isfinite(w).all() for w in wavs]).tolist()
-        if not all(finite):
-            raise InputError(
-                f"wavs[{finite.index(False)}] contains NaN or infinite samples; clean the audio first."
-            )
-        return wavs
+        # One check and one copy to the device for the whole list, which the host does not wait for where
+        # the clips come from the host: each clip's own would wait its turn on a device shared with the
+        # generation.
+        lengths = [w.shape[0] for w in wavs]
+        dtype = self.fc.weight.dtype
+        on_host = all(w.device.type == "cpu" for w in wavs)
+        flat = torch.cat([w.to(dtype) if on_host else w.to(self.device, dtype) for w in wavs])
+        if not bool(torch.isfinite(flat).all()):
+            bad = next(i for i, w in enumerate(flat.split(lengths)) if not bool(torch.isfinite(w).all()))
+            raise InputError(f"wavs[{bad}] contains NaN or infinite samples; clean the audio first.")
+        return list(to_device(flat, self.device).split(lengths))
 
     # ----------------------------------------------------------------------------------------- decode
 

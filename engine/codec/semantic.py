@@ -11,8 +11,8 @@ from torch import nn
 
 from engine.codec.config import CodecConfig
 from engine.codec.hubert import Hubert
-from engine.codec.lengths import masked_conv, pad_stack
-from engine.resample import resample
+from engine.codec.lengths import masked_conv, pad_stack, zero_past_lengths
+from engine.resample import resample, resampled_length
 
 # HiggsAudioV2 pads the 16 kHz signal by 160 samples (half of HuBERT's 320-sample hop) on both sides.
 HUBERT_EDGE_PAD = 160
@@ -65,14 +65,18 @@ class SemanticEncoder(nn.Module):
         return x, lengths
 
 
-def semantic_features(hubert: Hubert, wavs: list[torch.Tensor], cfg: CodecConfig) -> list[torch.Tensor]:
-    """Clips [T] at cfg.sample_rate -> each one's HuBERT features [F, hidden] at the codec frame rate:
-    the mean of HuBERT's hidden states, every semantic_downsample_factor-th frame. The clips run as one
-    right-padded batch; each clip's features are its features alone up to summation order (Hubert)."""
-    signals = [
-        F.pad(resample(w, cfg.sample_rate, cfg.semantic_sample_rate), (HUBERT_EDGE_PAD,) * 2) for w in wavs
-    ]
-    hidden_states, frames = hubert(pad_stack(signals), [x.shape[-1] for x in signals])
-    features = torch.stack(hidden_states, dim=1).mean(dim=1)  # [B, frames, hidden]
+def semantic_features(
+    hubert: Hubert, wavs: list[torch.Tensor], cfg: CodecConfig
+) -> tuple[torch.Tensor, list[int]]:
+    """Clips [T] at cfg.sample_rate -> HuBERT features [B, hidden, F] at the codec frame rate (the mean of
+    HuBERT's hidden states, every semantic_downsample_factor-th frame) and each clip's F. The clips run as
+    one right-padded batch, resampling included (each clip's samples zeroed past its resampled length, so
+    that every clip is resampled as alone); a clip's features are its features alone up to summation order
+    (Hubert), and past its F hold what the padded batch computed there (the encoder masks them)."""
+    lengths = [resampled_length(w.shape[-1], cfg.sample_rate, cfg.semantic_sample_rate) for w in wavs]
+    signal = resample(pad_stack(wavs), cfg.sample_rate, cfg.semantic_sample_rate)
+    signal = F.pad(zero_past_lengths(signal[:, None], lengths)[:, 0], (HUBERT_EDGE_PAD,) * 2)
+    hidden_states, frames = hubert(signal, [n + 2 * HUBERT_EDGE_PAD for n in lengths])
     step = max(cfg.semantic_downsample_factor, 1)
-    return [features[i, :f][::step] for i, f in enumerate(frames)]
+    features = torch.stack(hidden_states, dim=1).mean(dim=1)[:, ::step]  # [B, frames, hidden]
+    return features.transpose(1, 2), [-(-f // step) for f in frames]

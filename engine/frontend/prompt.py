@@ -134,10 +134,10 @@ def build_prompts(
             samples += len(refs[usable[0]].audio)
             group.append(usable.pop(0))
         with record_function("ovbatch.encode"):
-            codes = codec.encode([torch.from_numpy(refs[i].audio) for i in group])
+            codes = codec.encode([torch.from_numpy(refs[i].audio) for i in group], device="cpu")
         for i, tokens in zip(group, codes):
             out[i] = VoicePrompt(
-                tokens=tokens.to("cpu", torch.long), ref_text=clips[i][2], ref_rms=refs[i].rms
+                tokens=tokens.to(torch.long).contiguous(), ref_text=clips[i][2], ref_rms=refs[i].rms
             )
     return out
 
