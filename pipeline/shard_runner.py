@@ -215,7 +215,7 @@ class ShardRunner:
         self.writers = ThreadPoolExecutor(cfg.writer_threads, thread_name_prefix="ovbatch-writer")
         self.preloader = ThreadPoolExecutor(1, thread_name_prefix="ovbatch-preload")
         self.preparer = ThreadPoolExecutor(1, thread_name_prefix="ovbatch-prepare")
-        # the device's turns; a shard in line gives (engine, its first batch's requests, their preload)
+        # the device's turns; a shard in line gives its _FirstBatch to the shard on the device to prepare
         self.turns = DeviceTurns()
         self.stopping = threading.Event()  # set: running shards stop before their next batch
         # batches set up on this worker so far (their `then` began), for a shard's last batch to wait on
