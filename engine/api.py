@@ -267,20 +267,16 @@ class Engine:
         # prepare_ahead(): the request objects' ids -> (those requests, their preparation and first runner
         # calls packed on the host, its seconds)
         self._ahead: dict[tuple[int, ...], tuple[list[SynthRequest], _Ahead, float]] = {}
-        # _references and _clip_keys change on the preload threads and the generating one; _ahead on each
-        # shard's thread.
+        # _references and _clip_keys change on the preload threads and the preparing and generating ones;
+        # _ahead on the preparing ones and each shard's thread.
         self._lock = threading.Lock()
         # CUDA: where a batch's decode runs, beside the next batch's generation
         self._decode_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._generated: torch.cuda.Event | None = None  # CUDA: the last batch's generation end
-        # CUDA: where reference clips are encoded, so that waiting for their codes (the prompt cache keeps
-        # them on the host) never waits for the generation queued before them; at a higher priority than
-        # the generation's, so that the next batch's preparation, which waits for these codes, is not held
-        # behind this batch's steps (no gain from the priority has been measured)
-        self._encode_stream = None
-        if self.device.type == "cuda":
-            self._encode_stream = torch.cuda.Stream(self.device, priority=-1)
-            self._encode_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the load
+        # CUDA: each preparing thread's stream for encoding reference clips (_encode_stream), and the load's
+        # end, which those streams start after
+        self._encode_streams = threading.local()
+        self._loaded = self._device_mark()
         total = time.perf_counter() - start
         # Seconds of this load by phase; "other": the rest (config, fingerprint, tokenizer, frontends).
         self.load_timings = {phase: round(t, 3) for phase, t in timer.seconds.items()}
@@ -335,7 +331,7 @@ class Engine:
                         ready[m] = e
                 clips.append((raw, wanted[j][1], wanted[j][2]))
             # Every tensor of the encode lives and dies on its stream (None: no-op): nothing to record.
-            with torch.cuda.stream(self._encode_stream):
+            with torch.cuda.stream(self._encode_stream()):
                 return build_prompts(clips, self.codec, self.reference_settings, ready)
 
         sources = [reqs[i].ref_audio for i, _, _ in wanted]
@@ -389,6 +385,20 @@ class Engine:
             self._references[key] = ref
             while len(self._references) > PRELOADED_CLIPS:  # entries a failed batch never used
                 self._references.pop(next(iter(self._references)))
+
+    def _encode_stream(self) -> torch.cuda.Stream | None:
+        """CUDA: this thread's stream for encoding reference clips (None elsewhere). Waiting for the codes
+        (the prompt cache keeps them on the host) never waits for the generation queued before them, nor
+        for another thread's encode, so that two batches prepared at once encode side by side; at a higher
+        priority than the generation's, so that a preparation the device will wait for is not held behind
+        the steps (no gain from the priority has been measured)."""
+        if self.device.type != "cuda":
+            return None
+        stream = getattr(self._encode_streams, "stream", None)
+        if stream is None:
+            stream = self._encode_streams.stream = torch.cuda.Stream(self.device, priority=-1)
+            stream.wait_event(self._loaded)
+        return stream
 
     def _checked_prompt(self, prompt: VoicePrompt) -> VoicePrompt:
         tokens = prompt.tokens

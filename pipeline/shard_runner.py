@@ -2,7 +2,7 @@
 
 The same ShardRunner serves local mode (in this process) and each Ray actor (pipeline.ray_runner). The
 engine's device waits for as little host work as it can: a preload thread prepares the reference clips of the
-batches to come (Engine.preload), a preparing thread prepares each batch (Engine.prepare_ahead: its clips
+batches to come (Engine.preload), preparing threads prepare each batch (Engine.prepare_ahead: its clips
 encoded, its first runner calls packed) PREPARE_AHEAD batches before it generates, from the `then` of the
 batch that many before (generate's hook, run once a batch is set up), and writer threads post-process and
 write the batches before it (each Engine.generate output's finish()), each batch from its successor's `then`
@@ -64,6 +64,9 @@ NEXT_SET_UP_WAIT_S = 1.0
 # one batch (the short rows' batches, which have the most clips per second of speech) still leaves the device
 # no gap.
 PREPARE_AHEAD = 2
+# Batches prepared at once: two, so that the preparations of the two batches ahead overlap (each encodes its
+# clips on its own CUDA stream) where one takes longer than a batch generates.
+PREPARE_THREADS = 2
 ENGINE_PHASES = ("prepare", "generate", "decode")  # an Engine.generate batch's timed phases
 
 
@@ -214,7 +217,7 @@ class ShardRunner:
         self.worker = f"{self.host}:{os.getpid()}"
         self.writers = ThreadPoolExecutor(cfg.writer_threads, thread_name_prefix="ovbatch-writer")
         self.preloader = ThreadPoolExecutor(1, thread_name_prefix="ovbatch-preload")
-        self.preparer = ThreadPoolExecutor(1, thread_name_prefix="ovbatch-prepare")
+        self.preparer = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="ovbatch-prepare")
         # the device's turns; a shard in line gives its _FirstBatch to the shard on the device to prepare
         self.turns = DeviceTurns()
         self.stopping = threading.Event()  # set: running shards stop before their next batch

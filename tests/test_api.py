@@ -372,7 +372,7 @@ def test_cuda_clips_are_encoded_without_waiting_for_the_generation_queued_before
     prepared = engine.prepare(req)
     assert not torch.cuda.current_stream().query()  # the sleep still runs: prepare did not wait for it
     torch.cuda.synchronize()
-    assert engine._encode_stream.priority < torch.cuda.current_stream().priority  # lower: scheduled first
+    assert engine._encode_stream().priority < torch.cuda.current_stream().priority  # lower: scheduled first
     name, text = engine.requests.clip_of(req)
     want = build_prompt(read_clip_bytes(second), name, text, engine.codec, engine.reference_settings)
     assert torch.equal(prepared.prompt.tokens, want.tokens)
@@ -579,3 +579,56 @@ def test_a_batch_prepared_ahead_generates_as_one_prepared_in_its_call(tmp_path, 
     engine.prepare_ahead(bad)  # no error here
     with pytest.raises(AudioError, match="broken.wav"):
         engine.generate(bad)
+
+
+def _two_batches_prepared_at_once(device: str) -> Engine:
+    """Two batches prepared at once from two threads (their clips, some shared, read, encoded and cached
+    together) generate the tokens and audio they have when prepared alone; the engine that prepared them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    clips = sorted(n for n in CLIPS if n.endswith((".wav", ".flac")))
+    batches = [
+        [
+            SynthRequest(
+                text=f"Batch {b} line {i}.", ref_audio=DATA / n, ref_text=CLIPS[n]["transcript"], seed=i
+            )
+            for i, n in enumerate(clips[b::2] + clips[:1])  # the first clip in both batches
+        ]
+        for b in range(2)
+    ]
+    cfg = EngineConfig(device=device, prompt_cache_dir=None, generation=FAST)
+    want = [Engine(cfg).synthesize(b) for b in batches]
+    engine = Engine(cfg)
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(engine.prepare_ahead, batches))
+    for batch, expected in zip(batches, want, strict=True):
+        got = [g.finish() for g in engine.generate(batch)]
+        assert all(g.timings["prepare"] == 0 for g in got)  # prepared ahead, not in the call
+        for a, b in zip(got, expected, strict=True):
+            assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.audio, b.audio)
+    return engine
+
+
+def test_two_batches_prepared_at_once_on_two_threads_generate_as_prepared_one_by_one():
+    """The job prepares two batches at once (pipeline.shard_runner.PREPARE_THREADS)."""
+    _two_batches_prepared_at_once("cpu")
+
+
+@pytest.mark.gpu
+def test_cuda_two_batches_prepared_at_once_encode_on_streams_of_their_own():
+    """On CUDA each preparing thread encodes on a stream of its own (above the generation's priority), so
+    that two batches' encodes run side by side; the batches still generate as prepared one by one."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = _two_batches_prepared_at_once("cuda")
+    barrier = threading.Barrier(2)
+
+    def stream_of_a_thread(_: int) -> torch.cuda.Stream:
+        barrier.wait()  # both threads alive at once: two threads, not one twice
+        return engine._encode_stream()
+
+    with ThreadPoolExecutor(2) as pool:
+        streams = list(pool.map(stream_of_a_thread, range(2)))
+    assert streams[0] != streams[1] and engine._encode_stream() not in streams
+    assert all(s.priority < torch.cuda.current_stream().priority for s in streams)

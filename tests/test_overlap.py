@@ -284,13 +284,17 @@ class AheadEngine(StagedEngine):
 
     events: list[tuple[str, str]] = []
 
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.prepared = {}  # first row's text -> the requests prepared
+
     def prepare_ahead(self, reqs):
-        self.prepared = {**getattr(self, "prepared", {}), reqs[0].text: reqs}
+        self.prepared[reqs[0].text] = reqs
         AheadEngine.events.append(("ahead", reqs[0].text))
 
     def generate(self, reqs, then=None):
         text = reqs[0].text
-        if text in getattr(self, "prepared", {}):
+        if text in self.prepared:
             assert all(a is b for a, b in zip(self.prepared[text], reqs, strict=True)), "not the same objects"
         AheadEngine.events.append(("generate", text))
         following = f"row {int(text.split()[1]) + 1}"
@@ -316,11 +320,45 @@ def test_each_batch_is_prepared_two_ahead_without_waiting_for_the_one_before(tmp
     events = AheadEngine.events
     assert not [e for e in events if e[0] == "waited out"], events
     assert [text for kind, text in events if kind == "generate"] == ROW_TEXTS
-    assert [text for kind, text in events if kind == "ahead"] == ROW_TEXTS[1:]  # no shard before the first
+    assert (
+        sorted(text for kind, text in events if kind == "ahead") == ROW_TEXTS[1:]
+    )  # no shard before the first
     for i, text in enumerate(ROW_TEXTS[1:], start=1):
         assert events.index(("ahead", text)) < events.index(("generate", text))
         if i >= PREPARE_AHEAD:
             assert events.index(("ahead", text)) > events.index(("generate", ROW_TEXTS[i - PREPARE_AHEAD]))
+
+
+class OverlapEngine(StagedEngine):
+    """Batch 1's preparation waits (10 s at most) until batch 2's has started: it can only start beside it."""
+
+    events: list[tuple[str, str]] = []
+
+    def prepare_ahead(self, reqs):
+        text = reqs[0].text
+        OverlapEngine.events.append(("ahead", text))
+        deadline = time.monotonic() + 10
+        while text == "row 1" and ("ahead", "row 2") not in OverlapEngine.events:
+            if time.monotonic() > deadline:
+                OverlapEngine.events.append(("waited out", text))
+                break
+            time.sleep(0.01)
+
+    def generate(self, reqs, then=None):
+        outputs = super().generate(reqs)
+        if then is not None:
+            then()
+        return outputs
+
+
+def test_two_batches_are_prepared_at_once(tmp_path: Path):
+    """A preparation that outlasts a batch does not hold back the next one (PREPARE_THREADS)."""
+    from pipeline.shard_runner import PREPARE_THREADS
+
+    assert PREPARE_THREADS == 2
+    _run_one_row_batches(tmp_path, OverlapEngine)
+    assert ("waited out", "row 1") not in OverlapEngine.events
+    assert sorted(text for kind, text in OverlapEngine.events if kind == "ahead") == ROW_TEXTS[1:]
 
 
 class HandOffEngine(StagedEngine):
