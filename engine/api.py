@@ -57,9 +57,10 @@ LONG_REFERENCE_S = 20.0
 PRELOADED_CLIPS = 512
 # Clips preload() prepares at once: reading, resampling and trimming release the GIL, so threads overlap.
 PRELOAD_THREADS = min(4, os.cpu_count() or 1)
-# Batches prepare_ahead keeps: one is taken by the next generate(); the bound drops the ones never asked
-# for (a batch that failed is retried in halves, which are other request lists).
-PREPARED_AHEAD = 4
+# Batches prepare_ahead keeps: the job prepares up to four before they generate (two of the shard on the
+# device, two of the next one: pipeline.shard_runner); the bound drops the ones never asked for (a batch
+# that failed is retried in halves, which are other request lists).
+PREPARED_AHEAD = 6
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """A worker's device, taken by one shard at a time in the order the shards asked for it.
 
-A shard asks (ask) with what the shard before it needs to prepare its first batch (its engine, that batch's
-requests, their preload), waits for its turn (take), and gives the device back (give_back). The shard on
-the device prepares the first batch of the shard next in line (next_to_prepare) from its last batches'
+A shard asks (ask) with what the shard before it needs to prepare its first batches (its engine, their
+requests, their preloads), waits for its turn (take), and gives the device back (give_back). The shard on
+the device prepares the first batches of the shard next in line (next_to_prepare) from its last batches'
 `then`, so the order the device goes in must be the order of the line: a plain lock wakes any waiter.
 """
 
@@ -18,7 +18,7 @@ class DeviceTurns:
     def __init__(self) -> None:
         self._changed = threading.Condition()
         self._line: deque[Hashable] = deque()  # shards waiting for the device, first in line first
-        self._to_prepare: dict[Hashable, Any] = {}  # of those, the ones whose first batch nobody prepared
+        self._to_prepare: dict[Hashable, Any] = {}  # of those, the ones whose first batches nobody took
         self._taken = False
 
     def ask(self, key: Hashable, first_batch: Any) -> None:
@@ -48,7 +48,8 @@ class DeviceTurns:
                 self._changed.notify_all()
 
     def next_to_prepare(self) -> Any | None:
-        """The first batch of the shard first in line, once (None when nobody waits or it was taken)."""
+        """What the shard first in line gave to prepare its first batches, once (None when nobody waits or it
+        was taken)."""
         with self._changed:
             if not self._line:
                 return None

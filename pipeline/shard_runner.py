@@ -9,9 +9,9 @@ write the batches before it (each Engine.generate output's finish()), each batch
 on (a shard's last batch: the next shard's first), so that no writer competes for the interpreter with the
 set-up of a batch that the device waits for. A worker holds SHARDS_IN_FLIGHT shards at once, one generating at
 a time, the others taking the device in the order they asked for it (pipeline.device_turns): the next shard's
-first batch is prepared from the last batches of the one before (its clips on the preload thread before that),
-so that only the shard holding the device puts work on it, and it generates while the one before waits for its
-last writes.
+first two batches are prepared from the last batches of the one before (their clips on the preload thread
+before that), so that only the shard holding the device puts work on it, and it generates while the one before
+waits for its last writes.
 A batch that raises is split in halves and each half retried, down to single rows, so one bad row
 fails alone and a CUDA out-of-memory error retries smaller batches. A row's synth_seconds is its share
 of its batch's wall time in proportion to its token work (packed tokens x decoding steps). Each batch that
@@ -162,14 +162,15 @@ def pack_batches(rows: list[RequestRow], engine_cfg: EngineConfig) -> list[list[
 
 
 @dataclass
-class _FirstBatch:
-    """What a shard in line for the device gives the shard on it: its engine, its first batch's requests and
-    their preload; and, once the shard on it has queued that batch's preparation, its future."""
+class _FirstBatches:
+    """What a shard in line for the device gives the shard on it to prepare: its engine, the requests of its
+    first PREPARE_AHEAD batches and their preloads; and the futures of the preparations queued for them
+    (batch index -> future), which the shard reads once it holds the device."""
 
     engine: Any
-    requests: list[Any]
-    preloading: Future | None
-    prepared: Future | None = None
+    requests: list[list[Any]]
+    preloads: list[Future]
+    prepared: dict[int, Future] = field(default_factory=dict)
 
 
 @dataclass
@@ -218,7 +219,7 @@ class ShardRunner:
         self.writers = ThreadPoolExecutor(cfg.writer_threads, thread_name_prefix="ovbatch-writer")
         self.preloader = ThreadPoolExecutor(1, thread_name_prefix="ovbatch-preload")
         self.preparer = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="ovbatch-prepare")
-        # the device's turns; a shard in line gives its _FirstBatch to the shard on the device to prepare
+        # the device's turns; a shard in line gives its _FirstBatches to the shard on the device to prepare
         self.turns = DeviceTurns()
         self.stopping = threading.Event()  # set: running shards stop before their next batch
         # batches set up on this worker so far (their `then` began), for a shard's last batch to wait on
@@ -310,10 +311,12 @@ class ShardRunner:
             if i < len(batches) and i not in preloads:
                 preloads[i] = self._preload(engine, requests_of(batches[i]))
 
-        def prepare(i: int) -> None:  # batch i (not the first: the shard before prepares it) ahead, once
-            if self._prepares(engine) and 0 < i < len(batches) and i not in prepared:
+        def prepare(i: int) -> None:  # batch i ahead, once (where the shard before did not)
+            if self._prepares(engine) and i < len(batches) and i not in prepared:
                 reqs = requests_of(batches[i])
                 prepared[i] = self.preparer.submit(self._prepare, engine, reqs, preloads[i])
+
+        next_shard: list[_FirstBatches] = []  # the shard in line whose first batches this one prepares
 
         def then_of(i: int) -> Callable[[], None] | None:  # batch i's `then`: set up, so prepare ahead
             if not self._prepares(engine):
@@ -322,22 +325,26 @@ class ShardRunner:
             def then() -> None:
                 set_up()
                 prepare(i + PREPARE_AHEAD)
-                if i + PREPARE_AHEAD >= len(batches):
-                    self._prepare_next_shards_first()
+                if i + PREPARE_AHEAD >= len(batches):  # past this shard: the next one's first batches
+                    self._prepare_next_shards(next_shard, upto=i + PREPARE_AHEAD - len(batches))
 
             return then
 
-        # The first batch's clips now, while the shard before generates; the batch itself is prepared by
-        # that shard, so that device work stays within the device holder's turn.
-        preload(0)
-        first = _FirstBatch(engine, requests_of(batches[0]) if batches else [], preloads.get(0))
+        # The first batches' clips now, while the shard before generates; the batches themselves are prepared
+        # by that shard, so that device work stays within the device holder's turn.
+        for j in range(PREPARE_AHEAD):
+            preload(j)
+        first = _FirstBatches(
+            engine,
+            [requests_of(b) for b in batches[:PREPARE_AHEAD]],
+            [preloads[j] for j in range(min(PREPARE_AHEAD, len(batches)))],
+        )
         turn = object()
         self.turns.ask(turn, first)
         try:
             with _traced("ovbatch.wait_device"):
                 self.turns.take(turn)
-            if first.prepared is not None:
-                prepared[0] = first.prepared
+            prepared.update(first.prepared)
             try:
                 with _traced("ovbatch.shard_on_device"):
                     for i, batch in enumerate(batches):
@@ -440,13 +447,21 @@ class ShardRunner:
         except Exception as e:  # noqa: BLE001 - generate() prepares what prepare_ahead could not
             log.debug("prepare_ahead failed: %s", e)
 
-    def _prepare_next_shards_first(self) -> None:
-        """The first batch of the shard next in line for the device, prepared ahead on its own engine (once;
-        nothing when no shard is in line yet)."""
-        first = self.turns.next_to_prepare()
-        if first is not None and first.requests and self._prepares(first.engine):
-            prepare = self._prepare
-            first.prepared = self.preparer.submit(prepare, first.engine, first.requests, first.preloading)
+    def _prepare_next_shards(self, next_shard: list[_FirstBatches], upto: int) -> None:
+        """Batches 0..upto of the shard next in line for the device, prepared ahead on its own engine, each
+        once. next_shard holds that shard's _FirstBatches once taken from the line (nothing happens while no
+        shard is in line)."""
+        if not next_shard:
+            taken = self.turns.next_to_prepare()
+            if taken is None:
+                return
+            next_shard.append(taken)
+        shard = next_shard[0]
+        if not self._prepares(shard.engine):
+            return
+        for j, reqs in enumerate(shard.requests[: upto + 1]):
+            if j not in shard.prepared:
+                shard.prepared[j] = self.preparer.submit(self._prepare, shard.engine, reqs, shard.preloads[j])
 
     def _generate(
         self,

@@ -409,6 +409,60 @@ def test_shards_take_the_device_in_line_each_first_batch_prepared_by_the_shard_b
     assert not runner.turns.waiting()
 
 
+class FirstBatchesEngine(StagedEngine):
+    """Two shards of two one-row batches ("a batch 0", ...). The shard that takes the device first waits at
+    each batch for the other to be in line, and its last batch returns only once the other shard's second
+    batch is prepared (10 s at most): only the shard on the device can have queued that."""
+
+    runner: ShardRunner | None = None
+    events: list[tuple[str, str]] = []
+
+    def prepare_ahead(self, reqs):
+        FirstBatchesEngine.events.append(("ahead", reqs[0].text))
+
+    def generate(self, reqs, then=None):
+        events = FirstBatchesEngine.events
+        text = reqs[0].text
+        events.append(("generate", text))
+        outputs = super().generate(reqs)
+        first_shard = next(t for kind, t in events if kind == "generate")[0]
+        deadline = time.monotonic() + 10
+        if text[0] == first_shard:
+            while not FirstBatchesEngine.runner.turns.waiting() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        if then is not None:
+            then()
+        other = "b" if first_shard == "a" else "a"
+        if text == f"{first_shard} batch 1":
+            while ("ahead", f"{other} batch 1") not in events:
+                if time.monotonic() > deadline:
+                    events.append(("waited out", text))
+                    break
+                time.sleep(0.01)
+        return outputs
+
+
+def test_the_shard_on_the_device_prepares_the_first_two_batches_of_the_next(tmp_path: Path):
+    from pipeline.shard_runner import run_local
+
+    StagedEngine.gate.set()
+    FirstBatchesEngine.events = []
+    cfg = _cfg(writers=1)
+    cfg.engine_factory = f"{__name__}:FirstBatchesEngine"
+    runner = FirstBatchesEngine.runner = ShardRunner(tmp_path, cfg)
+    rows = _rows([f"{name} batch {b}" for name in "ab" for b in range(2)])
+    tasks = [ShardTask(i, "default", 128, 1, rows[2 * i : 2 * i + 2]) for i in range(2)]
+    results = list(run_local(runner, tasks))
+    assert sorted(r.status for _, rs in results for r in rs) == ["ok"] * 4
+    events = FirstBatchesEngine.events
+    assert not [e for e in events if e[0] == "waited out"], events
+    generated = [text for kind, text in events if kind == "generate"]
+    # every batch prepared ahead once, but the first shard's first (no shard before it)
+    assert sorted(text for kind, text in events if kind == "ahead") == sorted(generated[1:])
+    for text in generated[1:]:
+        assert events.index(("ahead", text)) < events.index(("generate", text))
+
+
 class SetUpEngine(AheadEngine):
     """AheadEngine whose batches take 0.1 s to set up before their `then`, as the device waits for them."""
 
