@@ -332,13 +332,10 @@ class ShardRunner:
 
         # The first batches' clips now, while the shard before generates; the batches themselves are prepared
         # by that shard, so that device work stays within the device holder's turn.
-        for j in range(PREPARE_AHEAD):
+        heads = range(min(PREPARE_AHEAD, len(batches)))
+        for j in heads:
             preload(j)
-        first = _FirstBatches(
-            engine,
-            [requests_of(b) for b in batches[:PREPARE_AHEAD]],
-            [preloads[j] for j in range(min(PREPARE_AHEAD, len(batches)))],
-        )
+        first = _FirstBatches(engine, [requests_of(batches[j]) for j in heads], [preloads[j] for j in heads])
         turn = object()
         self.turns.ask(turn, first)
         try:
