@@ -192,22 +192,19 @@ def encode_launches(events) -> dict:
     from torch.autograd import DeviceType
 
     ranges: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    launched: dict[int, float] = {}  # correlation id -> launch start
-    launch_thread: dict[int, int] = {}
+    launched: dict[int, tuple[int, float]] = {}  # correlation id -> (launching thread, launch start)
     for e in events:
         if e.device_type() != DeviceType.CPU:
             continue
         if e.name() == "ovbatch.encode":
             ranges[e.start_thread_id()].append((e.start_ns() / 1e3, e.end_ns() / 1e3))
         elif e.name() in LAUNCHES:
-            launched[e.correlation_id()] = e.start_ns() / 1e3
-            launch_thread[e.correlation_id()] = e.start_thread_id()
+            launched[e.correlation_id()] = (e.start_thread_id(), e.start_ns() / 1e3)
     per_range: dict[tuple[int, float, float], list[tuple[float, float, float]]] = defaultdict(list)
     for e in events:
         if e.device_type() != DeviceType.CUDA or e.correlation_id() not in launched:
             continue
-        at = launched[e.correlation_id()]
-        thread = launch_thread[e.correlation_id()]
+        thread, at = launched[e.correlation_id()]
         inside = next(((s, end) for s, end in ranges.get(thread, []) if s <= at < end), None)
         if inside is not None:
             per_range[(thread, *inside)].append((at, e.start_ns() / 1e3, e.end_ns() / 1e3))

@@ -437,9 +437,10 @@ class Engine:
 
     def prepare_ahead(self, reqs: list[SynthRequest]) -> None:
         """prepare_many(reqs) now, and the batch's first runner calls packed on the host, for the generate()
-        call that comes with these same request objects: a caller runs it while the device generates another
-        batch (generate's `then`), so that this batch's host work overlaps the device's. The last
-        PREPARED_AHEAD batches prepared are kept. What fails here is left for that generate() to raise."""
+        call that comes with these same request objects: a caller runs it while the device generates other
+        batches (the job: on its preparing threads), so that this batch's host work overlaps the device's; it
+        may run on several threads at once, for different batches. The last PREPARED_AHEAD batches prepared
+        are kept. What fails here is left for that generate() to raise."""
         start = time.perf_counter()
         try:
             prepared = self.prepare_many(reqs)
