@@ -16,6 +16,7 @@ Python's garbage collections over the unprofiled run (each holds every thread of
 the clips' encode waits on its host thread or on the device (encode_launches).
 
     python bench/profile_job.py [--rows 3000] [--shards 4] [--warmup-shards 2] [--precision bf16]
+                                [--prepare-threads 2]
                                 [--work DIR] [--size full|tiny] [--out bench/results/profile-job-h200.json]
 """
 
@@ -42,7 +43,7 @@ from bench.profile_generate import busy_us  # noqa: E402
 from pipeline.config import load_job_config  # noqa: E402
 from pipeline.job import plan_job  # noqa: E402
 from pipeline.rows import RequestRow  # noqa: E402
-from pipeline.shard_runner import ShardRunner, ShardTask, run_local  # noqa: E402
+from pipeline.shard_runner import PREPARE_THREADS, ShardRunner, ShardTask, run_local  # noqa: E402
 from pipeline.sizing import frontend_sizer  # noqa: E402
 
 ON_DEVICE = "ovbatch.shard_on_device"
@@ -240,6 +241,7 @@ def main() -> None:
     p.add_argument("--precision", default="bf16")
     p.add_argument("--size", choices=("full", "tiny"), default="full")
     p.add_argument("--device", default="auto")
+    p.add_argument("--prepare-threads", type=int, default=PREPARE_THREADS, help="preparing threads")
     p.add_argument("--work", help="scratch folder (bench/e2e.py's --work is reused)")
     p.add_argument("--out", default="bench/results/profile-job-h200.json")
     args = p.parse_args()
@@ -270,7 +272,7 @@ def main() -> None:
         if len(tasks) < warm + 2 * timed:
             sys.exit(f"--rows {args.rows} plans {len(tasks)} shards; {warm + 2 * timed} are needed.")
         unprofiled, profiled = spread_pair(tasks[warm:], timed)
-        runner = ShardRunner(job_dir, cfg)
+        runner = ShardRunner(job_dir, cfg, prepare_threads=args.prepare_threads)
         runner.load_engines(cfg.variant_names())
         runner.capture(tasks)
         run(runner, tasks[:warm])
@@ -295,6 +297,7 @@ def main() -> None:
             "environment": environment(),
             "size": args.size,
             "precision": args.precision,
+            "prepare_threads": args.prepare_threads,
             "attention_backend": attention_here(args.device),
             "shards": timed,
             "unprofiled": {

@@ -205,7 +205,7 @@ class ShardRunner:
     as failed or rejected). run_shard may be called from several threads (SHARDS_IN_FLIGHT): one shard at a
     time generates; the others wait for the device in line, or for their writes."""
 
-    def __init__(self, job_path: str | Path, cfg: JobConfig):
+    def __init__(self, job_path: str | Path, cfg: JobConfig, prepare_threads: int = PREPARE_THREADS):
         self.job = JobDir(job_path)
         self.cfg = cfg
         start = time.perf_counter()
@@ -218,7 +218,7 @@ class ShardRunner:
         self.worker = f"{self.host}:{os.getpid()}"
         self.writers = ThreadPoolExecutor(cfg.writer_threads, thread_name_prefix="ovbatch-writer")
         self.preloader = ThreadPoolExecutor(1, thread_name_prefix="ovbatch-preload")
-        self.preparer = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="ovbatch-prepare")
+        self.preparer = ThreadPoolExecutor(prepare_threads, thread_name_prefix="ovbatch-prepare")
         # the device's turns; a shard in line gives its _FirstBatches to the shard on the device to prepare
         self.turns = DeviceTurns()
         self.stopping = threading.Event()  # set: running shards stop before their next batch
