@@ -22,6 +22,7 @@ from transformers import HiggsAudioV2TokenizerConfig
 from engine.codec import Codec
 from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG, training_only_shapes
 from engine.codec.config import CodecConfig
+from engine.codec.lengths import pad_stack
 from engine.errors import CheckpointError, InputError
 from engine.resample import resample
 from engine.tiny.codec import write_tiny_codec
@@ -186,9 +187,10 @@ def test_batched_semantic_features_equal_each_clip_alone(codec):
     assert isinstance(codec.semantic_model.feature_extractor.conv_layers[0].layer_norm, torch.nn.GroupNorm)
     wavs = clips(5, [HOP * 12, HOP * 3, HOP * 20, 24000 + 333, HOP * 2])
     with torch.inference_mode():
-        batched, frames = semantic_features(codec.semantic_model, wavs, codec.config)
+        lengths = [w.shape[-1] for w in wavs]
+        batched, frames = semantic_features(codec.semantic_model, pad_stack(wavs), lengths, codec.config)
         for wav, features, f in zip(wavs, batched, frames, strict=True):
-            alone, (f_alone,) = semantic_features(codec.semantic_model, [wav], codec.config)
+            alone, (f_alone,) = semantic_features(codec.semantic_model, wav[None], [len(wav)], codec.config)
             assert f == f_alone == alone.shape[-1]
             assert (features[:, :f] - alone[0]).abs().max().item() <= 1e-5
 

@@ -13,7 +13,6 @@ import soundfile as sf
 import torch
 
 from engine.errors import AudioError, InputError
-from engine.frontend import prompt as prompt_module
 from engine.frontend.audio import ReferenceSettings, prepare_reference
 from engine.frontend.prompt import PromptCache, VoicePrompt, build_prompt, build_prompts
 
@@ -220,14 +219,6 @@ def test_a_bad_clip_in_a_batch_does_not_lose_the_others(tmp_path):
     assert codec.calls == 1
     cache.get_or_create_many(clips[1:2], texts[1:2], make_many)
     assert codec.calls == 1
-
-
-def test_encode_batches_are_bounded(monkeypatch):
-    monkeypatch.setattr(prompt_module, "ENCODE_BATCH_SECONDS", 5.0)  # each clip prepares to about 3.5 s
-    codec = CountingCodec()
-    names = sorted(p.name for p in DATA.glob("en_*"))[:4]
-    prompts = build_prompts([((DATA / n).read_bytes(), n, TEXT) for n in names], codec, ReferenceSettings())
-    assert codec.calls == 4 and all(isinstance(p, VoicePrompt) for p in prompts)
 
 
 # ---------------------------------------------------------------- concurrent writers

@@ -116,7 +116,7 @@ class Codec(nn.Module):
         ENCODE_BATCH_SECONDS of padded audio; each clip's codes are its codes alone."""
         if not wavs:
             return []
-        wavs = self._checked_wavs(wavs)
+        self._check_wavs(wavs)
         budget = ENCODE_BATCH_SECONDS * self.sample_rate
         order = sorted(range(len(wavs)), key=lambda i: -wavs[i].shape[-1])
         codes: list[torch.Tensor | None] = [None] * len(wavs)
@@ -131,28 +131,57 @@ class Codec(nn.Module):
 
     def _encode_batch(self, wavs: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         """Codes [B, num_codebooks, max F] of right-padded clips, and each clip's F."""
-        e_semantic, frames = self.encoder_semantic(*semantic_features(self.semantic_model, wavs, self.config))
-        clips = self._acoustic_inputs(wavs, frames)
-        e_acoustic, acoustic_frames = self.acoustic_encoder(
-            pad_stack([c[None] for c in clips]), [c.shape[-1] for c in clips]
+        lengths = [w.shape[-1] for w in wavs]
+        signal = self._padded_on_device(wavs)
+        e_semantic, frames = self.encoder_semantic(
+            *semantic_features(self.semantic_model, signal, lengths, self.config)
         )
+        e_acoustic, acoustic_frames = self.acoustic_encoder(*self._acoustic_inputs(signal, lengths, frames))
         assert acoustic_frames == frames, (acoustic_frames, frames)
         latents = torch.cat([e_acoustic, e_semantic], dim=1)
         latents = self.fc(latents.transpose(1, 2)).transpose(1, 2)
         return self.quantizer.encode(latents), frames
 
-    def _acoustic_inputs(self, wavs: list[torch.Tensor], frames: list[int]) -> list[torch.Tensor]:
-        """As the reference: each clip as is when the DAC encoder yields as many frames as HuBERT does,
-        else padded by half a hop on both sides. With frame rates that agree (check_codec_config) one of
-        the two matches for every length; encode asserts it."""
-        lengths = [w.shape[-1] for w in wavs]
+    def _padded_on_device(self, wavs: list[torch.Tensor]) -> torch.Tensor:
+        """The clips right-padded with zeros into [B, max T], in the codec's dtype on its device. Clips from
+        the host are padded there and go over in one copy, which the host does not wait for (a copy per clip
+        would wait its turn on a device shared with the generation)."""
+        on_host = all(w.device.type == "cpu" for w in wavs)
+        pin = on_host and self.device.type == "cuda"
+        batch = torch.zeros(
+            len(wavs),
+            max(w.shape[-1] for w in wavs),
+            dtype=self.fc.weight.dtype,
+            device="cpu" if on_host else self.device,
+            pin_memory=pin,
+        )
+        for row, wav in zip(batch, wavs, strict=True):
+            row[: wav.shape[-1]].copy_(wav)
+        return batch.to(self.device, non_blocking=pin)
+
+    def _acoustic_inputs(
+        self, signal: torch.Tensor, lengths: list[int], frames: list[int]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The DAC encoder's padded batch and lengths, as the reference: each clip as is where the encoder
+        yields as many frames as HuBERT does, else padded by half a hop on both sides (rows picked from the
+        batch shifted by half a hop). With frame rates that agree (check_codec_config) one of the two
+        matches for every length; _encode_batch asserts it."""
+        dac = lengths
         for conv in self.acoustic_encoder.modules():
             if isinstance(conv, nn.Conv1d):
-                lengths = conv_output_lengths(conv, lengths)
-        half = (self.hop_length // 2,) * 2
-        return [w if n == f else F.pad(w, half) for w, n, f in zip(wavs, lengths, frames, strict=True)]
+                dac = conv_output_lengths(conv, dac)
+        shifted = [n != f for n, f in zip(dac, frames, strict=True)]
+        if not any(shifted):
+            return signal[:, None], lengths
+        half = self.hop_length // 2
+        lengths = [n + 2 * half if s else n for n, s in zip(lengths, shifted, strict=True)]
+        both = F.pad(signal, (half, half))
+        if not all(shifted):
+            picked = to_device(torch.tensor(shifted), signal.device)[:, None]
+            both = torch.where(picked, both, F.pad(signal, (0, 2 * half)))
+        return both[:, None, : max(lengths)], lengths
 
-    def _checked_wavs(self, wavs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _check_wavs(self, wavs: list[torch.Tensor]) -> None:
         for index, wav in enumerate(wavs):
             if not isinstance(wav, torch.Tensor) or wav.dim() != 1 or not wav.is_floating_point():
                 raise InputError(
@@ -165,17 +194,11 @@ class Codec(nn.Module):
                     f"wavs[{index}] has {wav.shape[0]} samples, fewer than one frame ({self.hop_length} "
                     f"samples at {self.sample_rate} Hz); pass a longer clip."
                 )
-        # One check and one copy to the device for the whole list, which the host does not wait for where
-        # the clips come from the host: each clip's own would wait its turn on a device shared with the
-        # generation.
-        lengths = [w.shape[0] for w in wavs]
-        dtype = self.fc.weight.dtype
-        on_host = all(w.device.type == "cpu" for w in wavs)
-        flat = torch.cat([w.to(dtype) if on_host else w.to(self.device, dtype) for w in wavs])
-        if not bool(torch.isfinite(flat).all()):
-            bad = next(i for i, w in enumerate(flat.split(lengths)) if not bool(torch.isfinite(w).all()))
+        # one answer for the whole list: for clips on the device the host waits once
+        finite = torch.stack([torch.isfinite(w).all().to(wavs[0].device) for w in wavs]).tolist()
+        if not all(finite):
+            bad = finite.index(False)
             raise InputError(f"wavs[{bad}] contains NaN or infinite samples; clean the audio first.")
-        return list(to_device(flat, self.device).split(lengths))
 
     # ----------------------------------------------------------------------------------------- decode
 

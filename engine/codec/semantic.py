@@ -11,7 +11,7 @@ from torch import nn
 
 from engine.codec.config import CodecConfig
 from engine.codec.hubert import Hubert
-from engine.codec.lengths import masked_conv, pad_stack, zero_past_lengths
+from engine.codec.lengths import masked_conv, zero_past_lengths
 from engine.resample import resample, resampled_length
 
 # HiggsAudioV2 pads the 16 kHz signal by 160 samples (half of HuBERT's 320-sample hop) on both sides.
@@ -66,17 +66,18 @@ class SemanticEncoder(nn.Module):
 
 
 def semantic_features(
-    hubert: Hubert, wavs: list[torch.Tensor], cfg: CodecConfig
+    hubert: Hubert, signal: torch.Tensor, lengths: list[int], cfg: CodecConfig
 ) -> tuple[torch.Tensor, list[int]]:
-    """Clips [T] at cfg.sample_rate -> HuBERT features [B, hidden, F] at the codec frame rate (the mean of
-    HuBERT's hidden states, every semantic_downsample_factor-th frame) and each clip's F. The clips run as
-    one right-padded batch, resampling included (each clip's samples zeroed past its resampled length, so
-    that every clip is resampled as alone); a clip's features are its features alone up to summation order
-    (Hubert), and past its F hold what the padded batch computed there (the encoder masks them)."""
-    lengths = [resampled_length(w.shape[-1], cfg.sample_rate, cfg.semantic_sample_rate) for w in wavs]
-    signal = resample(pad_stack(wavs), cfg.sample_rate, cfg.semantic_sample_rate)
-    signal = F.pad(zero_past_lengths(signal[:, None], lengths)[:, 0], (HUBERT_EDGE_PAD,) * 2)
-    hidden_states, frames = hubert(signal, [n + 2 * HUBERT_EDGE_PAD for n in lengths])
+    """Clips at cfg.sample_rate, right-padded with zeros into signal [B, T], lengths in samples -> HuBERT
+    features [B, hidden, F] at the codec frame rate (the mean of HuBERT's hidden states, every
+    semantic_downsample_factor-th frame) and each clip's F. The batch is resampled as one (each clip's
+    samples zeroed past its resampled length, so that every clip is resampled as alone); a clip's features
+    are its features alone up to summation order (Hubert), and past its F hold what the padded batch
+    computed there (the encoder masks them)."""
+    resampled = [resampled_length(n, cfg.sample_rate, cfg.semantic_sample_rate) for n in lengths]
+    signal = resample(signal, cfg.sample_rate, cfg.semantic_sample_rate)
+    signal = F.pad(zero_past_lengths(signal[:, None], resampled)[:, 0], (HUBERT_EDGE_PAD,) * 2)
+    hidden_states, frames = hubert(signal, [n + 2 * HUBERT_EDGE_PAD for n in resampled])
     step = max(cfg.semantic_downsample_factor, 1)
     features = torch.stack(hidden_states, dim=1).mean(dim=1)[:, ::step]  # [B, frames, hidden]
     return features.transpose(1, 2), [-(-f // step) for f in frames]

@@ -96,10 +96,6 @@ class VoicePrompt:
         return cls(tokens=tokens, ref_text=ref_text, ref_rms=float(ref_rms))
 
 
-# Seconds of reference audio encoded per codec call: bounds the encoder's memory on large batches.
-ENCODE_BATCH_SECONDS = 300.0
-
-
 def build_prompts(
     clips: list[tuple[bytes, str, str]],
     codec,
@@ -107,8 +103,9 @@ def build_prompts(
     prepared: list[PreparedReference | AudioError | None] | None = None,
 ) -> list[VoicePrompt | AudioError]:
     """(clip bytes, clip name, reference text) -> prompts: each clip prepared (engine.frontend.audio; or
-    taken from `prepared`, one entry per clip, None where it is not ready), the usable ones encoded together
-    in batches. A clip that cannot be used yields its AudioError in place, so the others still get theirs."""
+    taken from `prepared`, one entry per clip, None where it is not ready), the usable ones encoded in one
+    codec call (the codec batches them). A clip that cannot be used yields its AudioError in place, so the
+    others still get theirs."""
     refs: list[PreparedReference | AudioError] = []
     for (raw, name, _), ready in zip(clips, prepared or [None] * len(clips), strict=True):
         if ready is not None:
@@ -122,20 +119,12 @@ def build_prompts(
             )
         except AudioError as e:
             refs.append(e)
-    # longest first, so that each encode call's clips (padded to its longest) are of like length
-    usable = sorted(
-        (i for i, r in enumerate(refs) if isinstance(r, PreparedReference)), key=lambda i: -len(refs[i].audio)
-    )
+    usable = [i for i, r in enumerate(refs) if isinstance(r, PreparedReference)]
     out: list[VoicePrompt | AudioError] = list(refs)
-    limit = ENCODE_BATCH_SECONDS * codec.sample_rate
-    while usable:
-        group, samples = [], 0
-        while usable and (not group or samples + len(refs[usable[0]].audio) <= limit):
-            samples += len(refs[usable[0]].audio)
-            group.append(usable.pop(0))
+    if usable:  # one call: the codec batches the clips (bounded by its ENCODE_BATCH_SECONDS)
         with record_function("ovbatch.encode"):
-            codes = codec.encode([torch.from_numpy(refs[i].audio) for i in group], device="cpu")
-        for i, tokens in zip(group, codes):
+            codes = codec.encode([torch.from_numpy(refs[i].audio) for i in usable], device="cpu")
+        for i, tokens in zip(usable, codes, strict=True):
             out[i] = VoicePrompt(
                 tokens=tokens.to(torch.long).contiguous(), ref_text=clips[i][2], ref_rms=refs[i].rms
             )
