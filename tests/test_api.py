@@ -312,6 +312,34 @@ def test_cuda_generate_queues_a_prepared_batch_without_waiting_for_the_device(pr
 
 
 @pytest.mark.gpu
+def test_cuda_preparing_a_batch_waits_for_the_device_only_for_its_codes(tmp_path):
+    """prepare_ahead, as the job's preparing threads run it beside the generation: of the host's waits on
+    the device, only the clips' codes coming back remain, once per encode batch (one here); a wait anywhere
+    else would hold the preparing thread behind the generation's queued steps. torch's sync debug mode
+    warns on every wait; where one comes from is in the assertion's message."""
+    import warnings
+
+    clips = sorted(n for n in CLIPS if n.endswith(".wav"))
+    reqs = [
+        SynthRequest(text=f"Line {i}.", ref_audio=DATA / n, ref_text=CLIPS[n]["transcript"], seed=i)
+        for i, n in enumerate(clips)
+    ]
+    engine = Engine(EngineConfig(device="cuda", prompt_cache_dir=str(tmp_path), generation=FAST))
+    engine.synthesize(reqs[:1])  # the first encode and generation (cuDNN's set-up, graph capture)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.prepare_ahead(reqs[1:])  # clips the prompt cache lacks
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tuple(map(id, reqs[1:])) in engine._ahead
+    waits = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    assert len(waits) == 1, waits
+
+
+@pytest.mark.gpu
 def test_cuda_next_batch_prepared_beside_the_steps_changes_no_token():
     """As the job runs it: each batch's `then` prepares the next one (its clip encoded on the encode stream,
     on the engine's thread) while the batch's steps are queued; every batch's tokens equal those of the
