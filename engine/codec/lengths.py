@@ -34,8 +34,8 @@ def zero_past_lengths(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     limits = padded_limits(x, lengths)
     if limits is None:
         return x
-    valid = torch.arange(x.shape[-1], device=x.device) < limits[:, None]
-    return x.masked_fill(~valid[:, None, :], 0)
+    past = torch.arange(x.shape[-1], device=x.device) >= limits[:, None]
+    return x.masked_fill(past[:, None, :], 0)
 
 
 def masked_conv(
