@@ -10,7 +10,7 @@ Each figure is the median of timed repeats after warm-up, with the device synchr
 For bfloat16 the report also gives its agreement with float32 (equal codes; decode error relative to
 the float32 peak), since speed alone does not make it usable. On CUDA, one encode of the mixed-length clips
 (float32, the Snake kernel, as the engine runs it) under torch.profiler: device time, busy fraction and the
-top kernels.
+top kernels; and the same encode with its float32 matmuls in TF32 (speed, and the codes that stay equal).
 
     python bench/codec.py [--out bench/results/codec-h200.json] [--size full|tiny] [--seconds 10]
                           [--repeats 7]
@@ -157,6 +157,34 @@ def fused_agreement(codec: Codec, clips: list[torch.Tensor]) -> dict:
     }
 
 
+def matmul_tf32_trial(codec: Codec, clips: list[torch.Tensor], device: str, repeats: int) -> dict:
+    """The encode as the engine runs it (the Snake kernel) with its float32 matmuls (HuBERT's Linears, fc,
+    the quantizer's projections) in TF32, against full float32 matmuls (torch's default, as the official
+    package runs): both timed here, and the share of codes that stay equal. The switch is process-wide;
+    whether the codes may change is a numerics decision not made yet."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    codec.use_fused_kernels(True)
+    timed, codes = {}, {}
+    try:
+        for tf32 in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            codes[tf32] = codec.encode(clips)
+            timed[tf32] = median_seconds(lambda: codec.encode(clips), device, repeats)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+        codec.use_fused_kernels(False)
+    pairs = list(zip(codes[False], codes[True], strict=True))
+    return {
+        "clips": len(clips),
+        "audio_seconds": round(sum(c.numel() for c in clips) / SAMPLE_RATE, 2),
+        "encode_s_float32_matmuls": timed[False],
+        "encode_s_tf32_matmuls": timed[True],
+        "speedup": timed[False] / timed[True],
+        "equal_codes_share": statistics.mean((a == b).float().mean().item() for a, b in pairs),
+        "equal_first_codebook_share": statistics.mean((a[0] == b[0]).float().mean().item() for a, b in pairs),
+    }
+
+
 def encode_profile(codec: Codec, clips: list[torch.Tensor]) -> dict:
     """One warm encode under torch.profiler (CUDA): wall, device time, busy fraction (busy / wall: well
     under 1 means the host's launches hold the device back, which threads beside it in a job make worse),
@@ -231,6 +259,7 @@ def run(size: str, seconds: float, repeats: int, device: str, seed: int) -> dict
     }
     if device.startswith("cuda"):
         result["fused_snake_vs_torch"] = fused_agreement(fp32, mixed[:4])
+        result["matmul_tf32"] = matmul_tf32_trial(fp32, mixed, device, repeats)
         fp32.use_fused_kernels(True)  # as the engine runs it
         result["encode_profile_mixed_lengths"] = encode_profile(fp32, mixed)
         fp32.use_fused_kernels(False)
