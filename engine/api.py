@@ -557,9 +557,7 @@ class Engine:
             out: list[torch.Tensor] = []
             for b, host in enumerate(calls):
                 last = index == rounds - 1 and b == len(calls) - 1
-                out += self.runner.generate(
-                    host.items, self.gen, on_start=on_last_start if last else None, packed=host
-                )
+                out += self.runner.generate_packed(host, self.gen, on_start=on_last_start if last else None)
             items = [item for host in calls for item in host.items]
             for i, item, t in zip(members, items, out, strict=True):
                 tokens[i].append(t)

@@ -109,7 +109,7 @@ class Runner:
 
     def pack(self, items: list[GenItem]) -> HostBatch:
         """Check the items and pack them on the host: the host work of generate() before the device's,
-        which a caller may do ahead (on another thread) and pass to generate().
+        which a caller may do ahead (on another thread) and pass to generate_packed().
 
         On CUDA the batch is padded to its bucket layout whether or not graphs are on, so eager and
         graph runs compute on the same shapes and give the same tokens.
@@ -156,20 +156,17 @@ class Runner:
                 self._prepare(self.pack(items))
         return len(self.graphs) - before
 
+    def generate(self, items: list[GenItem], gen: GenerationConfig) -> list[Tensor]:
+        """Audio tokens [C, target_len] per item, in order."""
+        return self.generate_packed(self.pack(items), gen) if items else []
+
     @torch.inference_mode()
-    def generate(
-        self,
-        items: list[GenItem],
-        gen: GenerationConfig,
-        on_start: Callable[[], None] | None = None,
-        packed: HostBatch | None = None,
+    def generate_packed(
+        self, packed: HostBatch, gen: GenerationConfig, on_start: Callable[[], None] | None = None
     ) -> list[Tensor]:
-        """Audio tokens [C, target_len] per item, in order. on_start: called once the batch is set up (its
-        graph captured) and before its steps are queued. packed: these very items' pack(), made ahead."""
-        if not items:
-            return []
-        if packed is None or packed.items is not items:
-            packed = self.pack(items)
+        """generate() of a batch packed ahead (pack()). on_start: called once the batch is set up (its graph
+        captured) and before its steps are queued."""
+        items = packed.items
         batch, forward = self._prepare(packed)
         n = sum(item.target_len for item in items)
         write_index = batch.target_index[: 2 * n]  # cond targets, then uncond targets
