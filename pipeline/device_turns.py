@@ -21,10 +21,10 @@ class DeviceTurns:
         self._to_prepare: dict[Hashable, Any] = {}  # of those, the ones whose first batches nobody took
         self._taken = False
 
-    def ask(self, key: Hashable, first_batch: Any) -> None:
+    def ask(self, key: Hashable, first_batches: Any) -> None:
         with self._changed:
             self._line.append(key)
-            self._to_prepare[key] = first_batch
+            self._to_prepare[key] = first_batches
 
     def take(self, key: Hashable) -> None:
         """Block until the device is free and `key` is first in line, then hold it."""

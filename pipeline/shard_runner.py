@@ -56,8 +56,8 @@ MAX_ERROR_CHARS = 2000
 # even while the one before still writes its rows.
 SHARDS_IN_FLIGHT = 3
 # How long a shard's last batch waits for the next shard's first batch to be set up before going to the
-# writers anyway: a bound, far above a set-up prepared ahead (18 ms for 58 rows on the 2-core CPU, unmeasured
-# on the H200), which only a shard in line that fails before its set-up reaches.
+# writers anyway: a bound, far above a set-up prepared ahead, which only a shard in line that fails before its
+# set-up reaches.
 NEXT_SET_UP_WAIT_S = 1.0
 # How many batches ahead of the one generating a batch is prepared: its reference clips are encoded on the
 # device beside the generation, and a preparation that outlasts one batch (the short rows' batches bring the
@@ -434,10 +434,10 @@ class ShardRunner:
         return getattr(engine, "prepare_ahead", None) is not None
 
     @staticmethod
-    def _prepare(engine: Any, reqs: list[Any], preloading: Future | None) -> None:
+    def _prepare(engine: Any, reqs: list[Any], preloading: Future) -> None:
         """On the preparing thread: engine.prepare_ahead(reqs) once their clips are preloaded. Its errors are
         the batch's to report, when it generates."""
-        wait([preloading] if preloading is not None else [])
+        wait([preloading])
         try:
             with _traced("ovbatch.prepare_ahead"):
                 engine.prepare_ahead(reqs)

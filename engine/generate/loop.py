@@ -75,7 +75,7 @@ class GraphedForward:
 
 @dataclass(frozen=True)
 class HostBatch:
-    """A batch checked and packed on the host (Runner.pack), ready for its generate() call."""
+    """A batch checked and packed on the host (Runner.pack), ready for Runner.generate_packed."""
 
     items: list[GenItem]
     layout: PackLayout | None  # the padded layout on CUDA (its graph's key); None elsewhere
