@@ -1,6 +1,6 @@
-"""The README's and docs/kernels.md's benchmark tables, printed from the committed JSON results.
+"""The benchmark tables of README.md, docs/kernels.md and docs/quantization.md, printed from committed JSON.
 
-After a benchmark rewrites bench/results/{generate,profile-generate,kernels,fused}-h200.json, run
+After a benchmark rewrites its file under bench/results/ (generate, profile-generate, kernels, ...), run
 `python bench/tables.py` and paste each table over its old rows; tests/test_bench_tables.py fails while a
 document still shows rows the JSON does not hold.
 """
@@ -253,6 +253,22 @@ def plan_rows(result: dict) -> list[str]:
     return out
 
 
+def fp8_noise_rows(result: dict) -> list[str]:
+    """docs/quantization.md: e4m3 variants' step-0 logits cosine to bf16's and fp32's (CPU, random)."""
+    total = result["backbone_linears"]
+    return [
+        row(
+            e["variant"],
+            e["scales"],
+            e["in_bf16"],
+            f"{e['e4m3_linears']} / {total}",
+            f"{e['cos_vs_bf16']:.5f}",
+            f"{e['cos_vs_fp32']:.5f}",
+        )
+        for e in result["entries"]
+    ]
+
+
 E2E_KINDS = ("official", "engine", "job_local", "job_ray")
 
 
@@ -320,6 +336,7 @@ def tables() -> dict[str, tuple[str, list[str]]]:
         "groups": ("docs/kernels.md", group_rows(fused)),
         "swiglu": ("docs/kernels.md", swiglu_rows(fused)),
         "residual": ("docs/kernels.md", residual_rows(fused)),
+        "fp8 noise": ("docs/quantization.md", fp8_noise_rows(load("fp8-noise-cpu.json"))),
     }
 
 

@@ -1,4 +1,4 @@
-"""The benchmark tables in README.md and docs/kernels.md show what the committed JSON results hold."""
+"""The benchmark tables in README.md and docs/ show what the committed JSON results hold."""
 
 from pathlib import Path
 
