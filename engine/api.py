@@ -350,6 +350,11 @@ class Engine:
             prompts[i] = prompt
         return prompts
 
+    def flush(self) -> None:
+        """Until the voice prompts made so far are written to the prompt cache on disk (its writer thread
+        writes them behind the batches that made them)."""
+        self.prompts.flush()
+
     def preload(self, reqs: list[SynthRequest]) -> None:
         """Prepare on the host (decode, resample, trim) the reference clips of requests about to be
         generated that the prompt cache lacks, so that their generate() only encodes them; PRELOAD_THREADS

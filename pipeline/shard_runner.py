@@ -379,6 +379,9 @@ class ShardRunner:
             self.turns.leave(turn)
             # no writer or preparation outlives its shard, even one that stopped on an error
             wait([*pending, *preloads.values(), *prepared.values()])
+            flush = getattr(engine, "flush", None)  # its prompts on disk, for a rerun or another worker
+            if flush is not None:
+                flush()
         return results
 
     def _note_set_up(self) -> None:

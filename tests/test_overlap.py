@@ -62,12 +62,12 @@ def reset():
     StagedEngine.gate.set()
 
 
-def _cfg(writers: int):
+def _cfg(writers: int, engine: str = "StagedEngine"):
     return load_job_config(
         None,
         [
             "local=true",
-            f"engine_factory={__name__}:StagedEngine",
+            f"engine_factory={__name__}:{engine}",
             "progress=false",
             "engine.buckets=[64,128]",
             "engine.max_batch_tokens=100",  # rows of 60 tokens: one row per batch
@@ -114,6 +114,22 @@ def test_every_row_is_written_once_and_whole_whatever_the_writer_count(tmp_path:
         assert rate == 8000 and len(audio) == 800 + 8 * len(row.text)
         assert result.postprocess_seconds == pytest.approx(0.1) and result.write_seconds > 0
     assert not list(tmp_path.rglob("*.ovtmp-*"))
+
+
+class FlushingEngine(StagedEngine):
+    flushed_after: list[int] = []  # rows finished when each flush came
+
+    def flush(self):
+        FlushingEngine.flushed_after.append(len(StagedEngine.finished))
+
+
+def test_a_shard_returns_once_its_rows_are_written_and_its_prompts_flushed(tmp_path: Path):
+    StagedEngine.gate.set()
+    FlushingEngine.flushed_after = []
+    rows = _rows([f"row {i}" for i in range(5)])
+    runner = ShardRunner(tmp_path, _cfg(2, "FlushingEngine"))
+    results = runner.run_shard(ShardTask(0, "default", 128, 1, rows))
+    assert len(results) == 5 and FlushingEngine.flushed_after == [5]
 
 
 def test_a_row_whose_post_processing_fails_fails_alone(tmp_path: Path):

@@ -1,9 +1,11 @@
 import io
 import json
+import logging
 import multiprocessing as mp
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -130,7 +132,8 @@ def test_same_clip_twice_encodes_once(tmp_path, on_disk):
     second = cache.get_or_create(CLIP.read_bytes(), TEXT, _maker(codec))  # same content, given as bytes
     assert codec.calls == 1
     assert torch.equal(first.tokens, second.tokens) and first.ref_rms == second.ref_rms
-    if on_disk:  # a fresh cache object (another process, a later job) reads the entry back
+    if on_disk:  # a fresh cache object (another process, a later job) reads the entry back once written
+        cache.flush()
         again = _cache(tmp_path, codec).get_or_create(CLIP, TEXT, _maker(codec))
         assert codec.calls == 1 and torch.equal(again.tokens, first.tokens)
 
@@ -149,9 +152,12 @@ def test_key_depends_on_clip_text_settings_and_codec(tmp_path):
     other.identity = "another-codec"
     _cache(tmp_path, other).get_or_create(CLIP, TEXT, _maker(other))
     assert other.calls == 1
+    cache.flush()
     # limits that do not change the prepared samples share entries
-    _cache(tmp_path, codec, ReferenceSettings(max_seconds=30)).get_or_create(CLIP, TEXT, _maker(codec))
+    longer = _cache(tmp_path, codec, ReferenceSettings(max_seconds=30))
+    longer.get_or_create(CLIP, TEXT, _maker(codec))
     assert codec.calls == 4
+    longer.flush()
     assert len(list(tmp_path.glob("*/*/prompt.json"))) == 5
 
 
@@ -159,10 +165,12 @@ def test_damaged_entry_is_rebuilt(tmp_path):
     codec = CountingCodec()
     cache = _cache(tmp_path, codec)
     first = cache.get_or_create(CLIP, TEXT, _maker(codec))
+    cache.flush()
     (entry,) = tmp_path.glob("*/*/prompt.safetensors")
     entry.write_bytes(b"garbage")
     again = cache.get_or_create(CLIP, TEXT, _maker(codec))
     assert codec.calls == 2 and torch.equal(again.tokens, first.tokens)
+    cache.flush()
     assert VoicePrompt.load(entry.with_suffix("")).ref_text == TEXT
 
 
@@ -171,7 +179,42 @@ def test_bad_clip_is_not_cached(tmp_path):
     cache = _cache(tmp_path, codec)
     with pytest.raises(AudioError, match="is silent"):
         cache.get_or_create(_silent_wav(), TEXT, _maker(codec))
+    cache.flush()
     assert codec.calls == 0 and not list(tmp_path.rglob("prompt.json"))
+
+
+def test_a_prompt_being_written_is_found_in_memory(tmp_path, monkeypatch):
+    codec = CountingCodec()
+    cache = _cache(tmp_path, codec)
+    release = threading.Event()
+    publish = PromptCache._publish
+    monkeypatch.setattr(PromptCache, "_publish", lambda self, *a: (release.wait(10), publish(self, *a)))
+    first = cache.get_or_create(CLIP, TEXT, _maker(codec))  # returns while its entry is still unwritten
+    key = cache.key(CLIP.read_bytes(), TEXT)
+    assert not cache.entry_dir(key).exists() and cache.has(key)
+    assert cache.get_or_create(CLIP, TEXT, _maker(codec)) is first and codec.calls == 1
+    release.set()
+    cache.flush()
+    assert cache.entry_dir(key).exists() and cache.has(key)
+    assert torch.equal(_cache(tmp_path, codec).get_or_create(CLIP, TEXT, _maker(codec)).tokens, first.tokens)
+    assert codec.calls == 1
+
+
+def test_a_prompt_that_cannot_be_written_is_still_used(tmp_path, caplog):
+    codec = CountingCodec()
+    cache = _cache(tmp_path, codec)
+    key = cache.key(CLIP.read_bytes(), TEXT)
+    cache.entry_dir(key).parent.write_bytes(b"")  # a file where the entry's folder must go
+    with caplog.at_level(logging.WARNING, logger="engine.frontend.prompt"):
+        prompt = cache.get_or_create(CLIP, TEXT, _maker(codec))
+        cache.flush()
+    assert prompt.tokens.shape[0] == codec.num_codebooks and not cache.has(key)
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert key in warning and "not written" in warning and "prompt_cache_dir" in warning
+    with caplog.at_level(logging.WARNING, logger="engine.frontend.prompt"):
+        cache.get_or_create(CLIP, TEXT, _maker(codec))  # not kept: made again
+        cache.flush()
+    assert codec.calls == 2 and len(caplog.records) == 1  # one warning, not one a clip
 
 
 def _silent_wav():
@@ -235,6 +278,7 @@ def _race_writer(directory, marker, barrier, results):
 
     barrier.wait()
     prompt = cache.get_or_create(CLIP, TEXT, make)
+    cache.flush()  # a forked child ends without joining its threads
     results.put((marker, int(prompt.tokens[0, 0])))
 
 

@@ -13,7 +13,9 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,15 +144,22 @@ def build_prompt(raw: bytes, name: str, ref_text: str, codec, settings: Referenc
 class PromptCache:
     """Prompts keyed by (clip content, reference text, preparation settings, codec identity).
 
-    directory=None keeps them in memory for this process only.
+    directory=None keeps them in memory for this process only. On disk, the prompts made are written by one
+    writer thread, so that the caller (a batch being prepared while the device waits) goes on at once; until
+    written, a lookup in this process finds them in memory. flush() waits for the writes. A write that fails
+    is logged: the prompt is still used, only not kept.
     """
 
     def __init__(self, directory: str | Path | None, codec_identity: str, settings_fingerprint: dict):
         self.directory = Path(directory) if directory is not None else None
-        self._memory: dict[str, VoicePrompt] = {}
+        self._memory: dict[str, VoicePrompt] = {}  # directory=None: every prompt; else those being written
+        self._lock = threading.Lock()
         self._context = {"codec": codec_identity, "settings": settings_fingerprint}
+        self._writer: ThreadPoolExecutor | None = None
+        self._write_failed = False  # warned once
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="ovbatch-prompt-writer")
 
     def key(self, clip_bytes: bytes, ref_text: str) -> str:
         material = {
@@ -161,7 +170,15 @@ class PromptCache:
         return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
     def has(self, key: str) -> bool:
-        return key in self._memory if self.directory is None else self.entry_dir(key).exists()
+        with self._lock:
+            if key in self._memory:
+                return True
+        return self.directory is not None and self.entry_dir(key).exists()
+
+    def flush(self) -> None:
+        """Until every prompt made so far is written (or its write failed)."""
+        if self._writer is not None:
+            self._writer.submit(lambda: None).result()  # one writer thread: it runs after the writes queued
 
     def entry_dir(self, key: str) -> Path:
         assert self.directory is not None
@@ -203,7 +220,7 @@ class PromptCache:
                     errors.append(e)
                     continue
                 key = self.key(raws[i], ref_text)
-            found[i] = self._memory.get(key) if self.directory is None else self._load(key)
+            found[i] = self._load(key)
             if found[i] is None:
                 misses.setdefault(key, []).append(i)
         if misses:
@@ -221,12 +238,34 @@ class PromptCache:
         return found
 
     def _store(self, key: str, prompt: VoicePrompt) -> None:
-        if self.directory is None:
+        with self._lock:
             self._memory[key] = prompt
-        else:
+        if self._writer is not None:
+            self._writer.submit(self._write, key, prompt)
+
+    def _write(self, key: str, prompt: VoicePrompt) -> None:
+        """On the writer thread: publish the entry, then drop it from memory."""
+        try:
             self._publish(key, prompt)
+        except OSError as e:
+            first, self._write_failed = not self._write_failed, True
+            log.log(
+                logging.WARNING if first else logging.DEBUG,
+                "prompt cache entry %s was not written (%s): the prompt is used but not kept; check that "
+                "engine.prompt_cache_dir is writable and has space%s",
+                self.entry_dir(key),
+                e,
+                " (further failures are logged at debug level)" if first else "",
+            )
+        finally:
+            with self._lock:
+                self._memory.pop(key, None)
 
     def _load(self, key: str) -> VoicePrompt | None:
+        with self._lock:
+            prompt = self._memory.get(key)
+        if prompt is not None or self.directory is None:
+            return prompt
         entry = self.entry_dir(key)
         if not entry.exists():
             return None
