@@ -13,10 +13,12 @@ meanwhile (idle_beside: the then thread's encode, the preload, writers). The pro
 seconds are an upper bound; their split is the point. nvidia-smi's mean utilization is sampled over both runs
 too (gpu_busy_nvidia_smi), to set the e2e bench's figure, which comes from it, against the profiler's,
 Python's garbage collections over the unprofiled run (each holds every thread of the process), and whether
-the clips' encode waits on its host thread or on the device (encode_launches).
+the clips' encode waits on its host thread or on the device (encode_launches). --prepare-threads and
+--switch-interval-ms are for A/B runs: a thread that launches device work releases the interpreter's lock
+around each torch op, and taking it back from a thread that runs Python can wait up to the switch interval.
 
     python bench/profile_job.py [--rows 3000] [--shards 4] [--warmup-shards 2] [--precision bf16]
-                                [--prepare-threads 2]
+                                [--prepare-threads 2] [--switch-interval-ms 5]
                                 [--work DIR] [--size full|tiny] [--out bench/results/profile-job-h200.json]
 """
 
@@ -242,9 +244,16 @@ def main() -> None:
     p.add_argument("--size", choices=("full", "tiny"), default="full")
     p.add_argument("--device", default="auto")
     p.add_argument("--prepare-threads", type=int, default=PREPARE_THREADS, help="preparing threads")
+    p.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        help="the interpreter's thread switch interval (sys.setswitchinterval; Python's default: 5 ms)",
+    )
     p.add_argument("--work", help="scratch folder (bench/e2e.py's --work is reused)")
     p.add_argument("--out", default="bench/results/profile-job-h200.json")
     args = p.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     work = Path(args.work or tempfile.mkdtemp(prefix="ovbatch-profile-job-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -298,6 +307,7 @@ def main() -> None:
             "size": args.size,
             "precision": args.precision,
             "prepare_threads": args.prepare_threads,
+            "switch_interval_ms": round(sys.getswitchinterval() * 1000, 3),
             "attention_backend": attention_here(args.device),
             "shards": timed,
             "unprofiled": {
