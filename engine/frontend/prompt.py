@@ -247,7 +247,7 @@ class PromptCache:
         """On the writer thread: publish the entry, then drop it from memory."""
         try:
             self._publish(key, prompt)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - the cache is an optimisation: a failed write fails no row
             first, self._write_failed = not self._write_failed, True
             log.log(
                 logging.WARNING if first else logging.DEBUG,
