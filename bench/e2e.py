@@ -249,6 +249,7 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
         # from the end of planning until the engines were loaded and their graphs captured
         startup_seconds=round(run["ready_seconds"] - run["planning_seconds"], 2),
         capture_seconds=run["capture_seconds"],
+        warmed_clips=run.get("warmed_clips"),  # reference clips encoded while the job planned
         import_seconds=run.get("import_seconds"),  # the engine's modules imported in the worker
         load_seconds=run.get("load_seconds"),  # the engines' load in the worker (slowest actor)
         load_breakdown=run.get("load_breakdown"),  # its seconds by phase (Engine.load_timings)

@@ -350,6 +350,26 @@ class Engine:
             prompts[i] = prompt
         return prompts
 
+    def warm(self, clips: list[tuple[str, str]]) -> None:
+        """Make the voice prompts of these (reference clip, transcript) pairs now, through the prompt cache,
+        as the batches that use them would (a job does this while it plans, the device idle meanwhile), so
+        that those batches find them. Clips that cannot be used are left to their rows to report."""
+        usable = []
+        for clip, text in clips:
+            req = SynthRequest(text=text, ref_audio=clip, ref_text=text)
+            try:
+                self.requests.clip_of(req)
+            except InputError:
+                continue
+            usable.append(req)
+        if not usable:
+            return
+        self.preload(usable)
+        try:
+            self._voice_prompts(usable)
+        except (AudioError, InputError) as e:  # the usable clips' prompts are cached before it is raised
+            log.debug("warming the prompt cache left a clip to its rows: %s", e)
+
     def flush(self) -> None:
         """Until the voice prompts made so far are written to the prompt cache on disk (its writer thread
         writes them behind the batches that made them)."""

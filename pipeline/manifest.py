@@ -333,6 +333,25 @@ def read_table(source: str | Path) -> tuple[str, pa.Table]:
     return source, table
 
 
+def reference_pairs(read: tuple[str, pa.Table]) -> list[tuple[str, str]]:
+    """The (local reference clip, transcript) pairs of a read manifest's rows (read_table), each once, those
+    of the shortest texts first: the workers make their voice prompts while the job plans (nothing here is
+    checked: the planner rejects bad rows, and warming skips what it cannot use). Short rows run last and
+    bring the most clips per second of speech: their preparation, more than the device, paced the end of
+    the FP8 job in e2e-h200.json (by_bucket)."""
+    source, table = read
+    base = parent_location(source)
+    texts, clips, transcripts = (table.column(c).to_pylist() for c in ("text", "ref_audio", "ref_text"))
+    shortest: dict[tuple[str, str], int] = {}
+    for text, clip, transcript in zip(texts, clips, transcripts, strict=True):
+        clip, transcript = _clean(clip), _clean(transcript)
+        if clip is None or transcript is None or _is_uri(clip):
+            continue
+        pair = (resolve_location(clip, base), transcript)
+        shortest[pair] = min(shortest.get(pair, len(text or "")), len(text or ""))
+    return sorted(shortest, key=shortest.__getitem__)
+
+
 def _clean(value: Any) -> str | None:
     if value is None:
         return None

@@ -49,6 +49,9 @@ class ShardActor:
         self.runner = ShardRunner(job_path, cfg)
         self.runner.load_engines(variants)
 
+    def start_warming(self, clips: list[tuple[str, str]]) -> None:
+        self.runner.start_warming(clips)
+
     def capture(self, tasks: list[ShardTask]) -> dict[str, Any]:
         return {**self.runner.capture(tasks), "started": self.started}
 
@@ -178,6 +181,13 @@ class ActorPool:
         )
         return _Slot(actor, name, group)
 
+    def start_warming(self, clips: list[tuple[str, str]]) -> None:
+        """Have the GPU actors make the voice prompts of these (clip, transcript) pairs, each its share, once
+        loaded and until capture() (ShardRunner.start_warming); not waited for."""
+        slots = [slot for slot in self.slots if slot.group.gpu and slot.actor is not None]
+        for i, slot in enumerate(slots):
+            slot.actor.start_warming.remote(clips[i :: len(slots)])
+
     def capture(self, tasks: list[ShardTask]) -> dict[str, Any]:
         """Every actor captures the graphs its variants' shards will replay, before any shard runs: graphs
         captured (all actors), and the slowest actor's seconds of capture, of the engine's imports, of engine
@@ -205,6 +215,8 @@ class ActorPool:
             "load_seconds": max((r["load_seconds"] for r in reports), default=0.0),
             "load_breakdown": slowest.get("load_breakdown", {}),
             "boot_seconds": round(max((r["started"] - self.created for r in reports), default=0.0), 3),
+            "warmed_clips": sum(r["warmed_clips"] for r in reports),
+            "warm_seconds": max((r["warm_seconds"] for r in reports), default=0.0),
         }
 
     def run(self, tasks: list[ShardTask]) -> Iterator[tuple[ShardTask, list[ResultRow]]]:

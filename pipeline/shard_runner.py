@@ -68,6 +68,8 @@ PREPARE_AHEAD = 2
 # clips on its own CUDA stream) where one takes longer than a batch generates (not yet measured on a GPU).
 PREPARE_THREADS = 2
 ENGINE_PHASES = ("prepare", "generate", "decode")  # an Engine.generate batch's timed phases
+# Clips a warming step makes voice prompts for (start_warming): capture() waits for the step in flight.
+WARM_STEP_CLIPS = 32
 
 
 class Stopped(Exception):
@@ -225,6 +227,10 @@ class ShardRunner:
         # batches set up on this worker so far (their `then` began), for a shard's last batch to wait on
         self._set_ups = 0
         self._set_up = threading.Condition()
+        self._warmer = ThreadPoolExecutor(1, thread_name_prefix="ovbatch-warm")
+        self._warming: Future | None = None
+        self._warm_lock = threading.Lock()
+        self._warm_stop = threading.Event()  # set by capture(): no warming from then on
 
     def engine(self, variant: str) -> Any:
         if variant not in self.engines:
@@ -240,11 +246,46 @@ class ShardRunner:
             self.engine(variant)
         self.load_seconds += time.perf_counter() - start
 
+    def start_warming(self, clips: list[tuple[str, str]]) -> None:
+        """Make the voice prompts of these (reference clip, transcript) pairs on a thread of this runner,
+        WARM_STEP_CLIPS at a time, with the first engine loaded (Engine.warm), until capture(): the job
+        does this while it plans, its GPU otherwise idle, so that its batches find their clips encoded.
+        Only for an engine on a GPU that has warm() (on a CPU a step would hold capture() for a minute),
+        once, and never once capture() has begun."""
+        engine = next(iter(self.engines.values()), None)
+        if engine is None or getattr(engine, "warm", None) is None or not _on_gpu(engine):
+            return
+        with self._warm_lock:
+            if self._warming is None and not self._warm_stop.is_set():
+                self._warming = self._warmer.submit(self._warm, engine, clips)
+
+    def _warm(self, engine: Any, clips: list[tuple[str, str]]) -> dict[str, Any]:
+        start, done = time.perf_counter(), 0
+        while done < len(clips) and not self._warm_stop.is_set():
+            step = clips[done : done + WARM_STEP_CLIPS]
+            try:
+                with _traced("ovbatch.warm"):
+                    engine.warm(step)
+            except Exception as e:  # noqa: BLE001 - the batches make what warming could not
+                log.warning("warming the prompt cache stopped after %d clips: %s", done, _error_text(e))
+                break
+            done += len(step)
+        return {"warmed_clips": done, "warm_seconds": round(time.perf_counter() - start, 3)}
+
+    def _stop_warming(self) -> dict[str, Any]:
+        """Stop warming and wait for its step in flight: what it did (nothing where it never started)."""
+        with self._warm_lock:
+            self._warm_stop.set()
+            warming = self._warming
+        return warming.result() if warming is not None else {"warmed_clips": 0, "warm_seconds": 0.0}
+
     def capture(self, tasks: list[ShardTask]) -> dict[str, Any]:
-        """Have each variant's engine capture the CUDA graphs the tasks' batches will replay (engines
-        without capture() skip it), then freeze what the process holds out of the garbage collector's
-        full collections (until close()): graphs captured, seconds spent, the seconds the engine's imports and
-        load_engines took, and the engines' load seconds by phase (load_breakdown)."""
+        """Stop warming (a graph capture admits no other device work), then have each variant's engine
+        capture the CUDA graphs the tasks' batches will replay (engines without capture() skip it), then
+        freeze what the process holds out of the garbage collector's full collections (until close()):
+        graphs captured, seconds spent, the seconds the engine's imports and load_engines took, the
+        engines' load seconds by phase (load_breakdown), and the clips warmed before it (and seconds)."""
+        warmed = self._stop_warming()
         start = time.perf_counter()
         graphs = 0
         for variant in sorted({t.variant for t in tasks}):
@@ -269,14 +310,17 @@ class ShardRunner:
             "import_seconds": round(self.import_seconds, 3),
             "load_seconds": round(self.load_seconds, 3),
             "load_breakdown": {phase: round(t, 3) for phase, t in self.load_breakdown.items()},
+            **warmed,
         }
 
     def close(self) -> None:
         """Give what capture froze back to the garbage collector: the process may go on without this runner
         (another job, a test), and the runner's objects must be collectable then."""
+        self._stop_warming()
         gc.unfreeze()
 
     def run_shard(self, task: ShardTask, on_batch: BatchCallback | None = None) -> list[ResultRow]:
+        self._stop_warming()  # where no capture() came first
         engine = self.engine(task.variant)
         results: list[ResultRow] = []
         pending: deque[Future] = deque()  # writer jobs, oldest first
@@ -583,13 +627,17 @@ def _reported(results: list[ResultRow], task: ShardTask, on_batch: BatchCallback
     return results
 
 
-def _gpu_name(engine: Any) -> str:
+def _on_gpu(engine: Any) -> bool:
     device = getattr(engine, "device", None)
-    if device is None or getattr(device, "type", str(device)) != "cuda":
+    return device is not None and getattr(device, "type", str(device)) == "cuda"
+
+
+def _gpu_name(engine: Any) -> str:
+    if not _on_gpu(engine):
         return ""
     import torch
 
-    return torch.cuda.get_device_name(device)
+    return torch.cuda.get_device_name(engine.device)
 
 
 def run_local(

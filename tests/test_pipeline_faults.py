@@ -361,11 +361,12 @@ def test_ray_starts_before_the_planning_and_a_failed_planning_stops_the_workers(
     planning that fails stops the workers either way."""
     import pipeline.job as job_mod
 
-    events = []
+    events, warmed = [], []
 
     class RecordingWorkers:
-        def __init__(self, job, cfg, ray_head=None):
+        def __init__(self, job, cfg, ray_head=None, warm=None):
             events.append("workers")
+            warmed.append(warm)
 
         def shutdown(self):
             events.append("shutdown")
@@ -380,5 +381,8 @@ def test_ray_starts_before_the_planning_and_a_failed_planning_stops_the_workers(
     with pytest.raises(RuntimeError, match="planning failed"):
         submit(cfg, tmp_path / "job", lambda cfg, rows: _fake_sizer)
     assert events[-1] == "shutdown" and sorted(events[:-1]) == ["plan", "workers"]
+    # a new job's workers get its reference clips to encode while it plans
+    assert warmed == [job_mod.manifest_mod.reference_pairs(job_mod.manifest_mod.read_table(cfg.manifest))]
+    assert warmed[0]
     if not local:
         assert events[:2] == ["workers", "plan"]

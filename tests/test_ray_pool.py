@@ -3,6 +3,7 @@ on a real local Ray is in test_pipeline_e2e.py)."""
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -21,6 +22,8 @@ class _Actor:
     def __init__(self, options: dict, threads: int | None):
         self.options, self.threads = options, threads
         self.run_shard = self
+        self.warmed: list[list[tuple[str, str]]] = []  # start_warming.remote(clips) calls
+        self.start_warming = SimpleNamespace(remote=self.warmed.append)
 
     def remote(self, task: ShardTask, progress=None) -> _Ref:  # run_shard.remote(task, progress)
         FakeRay.sent.append((self, task.index))
@@ -101,6 +104,17 @@ def test_each_variant_runs_on_actors_of_its_own_device(monkeypatch):
     ran = {task.index: results[0] for task, results in pool.run(_tasks(["fp16", "fp32"]))}
     assert len(ran) == 6
     assert all((r["gpus"] > 0) == (r["variant"] == "fp16") for r in ran.values())
+
+
+def test_the_gpu_actors_warm_a_share_of_the_clips_each(monkeypatch):
+    fake, pool = _pool(
+        monkeypatch, {"CPU": 16.0, "GPU": 2.0}, "engine.device=cpu", "variants.fp16.device=cuda"
+    )
+    clips = [(f"clip{i}.wav", f"words {i}") for i in range(5)]
+    pool.start_warming(clips)
+    gpu = [a for a in fake.actors if "num_gpus" in a.options]
+    cpu = [a for a in fake.actors if "num_gpus" not in a.options]
+    assert [a.warmed for a in gpu] == [[clips[0::2]], [clips[1::2]]] and not any(a.warmed for a in cpu)
 
 
 def test_shards_go_to_the_actors_one_each_in_turn(monkeypatch):
