@@ -35,6 +35,8 @@ class ManifestError(OVBatchError):
 
 REQUIRED = ("id", "text", "ref_audio", "ref_text")
 OPTIONAL = ("language", "instruct", "duration", "speed", "seed")
+# Pairs of the longest texts that reference_pairs puts first: about a first shard's first two batches.
+LONGEST_TEXTS_FIRST = 64
 _STRING_COLUMNS = {"id", "text", "ref_audio", "ref_text", "language", "instruct"}
 _FLOAT_COLUMNS = {"duration", "speed"}
 _INT_COLUMNS = {"seed"}
@@ -334,22 +336,25 @@ def read_table(source: str | Path) -> tuple[str, pa.Table]:
 
 
 def reference_pairs(read: tuple[str, pa.Table]) -> list[tuple[str, str]]:
-    """The (local reference clip, transcript) pairs of a read manifest's rows (read_table), each once, those
-    of the shortest texts first: the workers make their voice prompts while the job plans (nothing here is
-    checked: the planner rejects bad rows, and warming skips what it cannot use). Short rows run last and
-    bring the most clips per second of speech: their preparation, more than the device, paced the end of
-    the FP8 job in e2e-h200.json (by_bucket)."""
+    """The (local reference clip, transcript) pairs of a read manifest's rows (read_table), each once, in the
+    order the workers make their voice prompts while the job plans (nothing here is checked: the planner
+    rejects bad rows, and warming skips what it cannot use): the clips of the LONGEST_TEXTS_FIRST longest
+    texts, whose rows open the plan, then the rest from the shortest text up. Short rows run last and bring
+    the most clips per second of speech: their preparation, more than the device, paced the end of the FP8
+    job in e2e-h200.json (by_bucket)."""
     source, table = read
     base = parent_location(source)
     texts, clips, transcripts = (table.column(c).to_pylist() for c in ("text", "ref_audio", "ref_text"))
-    shortest: dict[tuple[str, str], int] = {}
+    lengths: dict[tuple[str, str], list[int]] = {}
     for text, clip, transcript in zip(texts, clips, transcripts, strict=True):
         clip, transcript = _clean(clip), _clean(transcript)
         if clip is None or transcript is None or _is_uri(clip):
             continue
-        pair = (resolve_location(clip, base), transcript)
-        shortest[pair] = min(shortest.get(pair, len(text or "")), len(text or ""))
-    return sorted(shortest, key=shortest.__getitem__)
+        lengths.setdefault((resolve_location(clip, base), transcript), []).append(len(text or ""))
+    first = sorted(lengths, key=lambda pair: -max(lengths[pair]))[:LONGEST_TEXTS_FIRST]
+    chosen = set(first)
+    rest = sorted((pair for pair in lengths if pair not in chosen), key=lambda pair: min(lengths[pair]))
+    return first + rest
 
 
 def _clean(value: Any) -> str | None:

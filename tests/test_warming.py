@@ -127,7 +127,8 @@ def test_local_workers_warm_once_their_engine_is_loaded_and_stop_when_ready(tmp_
     assert engine.steps == [pairs] and ready["warmed_clips"] == 2
 
 
-def test_the_manifests_pairs_come_once_each_shortest_text_first(tmp_path):
+def test_the_manifests_pairs_come_once_each_longest_texts_first_then_shortest_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest_mod, "LONGEST_TEXTS_FIRST", 1)
     table = pa.table(
         {
             "id": ["a", "b", "c", "d", "e", "f"],
@@ -138,5 +139,6 @@ def test_the_manifests_pairs_come_once_each_shortest_text_first(tmp_path):
     )
     pairs = manifest_mod.reference_pairs((str(tmp_path / "m.parquet"), table))
     one, two = str(tmp_path / "one.wav"), str(tmp_path / "two.wav")
-    # one.wav's "words one" comes at its rows' shortest text (13 chars); remote clips are copied later
-    assert pairs == [(one, "other words"), (two, "words two"), (one, "words one")]
+    # the longest text's pair first (one.wav's "words one"), then the rest from the shortest text up;
+    # remote clips are copied into the job later, rows without a clip have nothing to warm
+    assert pairs == [(one, "words one"), (one, "other words"), (two, "words two")]
