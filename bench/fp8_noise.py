@@ -75,8 +75,10 @@ def backbone_linears(model: OmniVoiceModel) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, DenseLinear) and n.startswith("llm.layers.")]
 
 
-def replace_linears(model: OmniVoiceModel, make: Callable[[DenseLinear], torch.nn.Module], keep) -> int:
-    """Each backbone Linear that keep(name) does not hold replaced by make(it); how many were."""
+def replace_linears(
+    model: OmniVoiceModel, make: Callable[[DenseLinear], torch.nn.Module], keep: Callable[[str], bool]
+) -> int:
+    """Each backbone Linear whose name keep() is false for replaced by make(it); how many were."""
     replaced = 0
     for name in backbone_linears(model):
         if not keep(name):
