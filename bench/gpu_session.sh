@@ -2,13 +2,14 @@
 # One device call, many steps: GPU tests and benchmarks, each under its own time limit.
 # Usage on the GPU machine (repo root):  bash bench/gpu_session.sh STEP[:SECONDS] ...
 # Steps: tests memcheck official parity generate attention profile codec-parity codec quantize
-# pipeline e2e profile-job kernels fused scaling
+# pipeline e2e encode-beside profile-job kernels fused scaling
 # (GPU_TESTS narrows the test paths, MEMCHECK_TESTS the tests run under compute-sanitizer memcheck,
 # PIPELINE_ROWS the pipeline bench's rows, E2E_PARTS / E2E_PRECISIONS / E2E_ROWS what the e2e bench runs
 # (entries merge into bench/results/e2e-h200.json, or E2E_OUT; E2E_WORK a scratch folder kept between
-# calls; profile-job reuses E2E_WORK and E2E_ROWS' manifest, PROFILE_JOB_ARGS its other arguments, e.g.
-# "--precision fp8 --prepare-threads 1 --out $OUT/profile-1.json"), SCALING_GPUS the GPU counts of the scaling
-# bench, one per call: it merges into bench/results/scaling-h200.json.)
+# calls; encode-beside and profile-job reuse E2E_WORK and E2E_ROWS' manifest; PROFILE_JOB_ARGS holds
+# profile-job's other arguments, e.g. "--precision fp8 --prepare-threads 1 --out $OUT/profile-1.json"),
+# SCALING_GPUS the GPU counts of the scaling bench, one per call: it merges into
+# bench/results/scaling-h200.json.)
 # Logs and bench/results/*.json come back bundled as $OUT/logs.tgz and $OUT/results.tgz.
 set -u
 out=${OUT:-/tmp/ovbatch-out}
@@ -43,6 +44,7 @@ step() {
     e2e)          $PY bench/e2e.py --parts ${E2E_PARTS:-official,engine,job_local,job_ray} \
                     --precisions ${E2E_PRECISIONS:-bf16,fp8,w4a4} --rows ${E2E_ROWS:-2000} \
                     ${E2E_OUT:+--out $E2E_OUT} ${E2E_WORK:+--work $E2E_WORK} ;;
+    encode-beside) $PY bench/encode_beside.py --rows ${E2E_ROWS:-2000} ${E2E_WORK:+--work $E2E_WORK} ;;
     profile-job)  $PY bench/profile_job.py --rows ${E2E_ROWS:-2000} ${E2E_WORK:+--work $E2E_WORK} \
                     ${PROFILE_JOB_ARGS:-} ;;
     kernels)      $PY bench/kernels.py ;;
