@@ -250,8 +250,8 @@ class ShardRunner:
         """Make the voice prompts of these (reference clip, transcript) pairs on a thread of this runner,
         WARM_STEP_CLIPS at a time, with the first engine loaded (Engine.warm), until capture(): the job
         does this while it plans, its GPU otherwise idle, so that its batches find their clips encoded.
-        Only for an engine on a GPU that has warm() (on a CPU a step would hold capture() for a minute),
-        once, and never once capture() has begun."""
+        Only for an engine on a GPU that has warm() (on a CPU, a step's ~200 s of audio at the full-size
+        codec's ~7x realtime would hold capture() for half a minute), once, never once capture() began."""
         engine = next(iter(self.engines.values()), None)
         if engine is None or getattr(engine, "warm", None) is None or not _on_gpu(engine):
             return
