@@ -15,13 +15,16 @@ import re
 import socket
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from engine.config import ModelConfig, cache_root
 from engine.errors import CheckpointError
+
+if TYPE_CHECKING:  # the planner reads configs here; torch comes with the first tensor read (safetensors)
+    import torch
 
 log = logging.getLogger(__name__)
 

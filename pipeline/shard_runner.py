@@ -140,7 +140,7 @@ def _error_text(e: BaseException) -> str:
 
 def synth_request(row: ManifestRow) -> Any:
     """The engine request of a manifest row (planned or not)."""
-    from engine.api import SynthRequest
+    from engine.frontend.requests import SynthRequest  # not engine.api: the planner runs without torch
 
     return SynthRequest(
         text=row.text,

@@ -210,3 +210,48 @@ def test_clip_workers_run_below_the_planners_cpu_priority(tmp_path):
     finally:
         worker.stdin.close()
         worker.wait(timeout=30)
+
+
+def test_planning_a_manifest_imports_no_torch(tmp_path):
+    """A job's driver plans without torch (a Ray driver never needs it; the workers import it as they load):
+    a fresh interpreter plans a manifest of the repo's clips against a checkpoint given by path."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from engine.tiny import ensure_tiny_checkpoint
+
+    data = Path(__file__).parent / "data"
+    clip = data / "en_24k_mono.wav"
+    manifest = tmp_path / "m.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "id": ["a", "b"],
+                "text": ["Hello there.", "Good day."],
+                "ref_audio": [str(clip)] * 2,
+                "ref_text": ["The quick brown fox jumps over the lazy dog."] * 2,
+            }
+        ),
+        manifest,
+    )
+    script = f"""
+import sys
+from pipeline.config import load_job_config
+from pipeline.job import plan_job
+from pipeline.sizing import frontend_sizer
+cfg = load_job_config(None, ["engine.checkpoint={ensure_tiny_checkpoint()}"], {{"manifest": "{manifest}"}})
+plan, rows = plan_job(cfg, frontend_sizer, clip_dir=None)
+assert len(rows) == 2 and not plan.rejected, plan.rejected
+print(sorted(m for m in ("torch", "engine.api", "engine.codec.model") if m in sys.modules))
+"""
+    root = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

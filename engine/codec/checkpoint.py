@@ -6,12 +6,15 @@ import json
 import math
 from fractions import Fraction
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
 
 from engine.codec.config import CodecConfig
 from engine.errors import CheckpointError
+
+if TYPE_CHECKING:  # a job's planner reads the config alone, without torch
+    import torch
 
 MODEL_TYPE = "higgs_audio_v2_tokenizer"
 
