@@ -270,6 +270,7 @@ class ShardRunner:
                 log.warning("warming the prompt cache stopped after %d clips: %s", done, _error_text(e))
                 break
             done += len(step)
+        _release_cuda_cache()  # the encode's blocks belong to this thread's stream, which encodes no more
         return {"warmed_clips": done, "warm_seconds": round(time.perf_counter() - start, 3)}
 
     def _stop_warming(self) -> dict[str, Any]:
