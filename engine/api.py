@@ -350,10 +350,25 @@ class Engine:
             prompts[i] = prompt
         return prompts
 
-    def warm(self, clips: list[tuple[str, str]]) -> None:
+    def warm(self, clips: list[tuple[str, str]], ahead: list[tuple[str, str]] = ()) -> None:
         """Make the voice prompts of these (reference clip, transcript) pairs now, through the prompt cache,
         as the batches that use them would (a job does this while it plans, the device idle meanwhile), so
-        that those batches find them. Clips that cannot be used are left to their rows to report."""
+        that those batches find them. Clips that cannot be used are left to their rows to report. ahead:
+        the pairs of the call to come, whose clips are read and prepared on the host meanwhile (as
+        preload() does), beside this call's encode."""
+        usable = self._warm_requests(clips)
+        self.preload(usable)  # ready where the call before had them ahead
+        reading = [self._clip_readers.submit(self._preload_one, req) for req in self._warm_requests(ahead)]
+        try:
+            if usable:
+                self._voice_prompts(usable)
+        except (AudioError, InputError) as e:  # the usable clips' prompts are cached before it is raised
+            log.debug("warming the prompt cache left a clip to its rows: %s", e)
+        finally:
+            wait(reading)
+
+    def _warm_requests(self, clips: list[tuple[str, str]]) -> list[SynthRequest]:
+        """Requests that clone these (clip, transcript) pairs, those whose voice fields go together."""
         usable = []
         for clip, text in clips:
             req = SynthRequest(text=text, ref_audio=clip, ref_text=text)
@@ -362,13 +377,7 @@ class Engine:
             except InputError:
                 continue
             usable.append(req)
-        if not usable:
-            return
-        self.preload(usable)
-        try:
-            self._voice_prompts(usable)
-        except (AudioError, InputError) as e:  # the usable clips' prompts are cached before it is raised
-            log.debug("warming the prompt cache left a clip to its rows: %s", e)
+        return usable
 
     def flush(self) -> None:
         """Until the voice prompts made so far are written to the prompt cache on disk (its writer thread

@@ -263,9 +263,10 @@ class ShardRunner:
         start, done = time.perf_counter(), 0
         while done < len(clips) and not self._warm_stop.is_set():
             step = clips[done : done + WARM_STEP_CLIPS]
+            ahead = clips[done + WARM_STEP_CLIPS : done + 2 * WARM_STEP_CLIPS]  # read beside this encode
             try:
                 with _traced("ovbatch.warm"):
-                    engine.warm(step)
+                    engine.warm(step, ahead)
             except Exception as e:  # noqa: BLE001 - the batches make what warming could not
                 log.warning("warming the prompt cache stopped after %d clips: %s", done, _error_text(e))
                 break

@@ -54,11 +54,13 @@ class WarmEngine:
     def __init__(self, on_gpu: bool = True):
         self.device = SimpleNamespace(type="cuda" if on_gpu else "cpu")
         self.steps: list[list[tuple[str, str]]] = []
+        self.ahead: list[list[tuple[str, str]]] = []  # each step's pairs to read beside it
         self.hold = threading.Event()
         self.hold.set()
         self.in_step = threading.Event()
 
-    def warm(self, clips):
+    def warm(self, clips, ahead=()):
+        self.ahead.append(ahead)
         self.in_step.set()
         assert self.hold.wait(10)
         self.steps.append(clips)
@@ -96,6 +98,7 @@ def test_warming_stops_at_the_end_of_its_clips_and_never_on_a_cpu_engine(tmp_pat
         time.sleep(0.01)
     report = runner.capture([])
     assert engine.steps == [clips[:WARM_STEP_CLIPS], clips[WARM_STEP_CLIPS:]]
+    assert engine.ahead == [clips[WARM_STEP_CLIPS:], []]  # each step reads the next one's clips
     assert report["warmed_clips"] == len(clips)
     on_cpu = WarmEngine(on_gpu=False)
     runner = _runner(tmp_path, on_cpu)
@@ -142,3 +145,21 @@ def test_the_manifests_pairs_come_once_each_longest_texts_first_then_shortest_fi
     # the longest text's pair first (one.wav's "words one"), then the rest from the shortest text up;
     # remote clips are copied into the job later, rows without a clip have nothing to warm
     assert pairs == [(one, "words one"), (one, "other words"), (two, "words two")]
+
+
+def test_a_warm_call_reads_the_next_calls_clips_beside_its_encode(monkeypatch):
+    import engine.api as api
+
+    names = sorted(n for n in CLIPS if n.endswith((".wav", ".flac")))
+    pairs = [(str(DATA / n), CLIPS[n]["transcript"]) for n in names]
+    first, second = pairs[: len(pairs) // 2], pairs[len(pairs) // 2 :]
+    engine = Engine(EngineConfig(prompt_cache_dir=None, generation=FAST))
+    prepared = []
+    real = api.prepare_reference
+    monkeypatch.setattr(api, "prepare_reference", lambda *a, **k: prepared.append(a[0]) or real(*a, **k))
+    engine.warm(first, ahead=second)
+    assert sorted(prepared) == sorted(c for c, _ in pairs)  # its own clips and the next call's
+    engine.warm(second)
+    assert len(prepared) == len(pairs)  # read once, by the call before
+    reqs = [SynthRequest(text="Hi.", ref_audio=c, ref_text=t) for c, t in pairs]
+    assert all(p.prompt is not None for p in engine.prepare_many(reqs))
