@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 
@@ -350,7 +350,7 @@ class Engine:
             prompts[i] = prompt
         return prompts
 
-    def warm(self, clips: list[tuple[str, str]], ahead: list[tuple[str, str]] = ()) -> None:
+    def warm(self, clips: Sequence[tuple[str, str]], ahead: Sequence[tuple[str, str]] = ()) -> None:
         """Make the voice prompts of these (reference clip, transcript) pairs now, through the prompt cache,
         as the batches that use them would (a job does this while it plans, the device idle meanwhile), so
         that those batches find them. Clips that cannot be used are left to their rows to report. ahead:
@@ -367,7 +367,7 @@ class Engine:
         finally:
             wait(reading)
 
-    def _warm_requests(self, clips: list[tuple[str, str]]) -> list[SynthRequest]:
+    def _warm_requests(self, clips: Sequence[tuple[str, str]]) -> list[SynthRequest]:
         """Requests that clone these (clip, transcript) pairs, those whose voice fields go together."""
         usable = []
         for clip, text in clips:
