@@ -348,9 +348,10 @@ def reference_pairs(read: tuple[str, pa.Table]) -> list[tuple[str, str]]:
     lengths: dict[tuple[str, str], list[int]] = {}
     for text, clip, transcript in zip(texts, clips, transcripts, strict=True):
         clip, transcript = _clean(clip), _clean(transcript)
-        if clip is None or transcript is None or _is_uri(clip):
+        location = resolve_location(clip, base) if clip is not None else None
+        if location is None or transcript is None or _is_uri(location):  # remote: copied into the job later
             continue
-        lengths.setdefault((resolve_location(clip, base), transcript), []).append(len(text or ""))
+        lengths.setdefault((location, transcript), []).append(len(text or ""))
     first = sorted(lengths, key=lambda pair: -max(lengths[pair]))[:LONGEST_TEXTS_FIRST]
     chosen = set(first)
     rest = sorted((pair for pair in lengths if pair not in chosen), key=lambda pair: min(lengths[pair]))

@@ -141,6 +141,7 @@ def test_the_manifests_pairs_come_once_each_longest_texts_first_then_shortest_fi
         }
     )
     pairs = manifest_mod.reference_pairs((str(tmp_path / "m.parquet"), table))
+    assert manifest_mod.reference_pairs(("s3://bucket/m.parquet", table)) == []  # all resolve remote
     one, two = str(tmp_path / "one.wav"), str(tmp_path / "two.wav")
     # the longest text's pair first (one.wav's "words one"), then the rest from the shortest text up;
     # remote clips are copied into the job later, rows without a clip have nothing to warm
