@@ -1,9 +1,10 @@
 """The clips' encode beside a batch's generation: how much each slows the other, by where the encode runs.
 
 A distinct-clip job encodes its reference clips on the device while it generates other batches
-(pipeline/shard_runner.py). In the committed FP8 job (e2e-h200.json, by_bucket) a short-row batch's
-preparation took ~1.7 s beside the generation against ~0.4 s of encode on an idle device, and the device
-still idled. This bench times, on one engine (bench/e2e.py's full-size checkpoint and manifest): one
+(pipeline/shard_runner.py). In the committed FP8 Ray job (e2e-h200.json, by_bucket) the shortest rows'
+preparations, which encode their clips, took 94.2 s beside 76.9 s of their generation, and the generation
+stream idled 17.3 s there, while the codec alone encodes ~1,100 audio seconds a second (codec-h200.json).
+This bench times, on one engine (bench/e2e.py's full-size checkpoint and manifest): one
 generation batch of the manifest's shortest rows (the runner's packed calls, CUDA graphs, nothing else),
 the encode of --clips other clips (Codec.encode as the engine calls it, codes back to the host), each
 alone, then both at once from two threads with the encode on

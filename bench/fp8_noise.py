@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.environment import environment, write_result  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
-from engine.fp8.reference import E4M3, E4M3_MAX, MIN_AMAX  # noqa: E402
+from engine.fp8.reference import dequantize_rows, quantize_rows  # noqa: E402
 from engine.generate.packing import GenItem, pack_items  # noqa: E402
 from engine.loading import backbone_to_fp8, prepare_for_inference  # noqa: E402
 from engine.model.linear import DenseLinear  # noqa: E402
@@ -45,13 +45,13 @@ WHOLE_ROW = 0  # a block width: the whole row
 
 
 def e4m3_blocks(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """t [M, K] rounded to e4m3 with one scale (block amax / 448) per rows x cols block, back in t's dtype."""
+    """t [M, K] rounded to e4m3 with one scale per rows x cols block, back in t's dtype: each block laid out
+    as one row for the engine's own row-wise rounding (engine/fp8/reference.py)."""
     m, k = t.shape
     cols = cols or k
-    x = t.float().reshape(m // rows, rows, k // cols, cols)
-    amax = x.abs().amax(dim=(1, 3), keepdim=True).clamp(min=MIN_AMAX)
-    codes = (x * (torch.full_like(amax, E4M3_MAX) / amax)).to(E4M3)  # as engine/fp8/reference.py rounds
-    return (codes.float() * (amax / E4M3_MAX)).reshape(m, k).to(t.dtype)
+    blocks = t.reshape(m // rows, rows, k // cols, cols).transpose(1, 2).reshape(-1, rows * cols)
+    rounded = dequantize_rows(*quantize_rows(blocks))
+    return rounded.reshape(m // rows, k // cols, rows, cols).transpose(1, 2).reshape(m, k).to(t.dtype)
 
 
 class E4m3Rounded(DenseLinear):
