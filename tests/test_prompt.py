@@ -146,13 +146,16 @@ def test_key_depends_on_clip_text_settings_and_codec(tmp_path):
     cache.get_or_create(DATA / "en_16k_mono.wav", TEXT, _maker(codec))
     assert codec.calls == 3
     raw_settings = ReferenceSettings(preprocess=False)
-    _cache(tmp_path, codec, raw_settings).get_or_create(CLIP, TEXT, _maker(codec, raw_settings))
+    raw = _cache(tmp_path, codec, raw_settings)
+    raw.get_or_create(CLIP, TEXT, _maker(codec, raw_settings))
     assert codec.calls == 4
     other = CountingCodec()
     other.identity = "another-codec"
-    _cache(tmp_path, other).get_or_create(CLIP, TEXT, _maker(other))
+    other_cache = _cache(tmp_path, other)
+    other_cache.get_or_create(CLIP, TEXT, _maker(other))
     assert other.calls == 1
-    cache.flush()
+    for written in (cache, raw, other_cache):
+        written.flush()
     # limits that do not change the prepared samples share entries
     longer = _cache(tmp_path, codec, ReferenceSettings(max_seconds=30))
     longer.get_or_create(CLIP, TEXT, _maker(codec))
