@@ -10,7 +10,8 @@ Each figure is the median of timed repeats after warm-up, with the device synchr
 For bfloat16 the report also gives its agreement with float32 (equal codes; decode error relative to
 the float32 peak), since speed alone does not make it usable. On CUDA, one encode of the mixed-length clips
 (float32, the Snake kernel, as the engine runs it) under torch.profiler: device time, busy fraction and the
-top kernels; and the same encode with its float32 matmuls in TF32 (speed, and the codes that stay equal).
+top kernels; the same encode with its float32 matmuls in TF32 (speed, and the codes that stay equal); and
+HuBERT's first GroupNorm on 64 padded clips, batched (as the codec runs it) against a norm per clip.
 
     python bench/codec.py [--out bench/results/codec-h200.json] [--size full|tiny] [--seconds 10]
                           [--repeats 7]
@@ -34,6 +35,7 @@ from bench.environment import environment, write_result  # noqa: E402
 from engine.codec import Codec  # noqa: E402
 from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG  # noqa: E402
 from engine.codec.config import CodecConfig  # noqa: E402
+from engine.codec.lengths import conv_output_lengths  # noqa: E402
 from engine.tiny.codec import TINY_CODEC_CONFIG  # noqa: E402
 
 SAMPLE_RATE = 24000
@@ -185,6 +187,36 @@ def matmul_tf32_trial(codec: Codec, clips: list[torch.Tensor], device: str, repe
     }
 
 
+def group_norm_trial(codec: Codec, device: str, repeats: int, g: torch.Generator) -> dict:
+    """HuBERT's first GroupNorm over 64 padded clips of 3-10 s: the batched norm the codec runs against a
+    norm per clip (what it ran before: a copy of the batch, then each clip's norm written into it), each
+    timed alone (host launches included), and their largest difference on the valid frames."""
+    layer = codec.semantic_model.feature_extractor.conv_layers[0]
+    rate = codec.config.semantic_sample_rate
+    seconds = 3 + 7 * torch.rand(64, generator=g)
+    frames = conv_output_lengths(layer.conv, [int(s * rate) for s in seconds.tolist()])
+    x = torch.randn(len(frames), layer.conv.out_channels, max(frames), generator=g).to(device)
+
+    def per_clip() -> torch.Tensor:
+        out = x.clone()
+        for i, n in enumerate(frames):
+            out[i, :, :n] = layer.layer_norm(x[i : i + 1, :, :n])[0]
+        return out
+
+    with torch.inference_mode():
+        a, b = per_clip(), layer._group_norm(x, frames)
+        difference = max((a[i, :, :n] - b[i, :, :n]).abs().max().item() for i, n in enumerate(frames))
+        per_clip_s = median_seconds(per_clip, device, repeats)
+        batched_s = median_seconds(lambda: layer._group_norm(x, frames), device, repeats)
+    return {
+        "clips": len(frames),
+        "frames": sum(frames),
+        "per_clip_ms": round(per_clip_s * 1e3, 3),
+        "batched_ms": round(batched_s * 1e3, 3),
+        "max_abs_difference": difference,
+    }
+
+
 def encode_profile(codec: Codec, clips: list[torch.Tensor]) -> dict:
     """One warm encode under torch.profiler (CUDA): wall, device time, busy fraction (busy / wall: well
     under 1 means the host's launches hold the device back, which threads beside it in a job make worse),
@@ -260,6 +292,7 @@ def run(size: str, seconds: float, repeats: int, device: str, seed: int) -> dict
     if device.startswith("cuda"):
         result["fused_snake_vs_torch"] = fused_agreement(fp32, mixed[:4])
         result["matmul_tf32"] = matmul_tf32_trial(fp32, mixed, device, repeats)
+        result["first_group_norm"] = group_norm_trial(fp32, device, repeats, g)
         fp32.use_fused_kernels(True)  # as the engine runs it
         result["encode_profile_mixed_lengths"] = encode_profile(fp32, mixed)
         fp32.use_fused_kernels(False)

@@ -17,7 +17,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from engine.codec.config import SemanticConfig
-from engine.codec.lengths import conv_output_lengths
+from engine.codec.lengths import conv_output_lengths, padded_limits
 from engine.devices import building_on_meta, to_device
 
 # transformers' HuBERT initialisation: Linear weights drawn with this std, every conv weight He-normal.
@@ -46,14 +46,22 @@ class FeatureConvLayer(nn.Module):
         return F.gelu(x), lengths
 
     def _group_norm(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """Statistics over each clip's own frames. Frames past a clip's length keep what they hold: the
-        valid convolutions after this never read them into a valid frame."""
-        if all(n == x.shape[-1] for n in lengths):
+        """Each clip's channels normalised over its own frames, for the whole batch at once (a handful of
+        kernels, not a norm per clip: the encode shares the device with the generation, where every kernel
+        waits its turn). Two passes, the mean and then the centred squares, as robust as a per-clip norm.
+        Frames past a clip's length come out as the norm's bias: the valid convolutions after this never read
+        them into a valid frame."""
+        limits = padded_limits(x, lengths)
+        if limits is None:
             return self.layer_norm(x)
-        out = x.clone()
-        for i, n in enumerate(lengths):
-            out[i, :, :n] = self.layer_norm(x[i : i + 1, :, :n])[0]
-        return out
+        valid = (torch.arange(x.shape[-1], device=x.device) < limits[:, None]).to(x.dtype)[:, None, :]
+        count = limits.to(x.dtype)[:, None, None]
+        mean = (x * valid).sum(-1, keepdim=True) / count
+        centred = (x - mean).mul_(valid)
+        variance = torch.linalg.vector_norm(centred, dim=-1, keepdim=True).square_() / count
+        norm = self.layer_norm
+        scale = torch.rsqrt(variance + norm.eps) * norm.weight[:, None]
+        return centred.mul_(scale).add_(norm.bias[:, None])
 
 
 class FeatureEncoder(nn.Module):
