@@ -46,9 +46,9 @@ class FeatureConvLayer(nn.Module):
         return F.gelu(x), lengths
 
     def _group_norm(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """Each clip's channels normalised over its own frames, for the whole batch at once (a handful of
-        kernels, not a norm per clip: the encode shares the device with the generation, where every kernel
-        waits its turn). Two passes, the mean and then the centred squares, as robust as a per-clip norm.
+        """Each clip's channels normalised over its own frames, for the whole batch at once: a handful of
+        kernels for any batch, where a norm per clip took ~3 a clip. Two passes, the mean and then the
+        centred squares, as robust as a per-clip norm.
         Frames past a clip's length come out as the norm's bias: the valid convolutions after this never read
         them into a valid frame."""
         limits = padded_limits(x, lengths)
