@@ -16,9 +16,7 @@ from engine.api import Engine, SynthRequest
 from engine.config import EngineConfig, GenerationConfig
 from pipeline import manifest as manifest_mod
 from pipeline.config import load_job_config
-from pipeline.job import Workers
 from pipeline.shard_runner import WARM_STEP_CLIPS, ShardRunner
-from pipeline.store import JobDir
 
 DATA = Path(__file__).parent / "data"
 CLIPS = json.loads((DATA / "clips.json").read_text())
@@ -105,29 +103,6 @@ def test_warming_stops_at_the_end_of_its_clips_and_never_on_a_cpu_engine(tmp_pat
     runner.start_warming(clips)
     assert runner.capture([])["warmed_clips"] == 0 and not on_cpu.steps
     runner.close()
-
-
-class FactoryEngine(WarmEngine):
-    made: list[FactoryEngine] = []
-
-    def __init__(self, cfg):
-        super().__init__()
-        FactoryEngine.made.append(self)
-
-
-def test_local_workers_warm_once_their_engine_is_loaded_and_stop_when_ready(tmp_path):
-    FactoryEngine.made = []
-    cfg = load_job_config(None, ["local=true", "progress=false", f"engine_factory={__name__}:FactoryEngine"])
-    pairs = [("a.wav", "one"), ("b.wav", "two")]
-    workers = Workers(JobDir(tmp_path / "job"), cfg, warm=pairs)
-    try:
-        workers.loading.result()
-        (engine,) = FactoryEngine.made
-        assert engine.in_step.wait(10)  # warming began on its own once the engine was loaded
-        ready = workers.ready([])
-    finally:
-        workers.shutdown()
-    assert engine.steps == [pairs] and ready["warmed_clips"] == 2
 
 
 def test_the_manifests_pairs_come_once_each_longest_texts_first_then_shortest_first(tmp_path, monkeypatch):
