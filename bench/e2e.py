@@ -17,7 +17,8 @@ round-to-nearest speed copy), 32 steps. The manifest (bench/manifests.py): --row
 Each entry: variant, rows, audio_seconds, wall_seconds, x_realtime (audio / wall), gpu_busy (mean nvidia-smi
 utilization over the entry; jobs also gpu_busy_execution, from the workers' ready on, and gpu_busy_generating,
 from then until the last batch was queued, and gpu_busy_timeline, the same in tenths; last_generated_seconds,
-from the process's start to then, and tail_seconds, from then until it exited; launch_seconds, from its start
+from the process's start to then, and tail_seconds, from then until it exited (tail_in_run_seconds until the
+run's end event, tail_after_run_seconds after it: the summary and the exit); launch_seconds, from its start
 until submit() began), padding_fraction (token-weighted share of each batch's graph bucket that holds no row),
 mean_sm_clock_mhz, attention_backend (the engine's; for jobs, what attention=auto picks in the bench's
 process, whose environment the job's workers inherit), startup_seconds (jobs: from the end of planning until
@@ -244,6 +245,10 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
         gpu_busy_timeline=busy_timeline(gpu, ready, start + last),
         last_generated_seconds=round(last, 2),
         tail_seconds=round(wall - last, 2),
+        # the tail split where the run ended (its `end` event, after the last shard's results and the workers'
+        # stop): before, the last batch's device work and writes; after, the summary and the process's exit
+        tail_in_run_seconds=round(launch + run["wall_seconds"] - last, 2),
+        tail_after_run_seconds=round(wall - launch - run["wall_seconds"], 2),
         launch_seconds=round(launch, 2),  # the process's start and its imports before submit() began
         planning_seconds=run["planning_seconds"],
         # from the end of planning until the engines were loaded and their graphs captured
