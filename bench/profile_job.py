@@ -13,12 +13,14 @@ meanwhile (idle_beside: the then thread's encode, the preload, writers). The pro
 seconds are an upper bound; their split is the point. nvidia-smi's mean utilization is sampled over both runs
 too (gpu_busy_nvidia_smi), to set the e2e bench's figure, which comes from it, against the profiler's,
 Python's garbage collections over the unprofiled run (each holds every thread of the process), and whether
-the clips' encode waits on its host thread or on the device (encode_launches). --prepare-threads and
---switch-interval-ms are for A/B runs: a thread that launches device work releases the interpreter's lock
-around each torch op, and taking it back from a thread that runs Python can wait up to the switch interval.
+the clips' encode waits on its host thread or on the device (encode_launches), and the device's peak
+memory. --prepare-threads, --switch-interval-ms and --encode-batch-seconds are for A/B runs: a thread that
+launches device work releases the interpreter's lock around each torch op, and taking it back from a thread
+that runs Python can wait up to the switch interval; the codec's batch budget (ENCODE_BATCH_SECONDS) sets
+how many codec batches, each ~800 kernels and one copy of its codes back to the host, an encode makes.
 
     python bench/profile_job.py [--rows 3000] [--shards 4] [--warmup-shards 2] [--precision bf16]
-                                [--prepare-threads 2] [--switch-interval-ms 5]
+                                [--prepare-threads 2] [--switch-interval-ms 5] [--encode-batch-seconds 240]
                                 [--work DIR] [--size full|tiny] [--out bench/results/profile-job-h200.json]
 """
 
@@ -42,6 +44,7 @@ from bench.e2e import SETTINGS, attention_here, checkpoint_and_manifest, gpu_fie
 from bench.environment import environment, write_result  # noqa: E402
 from bench.pipeline import GpuSampler  # noqa: E402
 from bench.profile_generate import busy_us  # noqa: E402
+from engine.codec import model as codec_model  # noqa: E402
 from pipeline.config import load_job_config  # noqa: E402
 from pipeline.job import plan_job  # noqa: E402
 from pipeline.rows import RequestRow  # noqa: E402
@@ -249,11 +252,18 @@ def main() -> None:
         type=float,
         help="the interpreter's thread switch interval (sys.setswitchinterval; Python's default: 5 ms)",
     )
+    p.add_argument(
+        "--encode-batch-seconds",
+        type=float,
+        default=codec_model.ENCODE_BATCH_SECONDS,
+        help="padded audio a codec encode batch may hold (engine.codec.model.ENCODE_BATCH_SECONDS)",
+    )
     p.add_argument("--work", help="scratch folder (bench/e2e.py's --work is reused)")
     p.add_argument("--out", default="bench/results/profile-job-h200.json")
     args = p.parse_args()
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
+    codec_model.ENCODE_BATCH_SECONDS = args.encode_batch_seconds  # read by Codec.encode at each call
     work = Path(args.work or tempfile.mkdtemp(prefix="ovbatch-profile-job-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -308,6 +318,7 @@ def main() -> None:
             "precision": args.precision,
             "prepare_threads": args.prepare_threads,
             "switch_interval_ms": round(sys.getswitchinterval() * 1000, 3),
+            "encode_batch_seconds": codec_model.ENCODE_BATCH_SECONDS,
             "attention_backend": attention_here(args.device),
             "shards": timed,
             "unprofiled": {
@@ -328,6 +339,10 @@ def main() -> None:
                 "encode_launches": encode_launches(events),
                 "gpu_busy_nvidia_smi": gpu_fields(profiled_gpu)["gpu_busy"],  # over the run, not the window
             },
+            # both runs and the warm-up: the engine, the graphs, two batches' encodes at once
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            if torch.cuda.is_available()
+            else None,
         }
         print(report)
         write_result(args.out, report)
