@@ -314,9 +314,9 @@ def test_cuda_generate_queues_a_prepared_batch_without_waiting_for_the_device(pr
 @pytest.mark.gpu
 def test_cuda_preparing_a_batch_waits_for_the_device_only_for_its_codes(tmp_path):
     """prepare_ahead, as the job's preparing threads run it beside the generation: of the host's waits on
-    the device, only the clips' codes coming back remain, once per encode batch (one here); a wait anywhere
-    else would hold the preparing thread behind the generation's queued steps. torch's sync debug mode
-    warns on every wait; where one comes from is in the assertion's message."""
+    the device, only the clips' codes coming back remain, once per encode (the last encode batch's copy);
+    a wait anywhere else would hold the preparing thread behind the generation's queued steps. torch's sync
+    debug mode warns on every wait; where one comes from is in the assertion's message."""
     import warnings
 
     clips = sorted(n for n in CLIPS if n.endswith(".wav"))

@@ -113,10 +113,13 @@ class Codec(nn.Module):
 
         F is the number of HuBERT frames at the codec rate (T / hop for T a multiple of hop_length, which
         is how OmniVoice trims its references). Clips run longest first in right-padded batches of at most
-        ENCODE_BATCH_SECONDS of padded audio; each clip's codes are its codes alone."""
+        ENCODE_BATCH_SECONDS of padded audio; each clip's codes are its codes alone. Codes from the device
+        to the host come back without a wait but for the last batch's, so that the host launches a batch
+        while the device runs the one before."""
         if not wavs:
             return []
         self._check_wavs(wavs)
+        target = torch.device(device) if device is not None else self.device
         budget = ENCODE_BATCH_SECONDS * self.sample_rate
         order = sorted(range(len(wavs)), key=lambda i: -wavs[i].shape[-1])
         codes: list[torch.Tensor | None] = [None] * len(wavs)
@@ -124,7 +127,12 @@ class Codec(nn.Module):
             size = max(1, int(budget // wavs[order[0]].shape[-1]))  # clips of the longest one's length
             group, order = order[:size], order[size:]
             batch, frames = self._encode_batch([wavs[i] for i in group])
-            batch = batch.to(device if device is not None else self.device)
+            if order and target.type == "cpu" and batch.is_cuda:
+                # the last batch's copy waits for the stream, and so for this one too
+                host = torch.empty(batch.shape, dtype=batch.dtype, pin_memory=True)
+                batch = host.copy_(batch, non_blocking=True)
+            else:
+                batch = batch.to(target)
             for i, clip_codes, f in zip(group, batch, frames, strict=True):
                 codes[i] = clip_codes[:, :f]
         return codes
