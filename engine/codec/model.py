@@ -31,7 +31,8 @@ from engine.devices import to_device
 from engine.errors import InputError
 
 # Padded audio one encode batch may hold: bounds its activations (HuBERT's first conv writes 512 channels
-# at a fifth of 16 kHz: about 1.6 GB in float32 for this much).
+# at a fifth of 16 kHz: about 1.6 GB in float32 for this much; the whole full-size encode peaked 8.4 GiB
+# above the loaded codec on the CPU, ~35 MB a padded second; a job's two preparing threads encode at once).
 ENCODE_BATCH_SECONDS = 240.0
 
 
