@@ -87,8 +87,8 @@ def plan_rows(
         rows.append(row)
     keys = {}
     for variant in cfg.variant_names():
-        engine_cfg = cfg.engine_config(variant)
-        keys[variant] = {r.id: manifest_mod.row_key(r, engine_cfg) for r in rows}
+        settings = manifest_mod.engine_settings(cfg.engine_config(variant))
+        keys[variant] = {r.id: manifest_mod.row_key(r, settings) for r in rows}
     base = cfg.engine
     plan = make_plan(
         rows,

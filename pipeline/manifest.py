@@ -428,8 +428,9 @@ def engine_settings(cfg: EngineConfig) -> dict[str, Any]:
     return d
 
 
-def row_key(row: ManifestRow, cfg: EngineConfig) -> str:
-    """Stable hash of a row's inputs (the clip by content) and the engine settings."""
+def row_key(row: ManifestRow, settings: dict[str, Any]) -> str:
+    """Stable hash of a row's inputs (the clip by content) and the engine settings (engine_settings, made
+    once for all the rows of a variant)."""
     inputs = {
         "text": row.text,
         "ref_audio_sha256": row.clip_sha256,
@@ -439,7 +440,7 @@ def row_key(row: ManifestRow, cfg: EngineConfig) -> str:
         "duration": row.duration,
         "speed": row.speed,
         "seed": row.seed,
-        "engine": engine_settings(cfg),
+        "engine": settings,
     }
     blob = json.dumps(inputs, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]

@@ -8,7 +8,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine.config import EngineConfig
-from pipeline.manifest import ManifestError, check_id, default_seed, load, resolve_location, row_key
+from pipeline.manifest import (
+    ManifestError,
+    check_id,
+    default_seed,
+    engine_settings,
+    load,
+    resolve_location,
+    row_key,
+)
 
 DATA = Path(__file__).parent / "data"
 CLIP = "en_24k_mono.wav"
@@ -174,14 +182,16 @@ def test_row_key_is_stable_and_tracks_inputs_and_engine_settings(workdir: Path):
     )
     a, b = load(m).rows
     a2 = load(m).rows[0]
-    cfg = EngineConfig()
-    assert row_key(a, cfg) == row_key(a2, cfg)
-    assert row_key(a, cfg) == row_key(b, cfg)  # same inputs and seed: same output expected
-    assert row_key(a, cfg) != row_key(a, EngineConfig(precision="fp16"))
+    settings = engine_settings(EngineConfig())
+    assert row_key(a, settings) == row_key(a2, settings)
+    assert row_key(a, settings) == row_key(b, settings)  # same inputs and seed: same output expected
+    assert row_key(a, settings) != row_key(a, engine_settings(EngineConfig(precision="fp16")))
     # run-only settings do not change what a row sounds like
-    assert row_key(a, cfg) == row_key(a, EngineConfig(max_batch_tokens=1024, device="cpu"))
+    assert row_key(a, settings) == row_key(
+        a, engine_settings(EngineConfig(max_batch_tokens=1024, device="cpu"))
+    )
     a.text = "Different."
-    assert row_key(a, cfg) != row_key(b, cfg)
+    assert row_key(a, settings) != row_key(b, settings)
 
 
 def test_remote_clips_are_copied_once_into_the_job(workdir: Path, monkeypatch):
