@@ -23,7 +23,8 @@ until submit() began), padding_fraction (token-weighted share of each batch's gr
 mean_sm_clock_mhz, attention_backend (the engine's; for jobs, what attention=auto picks in the bench's
 process, whose environment the job's workers inherit), startup_seconds (jobs: from the end of planning until
 the engines are loaded and their CUDA graphs captured; capture_seconds of it; the CUDA extension is built
-before the first part, as a machine that has run a job before has it), planning_seconds; the engine's load by
+before the first part, as a machine that has run a job before has it), planning_seconds (and planning_phases:
+plan_job's manifest, clips, rows and cut); the engine's load by
 phase (load_breakdown, Engine.load_timings: weights, merge, codec, ...; jobs: of the slowest actor, beside its
 import_seconds, load_seconds and boot_seconds; worker_start_seconds: Ray's start, before the planning, and its
 parts (worker_start_parts: import, ray_init (with the CLI's early Ray, pipeline.ray_head: the wait for it and
@@ -251,6 +252,7 @@ def job_entry(variant: str, mode: str, manifest: Path, work: Path, settings: lis
         tail_after_run_seconds=round(wall - launch - run["wall_seconds"], 2),
         launch_seconds=round(launch, 2),  # the process's start and its imports before submit() began
         planning_seconds=run["planning_seconds"],
+        planning_phases=run.get("planning_phases") or None,  # plan_job's: manifest, clips, rows, cut
         # from the end of planning until the engines were loaded and their graphs captured
         startup_seconds=round(run["ready_seconds"] - run["planning_seconds"], 2),
         capture_seconds=run["capture_seconds"],

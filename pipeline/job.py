@@ -56,20 +56,34 @@ def with_job_defaults(cfg: JobConfig, job: JobDir) -> JobConfig:
 
 
 def plan_job(
-    cfg: JobConfig, make_sizer: SizerFactory, clip_dir: Path | None, read: tuple | None = None
+    cfg: JobConfig,
+    make_sizer: SizerFactory,
+    clip_dir: Path | None,
+    read: tuple | None = None,
+    phases: dict[str, float] | None = None,
 ) -> tuple[Plan, list[manifest_mod.ManifestRow]]:
     """Load and validate the manifest (remote clips are copied to clip_dir; `read`: its table, when read
-    already), size its rows, cut shards."""
+    already), size its rows, cut shards. phases, where given, gets the seconds of each step: manifest (read
+    and its clips checked), clips (the sizer made: every clip prepared), rows (each row sized), cut (row
+    keys and shards)."""
+    start = time.perf_counter()
     first = cfg.engine_config(cfg.variant_names()[0])  # the variant whose engine sizes the rows
     manifest = manifest_mod.load(cfg.manifest, clip_dir, first.max_ref_seconds, read)
-    return plan_rows(cfg, manifest, make_sizer)
+    if phases is not None:
+        phases["manifest"] = round(time.perf_counter() - start, 3)
+    return plan_rows(cfg, manifest, make_sizer, phases)
 
 
 def plan_rows(
-    cfg: JobConfig, manifest: manifest_mod.Manifest, make_sizer: SizerFactory
+    cfg: JobConfig,
+    manifest: manifest_mod.Manifest,
+    make_sizer: SizerFactory,
+    phases: dict[str, float] | None = None,
 ) -> tuple[Plan, list[manifest_mod.ManifestRow]]:
-    """Size a read manifest's rows and cut shards."""
+    """Size a read manifest's rows and cut shards (phases: as plan_job's)."""
+    times = [time.perf_counter()]
     sizer = make_sizer(cfg, manifest.rows) if manifest.rows else None
+    times.append(time.perf_counter())
     sizes: dict[str, RowSize] = {}
     rejected = list(manifest.rejected)
     rows = []
@@ -85,10 +99,9 @@ def plan_rows(
             rejected.append(manifest_mod.Rejection(row.row_index, row.id, reason))
             continue
         rows.append(row)
-    keys = {}
-    for variant in cfg.variant_names():
-        settings = manifest_mod.engine_settings(cfg.engine_config(variant))
-        keys[variant] = {r.id: manifest_mod.row_key(r, settings) for r in rows}
+    times.append(time.perf_counter())
+    settings = {v: manifest_mod.engine_settings(cfg.engine_config(v)) for v in cfg.variant_names()}
+    keys = {v: {r.id: manifest_mod.row_key(r, s) for r in rows} for v, s in settings.items()}
     base = cfg.engine
     plan = make_plan(
         rows,
@@ -100,7 +113,10 @@ def plan_rows(
         cfg.shard_tokens,
         cfg.max_rows_per_shard,
     )
-    plan.engine_settings = {v: manifest_mod.engine_settings(cfg.engine_config(v)) for v in keys}
+    plan.engine_settings = settings
+    times.append(time.perf_counter())
+    if phases is not None:
+        phases.update((k, round(b - a, 3)) for k, a, b in zip(("clips", "rows", "cut"), times, times[1:]))
     return plan, rows
 
 
@@ -159,8 +175,9 @@ def submit(
             # replaces itself in sys.modules at the end of its import, and a second thread importing it
             # meanwhile can get the module it replaced ("cannot import name ... from 'transformers'").
             load_factory(cfg.engine_factory)
+        planning_phases: dict[str, float] = {}
         with ThreadPoolExecutor(1, thread_name_prefix="ovbatch-plan") as planner:
-            planning = planner.submit(_read_and_plan, cfg, job.clip_dir, make_sizer, table)
+            planning = planner.submit(_read_and_plan, cfg, job.clip_dir, make_sizer, table, planning_phases)
             if start_workers and cfg.local:
                 workers = Workers(job, cfg)  # the engines load on a thread as the rows are sized
             (plan, rows), planned_at = planning.result()
@@ -188,12 +205,14 @@ def submit(
         job.write_plan(plan)
     write_bytes_atomic(job.config_path, to_yaml(cfg).encode())
     todo = [s.index for s in plan.shards if s.index not in job.finished_shards()]
-    return execute(job, cfg, plan, todo, kind, t0, workers)
+    return execute(job, cfg, plan, todo, kind, t0, workers, planning_phases=planning_phases)
 
 
-def _read_and_plan(cfg: JobConfig, clip_dir: Path, make_sizer: SizerFactory, table: tuple):
+def _read_and_plan(
+    cfg: JobConfig, clip_dir: Path, make_sizer: SizerFactory, table: tuple, phases: dict[str, float]
+):
     """plan_job (the manifest's clips checked, its rows planned), and perf_counter when it was done."""
-    return plan_job(cfg, make_sizer, clip_dir, table), time.perf_counter()
+    return plan_job(cfg, make_sizer, clip_dir, table, phases), time.perf_counter()
 
 
 def _complete(job: JobDir) -> bool:
@@ -255,9 +274,11 @@ def execute(
     t0: float | None = None,
     workers: Workers | None = None,
     ray_head: RayHead | None = None,
+    planning_phases: dict[str, float] | None = None,
 ) -> JobOutcome:
     """Run `shard_indices` and write their results; t0 (perf_counter) is when the run began, planning
-    included (default: now); workers: started already (default: started here, on ray_head's Ray if given)."""
+    included (default: now); workers: started already (default: started here, on ray_head's Ray if given);
+    planning_phases: plan_job's phases, for the run's record."""
     job.remove_temp_files()
     rows = job.read_rows()
     finished = job.finished_shards()
@@ -280,6 +301,7 @@ def execute(
         "kind": kind,
         "started_at": started,
         "planning_seconds": round(planning, 3),
+        "planning_phases": planning_phases or {},  # plan_job's steps (a rerun plans nothing)
         "worker_start_seconds": round(worker_start, 3),  # what starting the workers held the driver up
         "worker_start_parts": workers.start_parts if workers is not None else {},
         "mode": "local" if cfg.local else "ray",

@@ -159,6 +159,9 @@ def test_end_to_end_on_local_ray(ray_session, tiny, prompt_cache, tmp_path: Path
     parts = run["worker_start_parts"]  # Ray's start before the planning: import, ray.init, actors created
     assert set(parts) == {"import", "ray_init", "actors"}
     assert sum(parts.values()) <= run["worker_start_seconds"] + 0.003  # each rounded to 1 ms
+    phases = run["planning_phases"]  # plan_job's steps, inside the planning
+    assert set(phases) == {"manifest", "clips", "rows", "cut"} and min(phases.values()) >= 0
+    assert sum(phases.values()) <= run["planning_seconds"] + 0.004  # each rounded to 1 ms
     breakdown = run["load_breakdown"]  # the slowest actor's Engine.load_timings
     assert {"weights", "merge", "codec", "other"} <= set(breakdown)
     assert sum(breakdown.values()) <= run["load_seconds"] + 0.01  # each phase rounded to 1 ms
