@@ -438,8 +438,8 @@ class Workers:
     the driver plans (Ray: before the planning, the actors then loading in their own processes; local: on a
     thread beside the planner's); Ray actors then make the voice prompts of `warm`'s (clip, transcript)
     pairs until ready() (ShardRunner.start_warming: GPU engines only); run() then feeds them the shards.
-    A local job does not warm: in the planner's process it slowed the planning by more than it encoded
-    (H200, 4,600 rows: planning 14.3 s against 8.9 s, for 192 clips, ~1 s of the device's encode)."""
+    A local job does not warm: with the warming in the planner's process its planning took 14.3 s on the H200
+    (4,600 rows; 8.9 s in the session before warming landed) for 192 clips, ~1 s of the device's encode."""
 
     def __init__(
         self,

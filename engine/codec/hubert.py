@@ -48,7 +48,8 @@ class FeatureConvLayer(nn.Module):
     def _group_norm(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """Each clip's channels normalised over its own frames, for the whole batch at once: a handful of
         kernels for any batch, where a norm per clip took ~3 a clip. Two passes, the mean and then the
-        centred squares, as robust as a per-clip norm.
+        centred squares (tests/test_codec.py: within 0.012 of float64 on an offset channel, where the
+        per-clip norm is off by 0.016).
         Frames past a clip's length come out as the norm's bias: the valid convolutions after this never read
         them into a valid frame."""
         limits = padded_limits(x, lengths)
