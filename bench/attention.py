@@ -10,7 +10,7 @@ calls (as the engine runs it; eager calls where capture fails), checked against 
 Frobenius error), its first call on each layout timed (JIT compilation included), and captured in a CUDA
 graph whose replay must equal its eager call bit for bit.
 
-    python bench/attention.py [--out bench/results/attention-h200.json]
+    python bench/attention.py [--out bench/results/attention-<gpu>.json]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.environment import environment, write_result  # noqa: E402
+from bench.environment import environment, results_path, write_result  # noqa: E402
 from bench.generate import BUCKETS, REF_FRAMES, requests  # noqa: E402
 from engine.generate.loop import choose_layout  # noqa: E402
 from engine.generate.packing import GenItem, pack_items  # noqa: E402
@@ -99,8 +99,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", default="bench/results/attention-h200.json")
+    parser.add_argument("--out", type=Path, help="default: bench/results/attention-<gpu>.json")
     args = parser.parse_args()
+    args.out = args.out or results_path("attention")
     if not torch.cuda.is_available():
         sys.exit("bench/attention.py needs a CUDA GPU")
     device, dtype = torch.device("cuda"), torch.bfloat16

@@ -13,7 +13,7 @@ the float32 peak), since speed alone does not make it usable. On CUDA, one encod
 top kernels; the same encode with its float32 matmuls in TF32 (speed, and the codes that stay equal); and
 HuBERT's first GroupNorm on 64 padded clips, batched (as the codec runs it) against a norm per clip.
 
-    python bench/codec.py [--out bench/results/codec-h200.json] [--size full|tiny] [--seconds 10]
+    python bench/codec.py [--out bench/results/codec-<gpu>.json] [--size full|tiny] [--seconds 10]
                           [--repeats 7]
 """
 
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.codec_parity import random_reference  # noqa: E402
-from bench.environment import environment, write_result  # noqa: E402
+from bench.environment import environment, results_path, write_result  # noqa: E402
 from engine.codec import Codec  # noqa: E402
 from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG  # noqa: E402
 from engine.codec.config import CodecConfig  # noqa: E402
@@ -313,13 +313,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", default="bench/results/codec-h200.json")
+    parser.add_argument("--out", type=Path, help="default: bench/results/codec-<gpu>.json")
     parser.add_argument("--size", choices=["full", "tiny"], default="full")
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    args.out = args.out or results_path("codec")
     result = {
         "environment": environment("transformers", "torchaudio"),
         "size": args.size,

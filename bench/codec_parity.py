@@ -10,7 +10,7 @@ batch of all clips) and the largest absolute difference of the decoded audio (bo
 codes), next to the reference peak. fp32 throughout, TF32 off. Needs torchaudio (transformers' model
 imports it).
 
-    python bench/codec_parity.py [--out bench/results/codec-parity-h200.json] [--size full|tiny]
+    python bench/codec_parity.py [--out bench/results/codec-parity-<gpu>.json] [--size full|tiny]
                                  [--device cuda]
 """
 
@@ -28,7 +28,7 @@ from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.environment import environment, write_result  # noqa: E402
+from bench.environment import environment, results_path, write_result  # noqa: E402
 from engine.codec import Codec  # noqa: E402
 from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG  # noqa: E402
 from engine.tiny.codec import TINY_CODEC_CONFIG  # noqa: E402
@@ -137,11 +137,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", default="bench/results/codec-parity-h200.json")
+    parser.add_argument("--out", type=Path, help="default: bench/results/codec-parity-<gpu>.json")
     parser.add_argument("--size", choices=["full", "tiny"], default="full")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    args.out = args.out or results_path("codec-parity")
     result = {
         "environment": environment("transformers", "torchaudio"),
         **run_parity(args.size, args.device, args.seed),

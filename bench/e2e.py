@@ -40,7 +40,7 @@ into --out by variant name.
 
     python bench/e2e.py [--parts official,engine,job_local,job_ray] [--precisions bf16,w4a4,fp8]
                         [--rows 2000] [--official-rows 512] [--size full|tiny] [--device auto]
-                        [--out bench/results/e2e-h200.json] [--work DIR]
+                        [--out bench/results/e2e-<gpu>.json] [--work DIR]
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.environment import environment, write_result  # noqa: E402
+from bench.environment import environment, results_path, write_result  # noqa: E402
 from bench.manifests import write_distinct_clip_manifest  # noqa: E402
 from bench.pipeline import GpuSampler, full_size_checkpoint  # noqa: E402
 from bench.scaling import rtn_w4a4_checkpoint  # noqa: E402
@@ -391,9 +391,10 @@ def main() -> None:
     p.add_argument("--official-rows", type=int, default=512, help="rows the official package runs")
     p.add_argument("--size", choices=("full", "tiny"), default="full")
     p.add_argument("--device", default="auto")
-    p.add_argument("--out", default="bench/results/e2e-h200.json")
+    p.add_argument("--out", type=Path, help="default: bench/results/e2e-<gpu>.json")
     p.add_argument("--work", help="scratch folder (default: a temp dir, removed at the end)")
     args = p.parse_args()
+    args.out = args.out or results_path("e2e")
     parts = args.parts.split(",")
     work = Path(args.work or tempfile.mkdtemp(prefix="ovbatch-e2e-")).resolve()  # manifests name clips by it
     work.mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.e2e import SETTINGS, checkpoint_and_manifest  # noqa: E402
-from bench.environment import environment, write_result  # noqa: E402
+from bench.environment import environment, results_path, write_result  # noqa: E402
 from engine.api import Engine, SynthRequest  # noqa: E402
 from engine.frontend.audio import prepare_reference  # noqa: E402
 from pipeline.config import load_job_config  # noqa: E402
@@ -64,8 +64,9 @@ def main() -> None:
     p.add_argument("--clips", type=int, default=64, help="clips encoded beside it")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--work", help="scratch folder (bench/e2e.py's --work is reused)")
-    p.add_argument("--out", default="bench/results/encode-beside-h200.json")
+    p.add_argument("--out", type=Path, help="default: bench/results/encode-beside-<gpu>.json")
     args = p.parse_args()
+    args.out = args.out or results_path("encode-beside")
     work = Path(args.work or tempfile.mkdtemp(prefix="ovbatch-encode-beside-")).resolve()
     try:
         report = measure(args, work)

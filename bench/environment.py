@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import subprocess
 import time
 from importlib.metadata import PackageNotFoundError, version
@@ -38,6 +39,21 @@ def environment(*packages: str) -> dict:
         env["gpu"] = torch.cuda.get_device_name()
         env["driver"] = _driver()
     return env
+
+
+def gpu_tag() -> str:
+    """The GPU's model as a file name's part ("h100", "h200", "a100"; "cpu" where torch sees no GPU)."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().lower().replace("nvidia", "")
+    model = re.search(r"\b[a-z]+\d+[a-z]*\b", name)  # "h100" of "nvidia h100 80gb hbm3"
+    return model.group() if model else re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+
+
+def results_path(bench: str) -> Path:
+    """A benchmark's default result file, bench/results/<bench>-<gpu>.json: one per GPU model, so that a run
+    on another card never overwrites the figures of the card a document quotes."""
+    return Path("bench/results") / f"{bench}-{gpu_tag()}.json"
 
 
 def write_result(path: str | Path, result: dict) -> None:

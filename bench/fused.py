@@ -18,7 +18,7 @@
 
 CUDA-graph replays timed like bench/kernels.py (do_bench medians, L2 cleared).
 
-    python bench/fused.py [--out bench/results/fused-h200.json] [--m 512 2048 ...]
+    python bench/fused.py [--out bench/results/fused-<gpu>.json] [--m 512 2048 ...]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.environment import environment, write_result  # noqa: E402
+from bench.environment import environment, results_path, write_result  # noqa: E402
 from bench.kernels import M_VALUES, graph_time_us, random_layer  # noqa: E402
 from engine.codec.acoustic import Snake  # noqa: E402
 from engine.kernels import CudaW4A4Backend  # noqa: E402
@@ -191,9 +191,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, default=Path("bench/results/fused-h200.json"))
+    parser.add_argument("--out", type=Path, help="default: bench/results/fused-<gpu>.json")
     parser.add_argument("--m", type=int, nargs="+", default=list(M_VALUES))
     args = parser.parse_args()
+    args.out = args.out or results_path("fused")
     if not torch.cuda.is_available():
         print("bench/fused.py needs a CUDA GPU", file=sys.stderr)
         return 1

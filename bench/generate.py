@@ -16,7 +16,7 @@ Medians of the repetitions; RTF = wall time / audio time. Each case also reports
 token agreement with ours_bf16_graphs (the same requests and seeds; with random weights a figure for how far
 a precision's numerics move the sampled codes, not a quality measure).
 
-    python bench/generate.py [--out bench/results/generate-h200.json] [--reps 5] [--cases B32_vary]
+    python bench/generate.py [--out bench/results/generate-<gpu>.json] [--reps 5] [--cases B32_vary]
                              [--variants ours_bf16_graphs,ours_fp8_graphs] [--attention varlen]
 """
 
@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.environment import environment, write_result  # noqa: E402
+from bench.environment import environment, results_path, write_result  # noqa: E402
 from bench.parity import (  # noqa: E402
     TEXTS,
     Request,
@@ -105,12 +105,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", default="bench/results/generate-h200.json")
+    parser.add_argument("--out", type=Path, help="default: bench/results/generate-<gpu>.json")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of the cases")
     parser.add_argument("--variants", help="comma-separated subset of our variants (default: all)")
     parser.add_argument("--attention", default="auto", help="our attention backend (engine.attention)")
     args = parser.parse_args()
+    args.out = args.out or results_path("generate")
     if not torch.cuda.is_available():
         sys.exit("bench/generate.py needs a CUDA GPU")
     from omnivoice.models.omnivoice import OmniVoiceGenerationConfig

@@ -5,11 +5,11 @@
 # pipeline e2e encode-beside profile-job kernels fused scaling
 # (GPU_TESTS narrows the test paths, MEMCHECK_TESTS the tests run under compute-sanitizer memcheck,
 # PIPELINE_ROWS the pipeline bench's rows, E2E_PARTS / E2E_PRECISIONS / E2E_ROWS what the e2e bench runs
-# (entries merge into bench/results/e2e-h200.json, or E2E_OUT; E2E_WORK a scratch folder kept between
+# (entries merge into bench/results/e2e-<gpu>.json, or E2E_OUT; E2E_WORK a scratch folder kept between
 # calls; encode-beside and profile-job reuse E2E_WORK and E2E_ROWS' manifest; PROFILE_JOB_ARGS holds
 # profile-job's other arguments, e.g. "--precision fp8 --prepare-threads 1 --out $OUT/profile-1.json"),
 # SCALING_GPUS the GPU counts of the scaling bench, one per call: it merges into
-# bench/results/scaling-h200.json.)
+# bench/results/scaling-<gpu>.json.)
 # Logs and bench/results/*.json come back bundled as $OUT/logs.tgz and $OUT/results.tgz.
 set -u
 out=${OUT:-/tmp/ovbatch-out}

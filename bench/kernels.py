@@ -6,7 +6,7 @@ Every variant is captured in a CUDA graph (what the engine replays) and timed wi
 FP8 is the GEMM alone on pre-quantized per-tensor e4m3 operands (its activation quantization is not
 counted, which favours it). The W4A4 column is the whole linear: both kernels, rank 32, with smoothing.
 
-    python bench/kernels.py [--out bench/results/kernels-h200.json] [--m 512 2048 ...]
+    python bench/kernels.py [--out bench/results/kernels-<gpu>.json] [--m 512 2048 ...]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.environment import environment, write_result  # noqa: E402
+from bench.environment import environment, results_path, write_result  # noqa: E402
 from bench.floors import (  # noqa: E402
     BF16_FLOPS_PER_S,
     HBM_BYTES_PER_S,
@@ -118,10 +118,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, default=Path("bench/results/kernels-h200.json"))
+    parser.add_argument("--out", type=Path, help="default: bench/results/kernels-<gpu>.json")
     parser.add_argument("--m", type=int, nargs="+", default=list(M_VALUES))
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
     args = parser.parse_args()
+    args.out = args.out or results_path("kernels")
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 1

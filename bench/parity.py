@@ -6,7 +6,7 @@ position and class temperature 0; our Runner runs in float32 on the SDPA backend
 the fastest backend available. Reported per case and precision: the largest absolute difference and
 the cosine of the step-0 target logits (cond and uncond), and the share of equal tokens after all steps.
 
-    python bench/parity.py [--out bench/results/parity-h200.json] [--size full|tiny]
+    python bench/parity.py [--out bench/results/parity-<gpu>.json] [--size full|tiny]
 
 tests/test_official_parity.py runs the same cases (tiny always, full size on CUDA) with thresholds.
 Weights are random, drawn like the tiny checkpoint's (peaked head logits); the official text tokenizer
@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.environment import environment, write_result  # noqa: E402
+from bench.environment import environment, results_path, write_result  # noqa: E402
 from engine.config import EngineConfig, GenerationConfig, ModelConfig  # noqa: E402
 from engine.generate.loop import GenItem, Runner  # noqa: E402
 from engine.loading import load_model  # noqa: E402
@@ -219,10 +219,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", default="bench/results/parity-h200.json")
+    parser.add_argument("--out", type=Path, help="default: bench/results/parity-<gpu>.json")
     parser.add_argument("--size", choices=["full", "tiny"], default="full")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    args.out = args.out or results_path("parity")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = run_parity(args.size, device, args.seed)
     for case, metrics in results.items():

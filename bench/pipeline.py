@@ -6,7 +6,7 @@ short, medium and long texts, so rows fall into several graph buckets. Reported 
 seconds (planning included and excluded), audio seconds, x-realtime, engine busy fraction (sum of batch
 wall times / execution wall time), GPU utilisation sampled with nvidia-smi, per-bucket rows/s.
 
-    python bench/pipeline.py [--out bench/results/pipeline-h200.json] [--rows 512] [--size full|tiny]
+    python bench/pipeline.py [--out bench/results/pipeline-<gpu>.json] [--rows 512] [--size full|tiny]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from safetensors.torch import save_file  # noqa: E402
 
-from bench.environment import environment, write_result  # noqa: E402
+from bench.environment import environment, results_path, write_result  # noqa: E402
 from engine.codec import Codec  # noqa: E402
 from engine.codec.checkpoint import OMNIVOICE_CODEC_CONFIG, read_codec_config  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
@@ -190,13 +190,14 @@ def run_mode(mode: str, manifest: Path, job_dir: Path, overrides: list[str], gpu
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="bench/results/pipeline-h200.json")
+    p.add_argument("--out", type=Path, help="default: bench/results/pipeline-<gpu>.json")
     p.add_argument("--rows", type=int, default=512)
     p.add_argument("--size", choices=("full", "tiny"), default="full")
     p.add_argument("--modes", default="ray,local", help="comma-separated: ray, local")
     p.add_argument("--device", default="auto")
     p.add_argument("--work", help="scratch folder (default: a temp dir, removed at the end)")
     args = p.parse_args()
+    args.out = args.out or results_path("pipeline")
 
     work = Path(args.work or tempfile.mkdtemp(prefix="ovbatch-bench-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ masked_fill) count as elementwise, the model's index kernels as decoding.
 
     python bench/profile_generate.py [--out PATH] [--cases B8_same,B32_vary]
 
-(default --out bench/results/profile-generate-h200.json; cases are bench/generate.py's CASES)
+(default --out bench/results/profile-generate-<gpu>.json; cases are bench/generate.py's CASES)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.environment import environment, write_result  # noqa: E402
+from bench.environment import environment, results_path, write_result  # noqa: E402
 from bench.generate import BUCKETS, CASES, FRAME_RATE, median_seconds, requests, w4a4_copy  # noqa: E402
 from bench.parity import REF_TEXT  # noqa: E402
 from bench.pipeline import full_size_checkpoint  # noqa: E402
@@ -192,9 +192,10 @@ def print_table(case: str, variants: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="bench/results/profile-generate-h200.json")
+    p.add_argument("--out", type=Path, help="default: bench/results/profile-generate-<gpu>.json")
     p.add_argument("--cases", default="B8_same,B32_vary", help=f"comma-separated, of {', '.join(CASES)}")
     args = p.parse_args(argv)
+    args.out = args.out or results_path("profile-generate")
     cases = parse_cases(args.cases)
     if not torch.cuda.is_available():
         sys.exit("bench/profile_generate.py needs a CUDA GPU (torch sees none): run it on the H200.")

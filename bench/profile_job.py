@@ -21,7 +21,7 @@ how many codec batches, each ~800 kernels and one copy of its codes back to the 
 
     python bench/profile_job.py [--rows 3000] [--shards 4] [--warmup-shards 2] [--precision bf16]
                                 [--prepare-threads 2] [--switch-interval-ms 5] [--encode-batch-seconds 240]
-                                [--work DIR] [--size full|tiny] [--out bench/results/profile-job-h200.json]
+                                [--work DIR] [--size full|tiny] [--out bench/results/profile-job-<gpu>.json]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.e2e import SETTINGS, attention_here, checkpoint_and_manifest, gpu_fields  # noqa: E402
-from bench.environment import environment, write_result  # noqa: E402
+from bench.environment import environment, results_path, write_result  # noqa: E402
 from bench.pipeline import GpuSampler  # noqa: E402
 from bench.profile_generate import busy_us  # noqa: E402
 from engine.codec import model as codec_model  # noqa: E402
@@ -259,8 +259,9 @@ def main() -> None:
         help="padded audio a codec encode batch may hold (engine.codec.model.ENCODE_BATCH_SECONDS)",
     )
     p.add_argument("--work", help="scratch folder (bench/e2e.py's --work is reused)")
-    p.add_argument("--out", default="bench/results/profile-job-h200.json")
+    p.add_argument("--out", type=Path, help="default: bench/results/profile-job-<gpu>.json")
     args = p.parse_args()
+    args.out = args.out or results_path("profile-job")
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
     codec_model.ENCODE_BATCH_SECONDS = args.encode_batch_seconds  # read by Codec.encode at each call

@@ -8,7 +8,7 @@ all layers, which gives the Linears' inputs the outlier channels real activation
 runs in a child process on 128 generated calibration requests, so its peak RSS is its own.
 Targets: < 8 GB host RAM, < 10 minutes.
 
-    python bench/quantize.py [--out bench/results/quantize-h200.json] [--samples 128] [--dtype fp16]
+    python bench/quantize.py [--out bench/results/quantize-<gpu>.json] [--samples 128] [--dtype fp16]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.environment import environment, write_result  # noqa: E402
+from bench.environment import environment, results_path, write_result  # noqa: E402
 from engine.config import LLMConfig, ModelConfig  # noqa: E402
 from engine.model import OmniVoiceModel  # noqa: E402
 from engine.quantizer.synthetic import structured_weight  # noqa: E402
@@ -74,7 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", default="bench/results/quantize-h200.json")
+    parser.add_argument("--out", type=Path, help="default: bench/results/quantize-<gpu>.json")
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--eval-requests", type=int, default=16)
     parser.add_argument("--rank", type=int, default=16)
@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--layers", type=int, default=28, help="decoder layers (fewer for a quick look)")
     args = parser.parse_args()
+    args.out = args.out or results_path("quantize")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("bench/quantize.py needs a CUDA GPU (pass --device cpu to try it on the CPU, slowly)")
 

@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.environment import environment  # noqa: E402
+from bench.environment import environment, results_path  # noqa: E402
 from bench.generate import w4a4_copy  # noqa: E402
 from bench.manifests import LENGTHS, manifest_texts  # noqa: E402
 from bench.pipeline import full_size_checkpoint, run_mode, write_clip_manifest  # noqa: E402
@@ -277,7 +277,7 @@ def prepare_device(size: str, counts: list[int]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", default="", help="GPU counts to run, comma-separated (e.g. 1 or 1,2)")
-    p.add_argument("--out", default="bench/results/scaling-h200.json")
+    p.add_argument("--out", type=Path, help="default: bench/results/scaling-<gpu>.json")
     p.add_argument("--rows", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0, help="seed of the text lengths")
     p.add_argument("--size", choices=("full", "tiny"), default="full")
@@ -285,6 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--merge", nargs="*", default=[], help="reports to merge into --out (no run needed)")
     p.add_argument("--work", help="new scratch folder, kept (default: a temp dir, removed at the end)")
     args = p.parse_args(argv)
+    args.out = args.out or results_path("scaling")
     out = Path(args.out)
     report = read_report(out)
     for other in args.merge:

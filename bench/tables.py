@@ -329,6 +329,7 @@ def tables() -> dict[str, tuple[str, list[str]]]:
         "W4A4 kernels": ("README.md", kernel_summary_rows(kernels)),
         "planning": ("README.md", plan_rows(load("plan-cpu.json"))),
         "end to end": ("README.md", e2e_rows(load("e2e-h200.json"))),
+        "end to end on the H100": ("README.md", e2e_rows(load("e2e-h100.json"))),
         "current kernel numbers": ("docs/kernels.md", kernel_rows(kernels)),
         "floors": ("docs/kernels.md", floor_rows(kernels)),
         "fused kernels": ("docs/kernels.md", fused_rows(fused)),

@@ -453,6 +453,8 @@ class Workers:
         self.relay = BatchRelay()
         self.pool = self.runner = self.loading = None
         self.start_parts: dict[str, float] = {}  # Ray: its modules' import, ray.init, the actors' creation
+        if cfg.local and warm:
+            raise ValueError("Workers: warming is for Ray actors; a local job passes no `warm` pairs")
         if cfg.local:
             self.runner = ShardRunner(job.path, cfg)
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="ovbatch-engine-load")
