@@ -394,6 +394,7 @@ def run_tasks(
         dynamic_ncols=True,
     )
     progress = Progress(bar)
+    finished = False
     try:
         ready = workers.ready(tasks)
         job.append_run({"event": "ready", "run": run_id, "seconds": _since(t0), **ready})
@@ -404,6 +405,7 @@ def run_tasks(
             job.write_shard_results(task.index, kept.get(task.index, []) + results)
             job.append_run({"event": "shard", "run": run_id, "shard": task.index, "seconds": _since(t0)})
             progress.shard_done(task.index, len(task.rows), sum(r.audio_seconds or 0.0 for r in results))
+        finished = True
     except BaseException as e:
         job.append_run(
             {
@@ -417,7 +419,9 @@ def run_tasks(
         raise
     finally:
         bar.close()
-        workers.shutdown()
+        # Every shard of a finished run has returned, its writes done: nothing waits for Ray's own teardown.
+        # A run stopped half-way waits for it, so that no actor writes behind the temp files' removal.
+        workers.shutdown(wait_for_ray=not finished)
         # A worker lost during this run (a killed actor) may have left a temp file; no writer is left.
         job.remove_temp_files()
 
@@ -495,11 +499,12 @@ class Workers:
         self.loading.result()
         yield from run_local(self.runner, tasks, self.relay)
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait_for_ray: bool = True) -> None:
+        """Stop the workers; wait_for_ray: until the job's own Ray (if it started one) is down."""
         if self.pool is not None:
             self.pool.shutdown()
             if self.ray_head is not None:
-                self.ray_head.close()
+                self.ray_head.close(wait=wait_for_ray)
         else:
             self._loader.shutdown(wait=True)
             self.runner.close()

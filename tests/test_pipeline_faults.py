@@ -355,6 +355,34 @@ def test_submit_never_writes_into_a_folder_that_is_not_a_job(tmp_path: Path):
     assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == ["notes.txt"]
 
 
+def test_a_finished_run_does_not_wait_for_rays_teardown_and_a_stopped_one_does(tmp_path, monkeypatch):
+    """Once every shard has returned nothing of the job runs on Ray; a run stopped half-way may still have
+    actors writing until Ray is down, and the temp files are removed only after that."""
+    import pipeline.job as job_mod
+
+    waits = []
+
+    class RecordingWorkers(job_mod.Workers):
+        stop_after_ready = False
+
+        def run(self, tasks, on_batch):
+            if self.stop_after_ready:
+                raise KeyboardInterrupt
+            yield from super().run(tasks, on_batch)
+
+        def shutdown(self, wait_for_ray=True):
+            waits.append(wait_for_ray)
+            super().shutdown(wait_for_ray)
+
+    monkeypatch.setattr(job_mod, "Workers", RecordingWorkers)
+    cfg = _fake_cfg(_manifest(tmp_path / "m.parquet", 6))
+    assert submit(cfg, tmp_path / "done", lambda cfg, rows: _fake_sizer).summary["complete"]
+    RecordingWorkers.stop_after_ready = True
+    with pytest.raises(KeyboardInterrupt):
+        submit(cfg, tmp_path / "stopped", lambda cfg, rows: _fake_sizer)
+    assert waits == [False, True]
+
+
 @pytest.mark.parametrize("local", [True, False])
 def test_ray_starts_before_the_planning_and_a_failed_planning_stops_the_workers(tmp_path, monkeypatch, local):
     """Ray's start goes first (the actors wait for it); the local engines load beside the planning. A

@@ -72,6 +72,29 @@ def test_a_driver_runs_on_the_heads_ray_and_close_stops_it():
     assert _gone(int(head_pid), 5) and not _ray_processes(int(head_pid))  # a graceful close: all at once
 
 
+def test_a_close_that_does_not_wait_returns_at_once_and_ray_still_shuts_down():
+    proc = _python(
+        """
+        import time
+        from pipeline.ray_head import RayHead
+        head = RayHead(1)
+        import ray
+        ray.init(address=head.address(), log_to_driver=False)
+        assert ray.get(ray.remote(lambda: 41 + 1).remote()) == 42
+        ray.shutdown()
+        start = time.monotonic()
+        head.close(wait=False)
+        print(time.monotonic() - start, head._proc.pid, flush=True)
+        """
+    )
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    seconds, head_pid = out.split()
+    assert float(seconds) < 0.5  # a waiting close takes Ray's teardown, ~1.5 s on a 2-core CPU
+    assert _gone(int(head_pid), 30), "the head kept running after its driver closed it"
+    assert _no_ray_processes_after(int(head_pid), 30)
+
+
 def test_a_driver_that_dies_leaves_no_ray_behind():
     proc = _python(
         """
