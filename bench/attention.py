@@ -99,9 +99,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, help="default: bench/results/attention-<gpu>.json")
+    parser.add_argument("--out", type=Path, default=results_path("attention"))
     args = parser.parse_args()
-    args.out = args.out or results_path("attention")
     if not torch.cuda.is_available():
         sys.exit("bench/attention.py needs a CUDA GPU")
     device, dtype = torch.device("cuda"), torch.bfloat16

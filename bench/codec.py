@@ -313,14 +313,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, help="default: bench/results/codec-<gpu>.json")
+    parser.add_argument("--out", type=Path, default=results_path("codec"))
     parser.add_argument("--size", choices=["full", "tiny"], default="full")
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    args.out = args.out or results_path("codec")
     result = {
         "environment": environment("transformers", "torchaudio"),
         "size": args.size,

@@ -391,10 +391,9 @@ def main() -> None:
     p.add_argument("--official-rows", type=int, default=512, help="rows the official package runs")
     p.add_argument("--size", choices=("full", "tiny"), default="full")
     p.add_argument("--device", default="auto")
-    p.add_argument("--out", type=Path, help="default: bench/results/e2e-<gpu>.json")
+    p.add_argument("--out", type=Path, default=results_path("e2e"))
     p.add_argument("--work", help="scratch folder (default: a temp dir, removed at the end)")
     args = p.parse_args()
-    args.out = args.out or results_path("e2e")
     parts = args.parts.split(",")
     work = Path(args.work or tempfile.mkdtemp(prefix="ovbatch-e2e-")).resolve()  # manifests name clips by it
     work.mkdir(parents=True, exist_ok=True)

@@ -64,9 +64,8 @@ def main() -> None:
     p.add_argument("--clips", type=int, default=64, help="clips encoded beside it")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--work", help="scratch folder (bench/e2e.py's --work is reused)")
-    p.add_argument("--out", type=Path, help="default: bench/results/encode-beside-<gpu>.json")
+    p.add_argument("--out", type=Path, default=results_path("encode-beside"))
     args = p.parse_args()
-    args.out = args.out or results_path("encode-beside")
     work = Path(args.work or tempfile.mkdtemp(prefix="ovbatch-encode-beside-")).resolve()
     try:
         report = measure(args, work)

@@ -191,10 +191,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, help="default: bench/results/fused-<gpu>.json")
+    parser.add_argument("--out", type=Path, default=results_path("fused"))
     parser.add_argument("--m", type=int, nargs="+", default=list(M_VALUES))
     args = parser.parse_args()
-    args.out = args.out or results_path("fused")
     if not torch.cuda.is_available():
         print("bench/fused.py needs a CUDA GPU", file=sys.stderr)
         return 1

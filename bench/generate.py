@@ -105,13 +105,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, help="default: bench/results/generate-<gpu>.json")
+    parser.add_argument("--out", type=Path, default=results_path("generate"))
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of the cases")
     parser.add_argument("--variants", help="comma-separated subset of our variants (default: all)")
     parser.add_argument("--attention", default="auto", help="our attention backend (engine.attention)")
     args = parser.parse_args()
-    args.out = args.out or results_path("generate")
     if not torch.cuda.is_available():
         sys.exit("bench/generate.py needs a CUDA GPU")
     from omnivoice.models.omnivoice import OmniVoiceGenerationConfig

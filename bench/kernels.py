@@ -118,11 +118,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, help="default: bench/results/kernels-<gpu>.json")
+    parser.add_argument("--out", type=Path, default=results_path("kernels"))
     parser.add_argument("--m", type=int, nargs="+", default=list(M_VALUES))
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
     args = parser.parse_args()
-    args.out = args.out or results_path("kernels")
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 1

@@ -219,11 +219,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, help="default: bench/results/parity-<gpu>.json")
+    parser.add_argument("--out", type=Path, default=results_path("parity"))
     parser.add_argument("--size", choices=["full", "tiny"], default="full")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    args.out = args.out or results_path("parity")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = run_parity(args.size, device, args.seed)
     for case, metrics in results.items():

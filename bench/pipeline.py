@@ -190,14 +190,13 @@ def run_mode(mode: str, manifest: Path, job_dir: Path, overrides: list[str], gpu
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, help="default: bench/results/pipeline-<gpu>.json")
+    p.add_argument("--out", type=Path, default=results_path("pipeline"))
     p.add_argument("--rows", type=int, default=512)
     p.add_argument("--size", choices=("full", "tiny"), default="full")
     p.add_argument("--modes", default="ray,local", help="comma-separated: ray, local")
     p.add_argument("--device", default="auto")
     p.add_argument("--work", help="scratch folder (default: a temp dir, removed at the end)")
     args = p.parse_args()
-    args.out = args.out or results_path("pipeline")
 
     work = Path(args.work or tempfile.mkdtemp(prefix="ovbatch-bench-"))
     work.mkdir(parents=True, exist_ok=True)

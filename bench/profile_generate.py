@@ -192,10 +192,9 @@ def print_table(case: str, variants: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, help="default: bench/results/profile-generate-<gpu>.json")
+    p.add_argument("--out", type=Path, default=results_path("profile-generate"))
     p.add_argument("--cases", default="B8_same,B32_vary", help=f"comma-separated, of {', '.join(CASES)}")
     args = p.parse_args(argv)
-    args.out = args.out or results_path("profile-generate")
     cases = parse_cases(args.cases)
     if not torch.cuda.is_available():
         sys.exit("bench/profile_generate.py needs a CUDA GPU (torch sees none): run it on the H200.")

@@ -259,9 +259,8 @@ def main() -> None:
         help="padded audio a codec encode batch may hold (engine.codec.model.ENCODE_BATCH_SECONDS)",
     )
     p.add_argument("--work", help="scratch folder (bench/e2e.py's --work is reused)")
-    p.add_argument("--out", type=Path, help="default: bench/results/profile-job-<gpu>.json")
+    p.add_argument("--out", type=Path, default=results_path("profile-job"))
     args = p.parse_args()
-    args.out = args.out or results_path("profile-job")
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
     codec_model.ENCODE_BATCH_SECONDS = args.encode_batch_seconds  # read by Codec.encode at each call

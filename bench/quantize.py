@@ -74,7 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, help="default: bench/results/quantize-<gpu>.json")
+    parser.add_argument("--out", type=Path, default=results_path("quantize"))
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--eval-requests", type=int, default=16)
     parser.add_argument("--rank", type=int, default=16)
@@ -84,7 +84,6 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--layers", type=int, default=28, help="decoder layers (fewer for a quick look)")
     args = parser.parse_args()
-    args.out = args.out or results_path("quantize")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("bench/quantize.py needs a CUDA GPU (pass --device cpu to try it on the CPU, slowly)")
 

@@ -277,7 +277,7 @@ def prepare_device(size: str, counts: list[int]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", default="", help="GPU counts to run, comma-separated (e.g. 1 or 1,2)")
-    p.add_argument("--out", type=Path, help="default: bench/results/scaling-<gpu>.json")
+    p.add_argument("--out", type=Path, default=results_path("scaling"))
     p.add_argument("--rows", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0, help="seed of the text lengths")
     p.add_argument("--size", choices=("full", "tiny"), default="full")
@@ -285,7 +285,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--merge", nargs="*", default=[], help="reports to merge into --out (no run needed)")
     p.add_argument("--work", help="new scratch folder, kept (default: a temp dir, removed at the end)")
     args = p.parse_args(argv)
-    args.out = args.out or results_path("scaling")
     out = Path(args.out)
     report = read_report(out)
     for other in args.merge:

@@ -61,7 +61,7 @@ class RayHead:
 
     def close(self, wait: bool = True) -> None:
         """Shut Ray down. wait: until it is down, where a driver used it (a job that ended with nothing of it
-        left running passes False: Ray's teardown, ~1.5 s, then goes on after the command returns). A head not
+        left running passes False: Ray's teardown then goes on after the command returns). A head not
         used yet (the job stopped before it needed Ray, or had nothing to run) finishes its start and shuts
         down on its own, unwaited."""
         if self._proc.stdin.closed:

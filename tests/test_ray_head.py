@@ -90,7 +90,7 @@ def test_a_close_that_does_not_wait_returns_at_once_and_ray_still_shuts_down():
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0
     seconds, head_pid = out.split()
-    assert float(seconds) < 0.5  # a waiting close takes Ray's teardown, ~1.5 s on a 2-core CPU
+    assert float(seconds) < 0.5  # it returned without waiting for Ray's teardown
     assert _gone(int(head_pid), 30), "the head kept running after its driver closed it"
     assert _no_ray_processes_after(int(head_pid), 30)
 
