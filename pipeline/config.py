@@ -5,8 +5,8 @@ Literal settings are values taken as they are (the paths and addresses given to 
 meaning (YAML values, `${...}` interpolation; `\${` for a literal one).
 
 The engine settings (`engine:`) are the engine's own EngineConfig; `variants:` maps a variant name to
-overrides of those settings (an A/B job has two, e.g. fp16 and w4a4). A job with no variants runs one,
-named `default`.
+overrides of those settings (an A/B job has two or more, e.g. fp16, fp8 and w4a4). A job with no variants
+runs one, named `default`.
 """
 
 from __future__ import annotations
