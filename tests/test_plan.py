@@ -212,9 +212,11 @@ def test_clip_workers_run_below_the_planners_cpu_priority(tmp_path):
         worker.wait(timeout=30)
 
 
-def test_planning_a_manifest_imports_no_torch(tmp_path):
+@pytest.mark.parametrize("by_path", [True, False], ids=["checkpoint_by_path", "default_checkpoint"])
+def test_planning_a_manifest_imports_no_torch(tmp_path, by_path):
     """A job's driver plans without torch (a Ray driver never needs it; the workers import it as they load):
-    a fresh interpreter plans a manifest of the repo's clips against a checkpoint given by path."""
+    a fresh interpreter plans a manifest of the repo's clips against a checkpoint given by path, or the
+    default tiny checkpoint once it is built."""
     import subprocess
     import sys
 
@@ -237,12 +239,14 @@ def test_planning_a_manifest_imports_no_torch(tmp_path):
         ),
         manifest,
     )
+    tiny = ensure_tiny_checkpoint()  # built here: building it (not finding it) imports torch
+    overrides = [f"engine.checkpoint={tiny}"] if by_path else []
     script = f"""
 import sys
 from pipeline.config import load_job_config
 from pipeline.job import plan_job
 from pipeline.sizing import frontend_sizer
-cfg = load_job_config(None, ["engine.checkpoint={ensure_tiny_checkpoint()}"], {{"manifest": "{manifest}"}})
+cfg = load_job_config(None, {overrides!r}, {{"manifest": "{manifest}"}})
 plan, rows = plan_job(cfg, frontend_sizer, clip_dir=None)
 assert len(rows) == 2 and not plan.rejected, plan.rejected
 print(sorted(m for m in ("torch", "engine.api", "engine.codec.model") if m in sys.modules))

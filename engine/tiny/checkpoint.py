@@ -2,7 +2,9 @@
 
 It is the embedded default of every command (until a user passes --checkpoint) and the checkpoint of
 the CPU tests. Its dimensions keep every backbone Linear's in_features a multiple of 64 so the W4A4
-path runs on it too. Built once into a cache directory, atomically (temp dir + rename).
+path runs on it too. Built once into a cache directory, atomically (temp dir + rename). Finding it built
+imports no torch (only making its weights does), so that a job's driver resolves the default checkpoint
+without torch.
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING
 
 from engine.config import LLMConfig, ModelConfig, cache_root
 from engine.fsmodes import chmod_tree_as_created
-from engine.model import OmniVoiceModel
+
+if TYPE_CHECKING:
+    import torch
 
 TINY_VERSION = 3
 SEED = 20260
@@ -43,6 +45,10 @@ def tiny_model_config(vocab_size: int) -> ModelConfig:
 
 def tiny_state_dict(cfg: ModelConfig, seed: int = SEED) -> dict[str, torch.Tensor]:
     """Seeded random weights for every tensor of the model, in state-dict order, float32 on CPU."""
+    import torch
+
+    from engine.model import OmniVoiceModel
+
     gen = torch.Generator().manual_seed(seed)
     hidden = cfg.llm.hidden_size
     with torch.device("meta"):
@@ -63,6 +69,8 @@ def tiny_state_dict(cfg: ModelConfig, seed: int = SEED) -> dict[str, torch.Tenso
 
 def write_tiny_checkpoint(out_dir: Path) -> None:
     """Write the complete tiny checkpoint into out_dir (which must exist)."""
+    from safetensors.torch import save_file
+
     from engine.tiny.codec import write_tiny_codec
     from engine.tiny.tokenizer import write_tiny_tokenizer
 
