@@ -5,7 +5,8 @@
 # pipeline e2e encode-beside profile-job kernels fused scaling
 # (GPU_TESTS narrows the test paths, MEMCHECK_TESTS the tests run under compute-sanitizer memcheck,
 # PIPELINE_ROWS the pipeline bench's rows, E2E_PARTS / E2E_PRECISIONS / E2E_ROWS what the e2e bench runs
-# (entries merge into bench/results/e2e-<gpu>.json, or E2E_OUT; E2E_WORK a scratch folder kept between
+# (E2E_PARTS=setup makes its checkpoints, manifests and CUDA extension and measures nothing; timed
+# entries merge into bench/results/e2e-<gpu>.json, or E2E_OUT; E2E_WORK a scratch folder kept between
 # calls; encode-beside and profile-job reuse E2E_WORK and E2E_ROWS' manifest; PROFILE_JOB_ARGS holds
 # profile-job's other arguments, e.g. "--precision fp8 --prepare-threads 1 --out $OUT/profile-1.json"),
 # SCALING_GPUS the GPU counts of the scaling bench, one per call: it merges into

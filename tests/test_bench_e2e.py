@@ -1,8 +1,11 @@
 """bench/e2e.py on the CPU: padding arithmetic and merging entries from several device calls."""
 
+import argparse
 import json
 
-from bench.e2e import merge, padding_fraction
+import pytest
+
+from bench.e2e import PARTS, merge, padding_fraction, parse_parts
 
 
 def test_padding_is_the_token_weighted_empty_share_of_the_buckets():
@@ -21,6 +24,15 @@ def test_entries_merge_by_variant_across_calls(tmp_path):
     )
     assert report["entries"] == [{"variant": "engine_bf16", "x_realtime": 2.0}, {"variant": "job_ray_bf16"}]
     assert report["rows"] == 9 and merge(tmp_path / "none.json", [], {})["entries"] == []
+
+
+def test_parts_are_checked_and_setup_runs_no_part():
+    assert parse_parts("job_ray,engine") == ["job_ray", "engine"]
+    assert parse_parts(",".join(PARTS)) == list(PARTS)
+    assert parse_parts("setup") == []
+    for bad in ("egine", "engine,setup", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="unknown part"):
+            parse_parts(bad)
 
 
 def test_gpu_fields_read_the_busiest_gpu():
