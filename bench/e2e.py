@@ -411,7 +411,6 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=results_path("e2e"))
     p.add_argument("--work", help="scratch folder (default: a temp dir, removed at the end)")
     args = p.parse_args()
-    parts = args.parts
     work = Path(args.work or tempfile.mkdtemp(prefix="ovbatch-e2e-")).resolve()  # manifests name clips by it
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -437,7 +436,7 @@ def main() -> None:
                 print(json.dumps(e), flush=True)
             write_result(args.out, merge(Path(args.out), new, meta))
 
-        if "official" in parts:
+        if "official" in args.parts:
             for e in official_entries(manifest, [f"engine.checkpoint={ckpt}", *base], args.official_rows):
                 record([e])
         for precision in args.precisions.split(","):
@@ -452,11 +451,11 @@ def main() -> None:
                 f"engine.prompt_cache_dir={work / f'prompts-{precision}'}",
                 *base,
             ]
-            if "engine" in parts:
+            if "engine" in args.parts:
                 shutil.rmtree(work / f"prompts-{precision}", ignore_errors=True)  # every clip encoded
                 record([engine_entry(precision, manifest, warmup, settings)])
             for mode in ("local", "ray"):
-                if f"job_{mode}" in parts:
+                if f"job_{mode}" in args.parts:
                     shutil.rmtree(work / f"prompts-{precision}", ignore_errors=True)  # every clip encoded
                     record([job_entry(f"job_{mode}_{precision}", mode, manifest, work, settings)])
     finally:
