@@ -75,22 +75,20 @@ def test_a_driver_runs_on_the_heads_ray_and_close_stops_it():
 def test_a_close_that_does_not_wait_returns_at_once_and_ray_still_shuts_down():
     proc = _python(
         """
-        import time
         from pipeline.ray_head import RayHead
         head = RayHead(1)
         import ray
         ray.init(address=head.address(), log_to_driver=False)
         assert ray.get(ray.remote(lambda: 41 + 1).remote()) == 42
         ray.shutdown()
-        start = time.monotonic()
         head.close(wait=False)
-        print(time.monotonic() - start, head._proc.pid, flush=True)
+        print(head._proc.poll() is None, head._proc.pid, flush=True)
         """
     )
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0
-    seconds, head_pid = out.split()
-    assert float(seconds) < 0.5  # it returned without waiting for Ray's teardown
+    running, head_pid = out.split()
+    assert running == "True"  # close returned while Ray's teardown went on
     assert _gone(int(head_pid), 30), "the head kept running after its driver closed it"
     assert _no_ray_processes_after(int(head_pid), 30)
 
@@ -119,9 +117,8 @@ def test_a_head_closed_before_any_driver_used_it_returns_at_once_and_ray_shuts_d
     for seconds in (0.0, 1.5):  # before and during Ray's start
         head = ray_head.RayHead(1)
         time.sleep(seconds)
-        start = time.monotonic()
         head.close()
-        assert time.monotonic() - start < 0.5
+        assert head._proc.poll() is None  # close returned while the head was still starting or shutting down
         head._proc.wait(timeout=60)  # it shut down on its own (TimeoutExpired otherwise)
         assert _no_ray_processes_after(head._proc.pid, 30)
 
