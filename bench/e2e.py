@@ -5,9 +5,9 @@ Full-size OmniVoice dimensions with random weights (bench/pipeline.py's checkpoi
 round-to-nearest speed copy), 32 steps. The manifest (bench/manifests.py): --rows rows, each with its own
 3-10 s clip at 16-48 kHz, speech lengths log-normal around 4 s (1-20 s). Entries, one per part and precision:
 
-- official_fp16_b{16,32,64}: the official package's `_generate_iterative` (fp16, eager) on the sizes of the
+- official_fp16_b{8,16,32,64}: the official package's `_generate_iterative` (fp16, eager) on the sizes of the
   first --official-rows rows (their text, reference frames and target frames; random reference codes), in
-  batches of 16, 32 or 64: token generation only, as the anchors measured it (needs `omnivoice`; a batch
+  batches of 8, 16, 32 or 64: token generation only, as the anchors measured it (needs `omnivoice`; a batch
   size that runs out of GPU memory gives an entry with `skipped` and the peak memory);
 - engine_<p>: our Engine.synthesize over the same rows (clips encoded, tokens generated, audio decoded and
   post-processed; nothing written), in the batches the job makes, after a warm-up on other clips;
@@ -76,7 +76,7 @@ PARTS = ("official", "engine", "job_local", "job_ray")
 # --parts setup measures nothing: it makes the checkpoints, manifests and CUDA extension that the timed parts
 # use (a device call of its own, e.g. beside GPU tests, before the timed calls that reuse --work).
 SETUP = "setup"
-OFFICIAL_BATCHES = (16, 32, 64)
+OFFICIAL_BATCHES = (8, 16, 32, 64)  # 16 is the largest that fits an H200, 8 an H100
 # Graph buckets up to 32,768 packed tokens (the defaults, stepping on by 512): batches of ~30 rows.
 BUCKETS = str(list(range(512, 32769, 512))).replace(" ", "")
 SETTINGS = {

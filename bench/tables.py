@@ -273,11 +273,18 @@ E2E_KINDS = ("official", "engine", "job_local", "job_ray")
 
 
 def _e2e_order(entry: dict) -> tuple:
-    """The official package first, then each precision's engine, local job and Ray job."""
+    """The official package first, by batch size, then each precision's engine, local job and Ray job."""
     variant = entry["variant"]
     kind = next(k for k in E2E_KINDS if variant.startswith(k))
     precision = "" if kind == "official" else variant[len(kind) + 1 :]
-    return (kind != "official", precision, E2E_KINDS.index(kind), variant)
+    batch = variant.rpartition("_b")[2]  # official_fp16_b8 -> "8"
+    return (
+        kind != "official",
+        precision,
+        E2E_KINDS.index(kind),
+        int(batch) if batch.isdigit() else 0,
+        variant,
+    )
 
 
 def e2e_rows(result: dict) -> list[str]:

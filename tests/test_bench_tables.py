@@ -82,3 +82,28 @@ def test_e2e_rows_show_an_entry_that_did_not_run_and_why():
     cells = e2e_rows({"entries": [skipped]})[0].strip("| ").split(" | ")
     assert cells[0] == "official_fp16_b64" and cells[4] == "out of GPU memory"
     assert len(cells) == 12 and set(cells[1:4] + cells[5:]) == {"-"}
+
+
+def test_e2e_rows_order_the_official_batches_by_size_then_each_precisions_engine_and_jobs():
+    variants = [
+        "job_ray_fp8",
+        "official_fp16_b16",
+        "engine_fp8",
+        "official_fp16_b8",
+        "job_local_bf16",
+        "engine_bf16",
+    ]
+    run = {"rows": 10, "audio_seconds": 10.0, "wall_seconds": 1.0, "x_realtime": 10.0}
+    entries = [
+        {"variant": v, "skipped": "out of memory"} if "official" in v else {"variant": v, **run}
+        for v in variants
+    ]
+    order = [row.strip("| ").split(" | ")[0] for row in e2e_rows({"entries": entries})]
+    assert order == [
+        "official_fp16_b8",
+        "official_fp16_b16",
+        "engine_bf16",
+        "job_local_bf16",
+        "engine_fp8",
+        "job_ray_fp8",
+    ]
