@@ -1,4 +1,4 @@
-"""The benchmark tables of README.md, docs/kernels.md and docs/quantization.md, printed from committed JSON.
+"""The benchmark tables of README.md and docs/, printed from committed JSON.
 
 After a benchmark rewrites its file under bench/results/ (generate, profile-generate, kernels, ...), run
 `python bench/tables.py` and paste each table over its old rows; tests/test_bench_tables.py fails while a
@@ -89,7 +89,7 @@ def precision_rows(result: dict) -> list[str]:
 
 
 def kernel_summary_rows(result: dict) -> list[str]:
-    """README: whole W4A4 linear / cuBLAS bf16 / FP8 per M and layer."""
+    """docs/benchmarks.md: whole W4A4 linear / cuBLAS bf16 / FP8 per M and layer."""
     by_key = {(r["M"], r["layer"]): r for r in result["rows"]}
 
     def cell(r: dict) -> str:
@@ -237,7 +237,7 @@ def residual_rows(result: dict) -> list[str]:
 
 
 def plan_rows(result: dict) -> list[str]:
-    """README: planning manifests whose rows each bring their own clip, and the previous planner."""
+    """docs/benchmarks.md: planning manifests whose rows each bring their own clip, and the old planner."""
     out = []
     for e in result["entries"]:
         phases = e["phases_seconds"]
@@ -333,8 +333,8 @@ def tables() -> dict[str, tuple[str, list[str]]]:
     return {
         "generation": ("README.md", generate_rows(generate)),
         "precisions": ("README.md", precision_rows(load("profile-generate-h200.json"))),
-        "W4A4 kernels": ("README.md", kernel_summary_rows(kernels)),
-        "planning": ("README.md", plan_rows(load("plan-cpu.json"))),
+        "W4A4 kernels": ("docs/benchmarks.md", kernel_summary_rows(kernels)),
+        "planning": ("docs/benchmarks.md", plan_rows(load("plan-cpu.json"))),
         "end to end": ("README.md", e2e_rows(load("e2e-h200.json"))),
         "end to end on the H100": ("README.md", e2e_rows(load("e2e-h100.json"))),
         "current kernel numbers": ("docs/kernels.md", kernel_rows(kernels)),
