@@ -366,6 +366,15 @@ def official_entries(manifest: Path, settings: list[str], limit: int):
         yield result
 
 
+def checkpoint_for(precision: str, ckpt: Path, work: Path) -> Path:
+    """The checkpoint a precision loads: W4A4 its round-to-nearest copy of `ckpt` (made in `work` once), the
+    others `ckpt` itself (fp8 quantizes at load)."""
+    if precision != "w4a4":
+        return ckpt
+    copy = work / "ckpt-w4a4"
+    return copy if copy.is_dir() else rtn_w4a4_checkpoint(ckpt, copy)
+
+
 def checkpoint_and_manifest(work: Path, size: str, rows: int) -> tuple[Path, Path]:
     """The checkpoint of `size` and the manifest of `rows` distinct-clip rows (seed 1), made in `work`
     unless an earlier call left them there."""
@@ -440,13 +449,8 @@ def main() -> None:
             for e in official_entries(manifest, [f"engine.checkpoint={ckpt}", *base], args.official_rows):
                 record([e])
         for precision in args.precisions.split(","):
-            if precision == "w4a4":
-                source = work / "ckpt-w4a4"
-                checkpoint = source if source.is_dir() else rtn_w4a4_checkpoint(ckpt, source)
-            else:
-                checkpoint = ckpt
             settings = [
-                f"engine.checkpoint={checkpoint}",
+                f"engine.checkpoint={checkpoint_for(precision, ckpt, work)}",
                 f"engine.precision={precision}",
                 f"engine.prompt_cache_dir={work / f'prompts-{precision}'}",
                 *base,

@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.e2e import SETTINGS, attention_here, checkpoint_and_manifest, gpu_fields  # noqa: E402
+from bench.e2e import SETTINGS, attention_here, checkpoint_and_manifest, checkpoint_for, gpu_fields  # noqa: E402
 from bench.environment import environment, results_path, write_result  # noqa: E402
 from bench.pipeline import GpuSampler  # noqa: E402
 from bench.profile_generate import busy_us  # noqa: E402
@@ -274,7 +274,7 @@ def main() -> None:
         settings = [
             *SETTINGS[args.size],
             f"engine.device={args.device}",
-            f"engine.checkpoint={ckpt}",
+            f"engine.checkpoint={checkpoint_for(args.precision, ckpt, work)}",
             f"engine.precision={args.precision}",
             f"engine.prompt_cache_dir={prompts}",
             "local=true",
