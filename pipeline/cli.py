@@ -77,12 +77,14 @@ def _print_problems(s: dict[str, Any]) -> None:
 
 
 def _print_outcome(outcome: Any) -> int:
+    from pipeline.summary import realtime_text
+
     s = outcome.summary
     rows = s["rows"]
     print(
         f"job {s['job']}: {rows['ok']} ok, {rows['failed']} failed, {rows['rejected']} rejected, "
         f"{rows['pending']} pending; {len(outcome.shards_run)} shard(s) run; "
-        f"wall {s['wall_seconds']:.1f} s; x-realtime {s['x_realtime']}"
+        f"wall {s['wall_seconds']:.1f} s; {realtime_text(s['x_realtime'])}"
     )
     print(f"  wavs:    {outcome.job.path / 'wavs'}")
     print(f"  results: {outcome.job.results_dir}")
@@ -148,7 +150,7 @@ def _time_line(split: dict[str, float]) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     from pipeline.job import status
     from pipeline.store import JobDir
-    from pipeline.summary import counts_time
+    from pipeline.summary import counts_time, realtime_text
 
     s = status(args.job)
     if args.json:
@@ -166,7 +168,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     idle_note = f" (+{idle} that had nothing to run)" if idle else ""
     print(
         f"  wall {s['wall_seconds']:.1f} s over {len(timed)} run(s){idle_note}; "
-        f"audio {s['audio_seconds']:.1f} s; x-realtime {s['x_realtime']} (engine {s['engine_x_realtime']})"
+        f"audio {s['audio_seconds']:.1f} s; {realtime_text(s['x_realtime'])} "
+        f"(the engine's time alone: {realtime_text(s['engine_x_realtime'])})"
     )
     if timed:
         print(f"  {_time_line(s['time'])}")
@@ -176,8 +179,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  run {run.get('kind', '?')} started {run.get('started_at', '?')}: {note}")
     for b in s["per_bucket"]:
         print(
-            f"  {b['variant']} bucket {b['bucket']}: {b['rows']} rows, {b['rows_per_s']} rows/s, "
-            f"x-realtime {b['x_realtime']}"
+            f"  {b['variant']} bucket {b['bucket']}: {b['rows']} rows, {b['rows_per_s'] or 0:.2f} rows/s, "
+            f"{realtime_text(b['x_realtime'])}"
         )
     _print_checkpoints(JobDir(args.job))
     _print_problems(s)

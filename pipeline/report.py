@@ -22,7 +22,7 @@ from pipeline.config import CompareConfig, load_job_config
 from pipeline.media import ReportAudio
 from pipeline.quality import Quality, measure
 from pipeline.store import JobDir
-from pipeline.summary import summarize
+from pipeline.summary import realtime_text, summarize
 from pipeline.wer import ErrorCounts, pooled
 
 PLAYERS = 12
@@ -314,7 +314,8 @@ def write_report(job: JobDir, compare: CompareConfig | None = None) -> Path:
         f"<h1>OVBatch job {escape(job.path.name)}</h1>",
         f"<p>{escape(str(job.path))} &middot; complete: {summary['complete']} &middot; wall "
         f"{summary['wall_seconds']:.1f} s &middot; audio {summary['audio_seconds']:.1f} s &middot; "
-        f"x-realtime {summary['x_realtime']} (job wall) / {summary['engine_x_realtime']} (engine time)</p>",
+        f"{realtime_text(summary['x_realtime'])} (job wall) / {realtime_text(summary['engine_x_realtime'])} "
+        "(engine time)</p>",
         "<h2>Rows</h2>",
         table(status_rows, ["variant", "ok", "failed", "rejected"]),
         "<h2>Per bucket</h2>",

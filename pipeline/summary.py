@@ -21,6 +21,11 @@ def _rate(num: float, den: float) -> float | None:
     return round(num / den, 4) if den > 0 else None
 
 
+def realtime_text(x_realtime: float | None) -> str:
+    """A summary's x-realtime as people read it: `6.7x realtime`, or `no audio timed yet`."""
+    return "no audio timed yet" if x_realtime is None else f"{x_realtime:.1f}x realtime"
+
+
 def fold_runs(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per run from runs.jsonl's events; a record without `event` (written before events
     existed) is one whole run. `state`: finished; stopped (by an exception or Ctrl-C, named in

@@ -24,6 +24,7 @@ from pipeline.config import load_job_config
 from pipeline.job import submit
 from pipeline.plan import RowSize
 from pipeline.store import JobDir
+from pipeline.summary import realtime_text
 
 DATA = Path(__file__).parent / "data"
 CLIPS = json.loads((DATA / "clips.json").read_text())
@@ -126,7 +127,7 @@ def test_an_interrupted_run_counts_its_time_so_the_job_is_not_faster_than_its_en
 
     assert cli.main(["status", str(job.path)]) == 0
     out = capsys.readouterr().out
-    assert "over 1 run(s)" in out and "x-realtime None" not in out
+    assert "over 1 run(s)" in out and "no audio timed yet" not in out
     if how == "ctrl-c":
         assert "run submit started" in out and "stopped by KeyboardInterrupt" in out
     else:
@@ -187,3 +188,8 @@ def test_submit_and_status_name_the_rejected_rows_and_their_files(tmp_path: Path
         assert f"listed with status='rejected' and the reason in `error` in: {rejected}, {at_run}" in out
     summary = json.loads(outcome.job.summary_path.read_text())
     assert summary["problems"]["rejected"]["count"] == 7 and summary["problems"]["failed"]["count"] == 0
+
+
+def test_x_realtime_reads_as_people_write_it():
+    assert realtime_text(6.7051) == "6.7x realtime"
+    assert realtime_text(None) == "no audio timed yet"
