@@ -18,7 +18,7 @@ from pipeline.messages import first_line_of
 
 EXIT_FAILED_ROWS = 1
 EXIT_ERROR = 2
-ERROR_CHARS = 200  # of a row's error shown on the terminal (the results files hold all of it)
+ERROR_CHARS = 300  # of a row's error shown on the terminal (the results files hold all of it)
 OVERRIDE_FORM = "write overrides as key=value, e.g. engine.precision=fp16"
 CHECKPOINT_HELP = (
     "checkpoint directory, Hugging Face repo id, or tiny-w4a4 (the tiny checkpoint quantized, made on "

@@ -2,9 +2,13 @@
 
 
 def first_line_of(text: str, limit: int = 300) -> str:
-    """The first non-empty line of `text`, at most `limit` characters."""
+    """The first non-empty line of `text`, at most `limit` characters; a cut line ends in "...", so that
+    no one reads a cut-off word as the advice."""
     lines = text.strip().splitlines()
-    return lines[0][:limit] if lines else ""
+    if not lines:
+        return ""
+    line = lines[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def first_line(e: BaseException, limit: int = 300) -> str:
