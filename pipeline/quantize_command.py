@@ -15,6 +15,7 @@ from engine.errors import QuantError
 from engine.quantizer.calibrate import CalibRequest
 from engine.quantizer.quantize import QuantizeOptions, format_report, quantize_checkpoint
 from engine.w4a4.format import SUPPORTED_RANKS
+from pipeline.config import TINY_CHECKPOINT
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ovbatch quantize", description="an official OmniVoice checkpoint -> a W4A4 checkpoint directory"
     )
-    p.add_argument("checkpoint", help="official OmniVoice checkpoint directory (or Hugging Face repo id)")
+    p.add_argument(
+        "checkpoint",
+        help="official OmniVoice checkpoint directory, Hugging Face repo id, or `tiny` (the embedded one)",
+    )
     p.add_argument("--out", required=True, help="new directory for the W4A4 checkpoint")
     p.add_argument(
         "--rank", type=int, default=16, choices=SUPPORTED_RANKS, help="low-rank branch rank (default 16)"
@@ -86,6 +90,15 @@ def _manifest_requests(location: str, load_manifest: Callable | None, clip_dir: 
     return requests
 
 
+def _source(checkpoint: str) -> str:
+    """The checkpoint argument as a location: `tiny` is the embedded tiny checkpoint, made on first use."""
+    if checkpoint != TINY_CHECKPOINT:
+        return checkpoint
+    from engine.tiny import ensure_tiny_checkpoint
+
+    return str(ensure_tiny_checkpoint())
+
+
 def main(argv: list[str] | None = None, load_manifest: Callable | None = None) -> int:
     """Entry of `ovbatch quantize`; load_manifest(location, clip_dir=...) -> manifest with .rows/.rejected
     (default: pipeline.manifest.load)."""
@@ -105,6 +118,6 @@ def main(argv: list[str] | None = None, load_manifest: Callable | None = None) -
     )
     with tempfile.TemporaryDirectory(prefix="ovbatch-calib-clips-") as clip_dir:
         requests = _manifest_requests(args.calib, load_manifest, Path(clip_dir)) if args.calib else None
-        report = quantize_checkpoint(args.checkpoint, args.out, options, requests, args.calib)
+        report = quantize_checkpoint(_source(args.checkpoint), args.out, options, requests, args.calib)
     print(format_report(report))
     return 0

@@ -43,11 +43,13 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def quantized(tiny, tmp_path_factory, one_thread):
+    """The tiny checkpoint quantized, named as the README names it (`tiny`: the source hash test below holds
+    it to be that checkpoint)."""
     out = tmp_path_factory.mktemp("q") / "tiny-w4a4"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         code = quantize_command.main(
-            [str(tiny), "--out", str(out), "--samples", "6", "--eval-requests", "3", "--device", "cpu"]
+            ["tiny", "--out", str(out), "--samples", "6", "--eval-requests", "3", "--device", "cpu"]
         )
     assert code == 0
     return out, printed.getvalue()
