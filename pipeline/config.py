@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +128,8 @@ def load_job_config(
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise InputError(f"override {bad[0]!r} is not key=value (e.g. engine.precision=fp16).")
+    file_keys = [str(k) for layer in layers[1:] if isinstance(layer, DictConfig) for k in layer]
+    _reject_engine_keys_at_top_level([*file_keys, *(literal or {}), *(o.split("=", 1)[0] for o in overrides)])
     try:
         given = OmegaConf.create()
         for key, value in (literal or {}).items():
@@ -138,6 +140,17 @@ def load_job_config(
         raise InputError(f"job config: {first_line(e)}") from None
     validate(cfg)
     return cfg
+
+
+def _reject_engine_keys_at_top_level(keys: list[str]) -> None:
+    """An engine setting given without `engine.` (precision=fp16) gets the key it meant, where omegaconf
+    would only say the key is not in JobConfig."""
+    job_keys = {f.name for f in fields(JobConfig)}
+    engine_keys = {f.name for f in fields(EngineConfig)}
+    for key in keys:
+        head = key.split(".", 1)[0]
+        if head not in job_keys and head in engine_keys:
+            raise InputError(f"job config: {key!r} is an engine setting: write it as engine.{key}.")
 
 
 def validate(cfg: JobConfig) -> None:

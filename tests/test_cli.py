@@ -82,6 +82,17 @@ def test_bad_config_keys_and_values_are_one_line(tmp_path: Path, capsys):
         assert message in _error_line(capsys)
 
 
+def test_an_engine_setting_given_at_the_top_level_is_named_with_its_engine_key(tmp_path: Path, capsys):
+    m = str(tmp_path / "m.parquet")
+    assert main(["synth", "--text", "Hi.", "--out", str(tmp_path / "h.wav"), "precision=fp16"]) == EXIT_ERROR
+    assert "'precision' is an engine setting: write it as engine.precision." in _error_line(capsys)
+    config = tmp_path / "job.yaml"
+    config.write_text("buckets: [256, 512]\n")
+    assert main(["submit", m, "--out", str(tmp_path / "j"), "--config", str(config)]) == EXIT_ERROR
+    assert "'buckets' is an engine setting: write it as engine.buckets." in _error_line(capsys)
+    assert not (tmp_path / "j").exists()
+
+
 def test_an_override_without_equals_is_named_with_the_key_value_form(tmp_path: Path, capsys):
     for argv in (
         ["submit", "m.parquet", "--out", str(tmp_path), "notakeyvalue"],

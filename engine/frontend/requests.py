@@ -118,7 +118,8 @@ class RequestFrontend:
         if len(text) > self.cfg.max_text_chars:
             raise InputError(
                 f"text of {len(text)} characters ({text[:40]!r}...) is over the {self.cfg.max_text_chars}-"
-                "character limit: split it into several requests or raise EngineConfig.max_text_chars."
+                "character limit: split it into several requests or raise max_text_chars (in a job: "
+                f"engine.max_text_chars={len(text)})."
             )
         if isinstance(req.seed, bool) or not isinstance(req.seed, int | np.integer):
             raise InputError(f"seed={req.seed!r}: give an integer.")
