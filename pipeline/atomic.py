@@ -22,6 +22,12 @@ from engine.fsmodes import chmod_as_created
 TMP_MARK = ".ovtmp-"
 
 
+def is_temp_name(name: str) -> bool:
+    """Whether a file name is one of our temp files: `.` + the final name + TMP_MARK + a suffix. Final names
+    never start with `.` (row ids and variant names cannot), so a row id holding the mark is still a row's."""
+    return name.startswith(".") and TMP_MARK in name
+
+
 @contextmanager
 def _replacing(path: Path) -> Iterator[str]:
     """A temp file beside `path` to write; it replaces `path` when the block ends, or is deleted if the

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine.errors import OVBatchError
-from pipeline.atomic import TMP_MARK, write_json_atomic, write_parquet_atomic
+from pipeline.atomic import TMP_MARK, is_temp_name, write_json_atomic, write_parquet_atomic
 from pipeline.manifest import ManifestRow
 from pipeline.plan import Plan
 from pipeline.rows import RESULT_SCHEMA, ResultRow, results_table
@@ -70,7 +70,7 @@ class JobDir:
             "summary.json",
             "report",
         }
-        return sorted(p.name for p in self.path.iterdir() if p.name not in ours and TMP_MARK not in p.name)
+        return sorted(p.name for p in self.path.iterdir() if p.name not in ours and not is_temp_name(p.name))
 
     def exists(self) -> bool:
         return self.plan_path.is_file()
@@ -144,9 +144,10 @@ class JobDir:
     def remove_temp_files(self) -> int:
         """Delete temp files left by a process killed mid-write (they never carry a final name)."""
         n = 0
-        for p in self.path.rglob(f"*{TMP_MARK}*"):
-            p.unlink(missing_ok=True)
-            n += 1
+        for p in self.path.rglob(f".*{TMP_MARK}*"):
+            if is_temp_name(p.name) and p.is_file():
+                p.unlink(missing_ok=True)
+                n += 1
         return n
 
     def append_run(self, record: dict[str, Any]) -> None:

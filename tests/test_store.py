@@ -106,8 +106,11 @@ def test_remove_temp_files_and_torn_run_log(tmp_path: Path):
     wavs.mkdir(parents=True)
     (wavs / f".a.wav{TMP_MARK}123").write_bytes(b"partial")
     (wavs / "b.wav").write_bytes(b"whole")
+    (wavs / f"take{TMP_MARK}1.wav").write_bytes(b"a row whose id holds the mark")
+    (tmp_path / "wavs" / f"v{TMP_MARK}2").mkdir()  # a variant named so
     assert job.remove_temp_files() == 1
-    assert sorted(os.listdir(wavs)) == ["b.wav"]
+    assert sorted(os.listdir(wavs)) == ["b.wav", f"take{TMP_MARK}1.wav"]
+    assert (tmp_path / "wavs" / f"v{TMP_MARK}2").is_dir()
     job.append_run({"kind": "submit", "wall_seconds": 2.0})
     with open(job.runs_path, "a") as f:
         f.write('{"kind": "resu')  # a driver killed mid-line
