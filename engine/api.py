@@ -523,21 +523,21 @@ class Engine:
         try:
             with record_function("ovbatch.generate"):
                 tokens, work = self._generate_tokens(ahead, start_then if then is not None else None)
+            per_request = [torch.cat(chunks, dim=1) for chunks in tokens]
+            flat = [t for chunks in tokens for t in chunks]
+            if self.device.type == "cuda":
+                with record_function("ovbatch.decode"):
+                    audio, joined, decoding = self._decode_queued(flat, per_request, began)
+            else:
+                t1 = time.perf_counter()
+                with record_function("ovbatch.decode"):
+                    audio = self._decode(flat)
+                joined = [t.numpy() for t in per_request]
+                decoding = None
+                timings.update(generate=t1 - t0, decode=time.perf_counter() - t1)
         except BaseException:
-            wait(beside)  # a batch that fails leaves no `then` running
+            wait(beside)  # a batch that fails, in its steps or its decode, leaves no `then` running
             raise
-        per_request = [torch.cat(chunks, dim=1) for chunks in tokens]
-        flat = [t for chunks in tokens for t in chunks]
-        if self.device.type == "cuda":
-            with record_function("ovbatch.decode"):
-                audio, joined, decoding = self._decode_queued(flat, per_request, began)
-        else:
-            t1 = time.perf_counter()
-            with record_function("ovbatch.decode"):
-                audio = self._decode(flat)
-            joined = [t.numpy() for t in per_request]
-            decoding = None
-            timings.update(generate=t1 - t0, decode=time.perf_counter() - t1)
         if beside:
             with record_function("ovbatch.wait_then"):
                 beside[0].result()

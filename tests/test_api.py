@@ -431,7 +431,8 @@ def test_then_runs_beside_the_batchs_steps_and_is_done_when_generate_returns(eng
     assert finished.is_set() and seen[0].startswith("ovbatch-then") and all(seen[1:])
 
 
-def test_a_batch_that_fails_leaves_no_then_running(engine, monkeypatch):
+@pytest.mark.parametrize("stage", ["steps", "decode"])
+def test_a_batch_that_fails_leaves_no_then_running(engine, monkeypatch, stage):
     import threading
     import time
 
@@ -439,15 +440,18 @@ def test_a_batch_that_fails_leaves_no_then_running(engine, monkeypatch):
 
     finished = threading.Event()
 
-    def broken_step(self, *args):
-        raise RuntimeError("step failed")
+    def broken(*args):
+        raise RuntimeError(f"{stage} failed")
 
     def slow_then():
         time.sleep(0.3)
         finished.set()
 
-    monkeypatch.setattr(BatchDecoder, "step", broken_step)
-    with pytest.raises(RuntimeError, match="step failed"):
+    if stage == "steps":
+        monkeypatch.setattr(BatchDecoder, "step", broken)
+    else:
+        monkeypatch.setattr(engine, "_decode_queued" if engine.device.type == "cuda" else "_decode", broken)
+    with pytest.raises(RuntimeError, match=f"{stage} failed"):
         engine.generate([SynthRequest(text="Fails.", instruct="male", seed=4)], then=slow_then)
     assert finished.is_set()
 
