@@ -21,6 +21,12 @@ class AudioError(InputError):
     """A reference clip cannot be used: unreadable, corrupt, empty, silent, too short or too long."""
 
 
+class ClipReadError(AudioError):
+    """A reference clip's file cannot be read (missing, no permission, an I/O error). Unlike a clip's content,
+    that can change between a job's planning and its run, so a job fails the row there instead of rejecting
+    it: a rerun tries it again."""
+
+
 class QuantError(OVBatchError):
     """Quantization input or a W4A4 file is unusable."""
 

@@ -1,9 +1,11 @@
-"""Atomic writes: a temp file in the target's folder (its name carries TMP_MARK), then os.replace, so a
-reader sees the old file or the new one, never half of one. Temp files of killed writers are found by
-their mark and deleted when a run starts and when it ends (JobDir.remove_temp_files)."""
+"""Atomic, durable writes: a temp file in the target's folder (its name carries TMP_MARK), flushed to disk,
+then os.replace and the folder flushed, so a reader sees the old file or the new one, never half of one,
+and a shard's results, written after its wavs, never outlive them in a power cut. Temp files of killed
+writers are found by their mark and deleted when a run starts and when it ends (JobDir.remove_temp_files)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -38,17 +40,26 @@ def _replacing(path: Path) -> Iterator[str]:
     chmod_as_created(tmp)  # mkstemp makes owner-only files; outputs are read by other users and containers
     try:
         yield tmp
+        _fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    with contextlib.suppress(OSError):  # the new name; some file systems cannot flush a folder
+        _fsync(path.parent)
+
+
+def _fsync(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     with _replacing(path) as tmp, open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -62,4 +73,7 @@ def write_parquet_atomic(path: Path, table: pa.Table) -> None:
 
 def write_wav_atomic(path: Path, audio: np.ndarray, sample_rate: int) -> None:
     with _replacing(path) as tmp:
-        sf.write(tmp, audio, sample_rate, subtype="PCM_16", format="WAV")
+        try:
+            sf.write(tmp, audio, sample_rate, subtype="PCM_16", format="WAV")
+        except sf.LibsndfileError as e:  # its message names no file ("System error.")
+            raise OSError(f"cannot write {path}: {e}") from e

@@ -9,15 +9,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 from engine.errors import InputError, OVBatchError
 from pipeline import ray_head
-from pipeline.messages import first_line_of
+from pipeline.messages import first_line, first_line_of
 
 EXIT_FAILED_ROWS = 1
 EXIT_ERROR = 2
+EXIT_UNEXPECTED = 3
 ERROR_CHARS = 300  # of a row's error shown on the terminal (the results files hold all of it)
 OVERRIDE_FORM = "write overrides as key=value, e.g. engine.precision=fp16"
 CHECKPOINT_HELP = (
@@ -384,6 +386,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+    except Exception as e:  # a bug, or the machine's (a full disk): the traceback to report, then one line
+        traceback.print_exc()
+        runs_job = getattr(args, "func", None) in (cmd_submit, cmd_rerun)
+        job = getattr(args, "out", None) or getattr(args, "job", None)
+        after = f" Finished shards are saved: fix the cause, then `ovbatch rerun {job}`." if runs_job else ""
+        print(f"ovbatch: unexpected {type(e).__name__}: {first_line(e)}.{after}", file=sys.stderr)
+        return EXIT_UNEXPECTED
 
 
 if __name__ == "__main__":

@@ -153,6 +153,8 @@ def submit(
     cfg = with_job_defaults(cfg, job)
     if cfg.manifest is None:
         raise JobDirError("no manifest given: pass MANIFEST to submit (or manifest=... in the config).")
+    if job.path.exists() and not job.path.is_dir():
+        raise JobDirError(f"--out {job.path} is a file: give a new or empty directory for the job.")
     foreign = [] if job.exists() else job.foreign_entries()
     if foreign:
         raise JobDirError(
@@ -198,6 +200,7 @@ def submit(
                 "new --out, or `ovbatch rerun` the existing job with its own settings."
             )
         kind = "resume"
+        job.write_rows(rows)  # the same rows, their clips where the manifest now puts them (moved, maybe)
     else:
         job.path.mkdir(parents=True, exist_ok=True)
         job.write_rows(rows)

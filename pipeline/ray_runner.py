@@ -7,7 +7,8 @@ An actor runs SHARDS_IN_FLIGHT calls at once (pipeline.shard_runner: one generat
 the device in line or for their writes); shards go to the actors one each in turn. An actor that dies
 (process killed, node lost) costs an attempt to its oldest call (calls start in submission order); the
 shards behind it go back to the queue as they were. The dead actor is replaced when there is work for it. A
-shard out of attempts comes back with every row failed.
+shard out of attempts in this run (ray.max_shard_attempts; a rerun starts afresh) comes back with every row
+failed.
 
 Progress: with an on_batch callback, actors put each finished batch (BatchDone) on a Ray queue, which the
 driver drains between waits (every PROGRESS_POLL_S) and always before it hands on a finished shard, so
@@ -287,14 +288,15 @@ class ActorPool:
         running, waiting = lost[0], lost[1:]
         for task in reversed(waiting):
             queue.appendleft(task)
-        if running.attempt >= max_attempts:
+        deaths = running.deaths + 1
+        if deaths >= max_attempts:
             reason = (
-                f"the worker running this shard died {running.attempt} time(s) "
+                f"the worker running this shard died {deaths} time(s) "
                 f"(ray.max_shard_attempts={max_attempts}); last: {first_line(e)}"
             )
             given_up.append((running, failed_rows(running, reason)))
         else:
-            queue.appendleft(replace(running, attempt=running.attempt + 1))
+            queue.appendleft(replace(running, attempt=running.attempt + 1, deaths=deaths))
         try:
             ray.kill(slot.actor, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone

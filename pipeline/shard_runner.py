@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.errors import InputError, OVBatchError
+from engine.errors import ClipReadError, InputError, OVBatchError
 from engine.generate.batching import bucket_batches
 from pipeline.atomic import write_wav_atomic
 from pipeline.config import JobConfig
@@ -94,8 +94,9 @@ class ShardTask:
     index: int
     variant: str
     bucket: int
-    attempt: int
+    attempt: int  # counts every run of the shard, reruns included (the results' attempt column)
     rows: list[RequestRow]
+    deaths: int = 0  # of the workers that ran it in this run (ray.max_shard_attempts bounds this run's tries)
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -532,8 +533,10 @@ class ShardRunner:
                 return self._generate(engine, task, rows[:half], requests_of) + self._generate(
                     engine, task, rows[half:], requests_of
                 )
-            # An input the engine refuses will be refused again: that row is rejected, not failed.
-            status = "rejected" if isinstance(e, InputError) else "failed"
+            # An input the engine refuses will be refused again: that row is rejected, not failed. A clip
+            # that planned fine and cannot be read now (moved, a network file system's blip) may read later.
+            refused = isinstance(e, InputError) and not isinstance(e, ClipReadError)
+            status = "rejected" if refused else "failed"
             failed = self._result(
                 engine,
                 task,

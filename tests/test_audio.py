@@ -8,7 +8,7 @@ import pytest
 import soundfile as sf
 
 from engine.config import GenerationConfig
-from engine.errors import AudioError, InputError
+from engine.errors import AudioError, ClipReadError, InputError
 from engine.frontend import audio as A
 from engine.frontend import silence as S
 
@@ -101,9 +101,15 @@ def _wav_bytes(x, rate=RATE):
     return buf.getvalue()
 
 
-def test_missing_file(tmp_path):
-    with pytest.raises(AudioError, match="does not exist"):
+def test_a_file_that_cannot_be_read_is_a_read_error_and_bad_content_is_not(tmp_path):
+    with pytest.raises(ClipReadError, match="does not exist"):
         A.prepare_reference(tmp_path / "nope.wav", RATE, HOP)
+    with pytest.raises(ClipReadError, match="cannot be read"):
+        A.read_clip_bytes(tmp_path)  # a folder: IsADirectoryError
+    (tmp_path / "noise.wav").write_bytes(b"not audio")
+    with pytest.raises(AudioError) as refused:
+        A.prepare_reference(tmp_path / "noise.wav", RATE, HOP)
+    assert not isinstance(refused.value, ClipReadError)
 
 
 def test_clip_of_another_type_is_named():

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import soundfile as sf
 
-from pipeline.cli import EXIT_ERROR, main
+from pipeline.cli import EXIT_ERROR, EXIT_UNEXPECTED, main
 from pipeline.demo import DEMO_ROWS, write_demo_manifest
 from pipeline.manifest import load
 
@@ -103,6 +103,29 @@ def test_an_override_without_equals_is_named_with_the_key_value_form(tmp_path: P
         line = _error_line(capsys)
         assert line.startswith("ovbatch: error: 'notakeyvalue' is not a key=value override")
         assert "e.g. engine.precision=fp16" in line and f"`ovbatch {argv[0]} --help`" in line
+
+
+def test_an_unexpected_error_exits_3_with_its_traceback_and_a_line_saying_what_is_kept(
+    tmp_path: Path, capsys, monkeypatch
+):
+    def broken(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("pipeline.job.submit", broken)
+    assert main(["submit", "m.parquet", "--out", str(tmp_path / "j"), "--local"]) == EXIT_UNEXPECTED
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err
+    assert err.strip().splitlines()[-1] == (
+        "ovbatch: unexpected OSError: [Errno 28] No space left on device. Finished shards are saved: fix the "
+        f"cause, then `ovbatch rerun {tmp_path / 'j'}`."
+    )
+
+
+def test_an_out_that_is_a_file_is_refused_before_planning(tmp_path: Path, capsys):
+    (tmp_path / "j").write_text("mine")
+    assert main(["submit", "m.parquet", "--out", str(tmp_path / "j"), "--local"]) == EXIT_ERROR
+    assert f"--out {tmp_path / 'j'} is a file" in _error_line(capsys)
+    assert (tmp_path / "j").read_text() == "mine"
 
 
 def test_an_unknown_option_shows_its_commands_usage(tmp_path: Path, capsys):

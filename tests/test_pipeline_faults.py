@@ -23,7 +23,7 @@ import soundfile as sf
 import torch
 
 from engine.api import SynthResult
-from engine.errors import InputError
+from engine.errors import ClipReadError, InputError
 from pipeline.config import load_job_config
 from pipeline.job import rerun, submit
 from pipeline.manifest import ManifestRow
@@ -62,6 +62,8 @@ class FakeEngine:
                 raise RuntimeError(f"injected failure on {r.text!r}")
             if "BADINPUT" in r.text:
                 raise InputError(f"text {r.text!r} is refused by the fake engine")
+            if "UNREADABLE" in r.text:
+                raise ClipReadError("reference clip /nfs/v.wav cannot be read (Input/output error)")
         if self.oom_above is not None and len(reqs) > self.oom_above:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         out = []
@@ -137,6 +139,13 @@ def test_an_input_the_engine_refuses_is_rejected_not_failed(tmp_path: Path):
     results = runner.run_shard(ShardTask(0, "default", 64, 1, [_row(0), _row(1, "BADINPUT here")]))
     assert [r.status for r in results] == ["ok", "rejected"]
     assert "refused by the fake engine" in results[1].error
+
+
+def test_a_clip_that_cannot_be_read_at_run_time_fails_the_row_for_a_rerun(tmp_path: Path):
+    runner = ShardRunner(tmp_path, _fake_cfg())
+    results = runner.run_shard(ShardTask(0, "default", 64, 1, [_row(0), _row(1, "UNREADABLE clip")]))
+    assert [r.status for r in results] == ["ok", "failed"]
+    assert "cannot be read" in results[1].error
 
 
 def test_per_row_time_is_a_share_of_the_batch_by_token_work(tmp_path: Path):
@@ -269,6 +278,27 @@ def test_a_resubmitted_job_must_be_the_same_job(tmp_path: Path):
             tmp_path / "job",
             lambda cfg, rows: _fake_sizer,
         )
+
+
+def test_a_resubmitted_job_reads_its_clips_where_the_manifest_now_puts_them(tmp_path: Path):
+    """The plan holds the clips' content, not their paths: moved clips resume the job, from the new paths."""
+    voices = tmp_path / "voices"
+    voices.mkdir()
+    for name in CLIPS:
+        (voices / name).write_bytes((DATA / name).read_bytes())
+    m = _manifest(tmp_path / "m.parquet", 4)
+    table = pq.read_table(m)
+    paths = [str(voices / Path(p).name) for p in table["ref_audio"].to_pylist()]
+    pq.write_table(table.set_column(2, "ref_audio", pa.array(paths)), m)
+    job = JobDir(tmp_path / "job")
+    submit(_fake_cfg(m), job.path, lambda cfg, rows: _fake_sizer)
+    job.shard_result_path(0).unlink()  # as if the driver had been killed before that shard's end
+    voices.rename(tmp_path / "moved")
+    moved = [p.replace("voices", "moved") for p in paths]
+    pq.write_table(table.set_column(2, "ref_audio", pa.array(moved)), m)
+    resumed = submit(_fake_cfg(m), job.path, lambda cfg, rows: _fake_sizer)
+    assert resumed.shards_run == [0] and resumed.summary["rows"]["ok"] == 4
+    assert all("/moved/" in r.ref_audio for r in job.read_rows().values())
 
 
 def test_killing_the_driver_then_resubmitting_redoes_only_unfinished_shards(tmp_path: Path, tmp_path_factory):

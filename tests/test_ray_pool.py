@@ -117,6 +117,25 @@ def test_the_gpu_actors_warm_a_share_of_the_clips_each(monkeypatch):
     assert [a.warmed for a in gpu] == [[clips[0::2]], [clips[1::2]]] and not any(a.warmed for a in cpu)
 
 
+def test_a_shard_is_given_up_after_max_attempts_deaths_in_this_run_whatever_ran_before(monkeypatch):
+    """A rerun of a shard whose earlier run took 3 attempts still gets ray.max_shard_attempts tries."""
+    fake, pool = _pool(monkeypatch, {"CPU": 4.0}, "engine.device=cpu", "ray.num_actors=1")
+    deaths = []
+
+    def get(ref: _Ref):
+        if len(deaths) < 2:
+            deaths.append(ref.task.attempt)
+            raise RuntimeError("the actor died")
+        return [{"attempt": ref.task.attempt}]
+
+    monkeypatch.setattr(fake, "get", get)
+    monkeypatch.setattr("pipeline.ray_runner.died", lambda e: True)
+    rerun = ShardTask(0, "default", 512, 4, [])  # attempts 1-3 ran in earlier runs
+    [(task, results)] = list(pool.run([rerun]))
+    assert deaths == [4, 5] and results == [{"attempt": 6}]
+    assert task.deaths == 2
+
+
 def test_shards_go_to_the_actors_one_each_in_turn(monkeypatch):
     """A queue shorter than the actors' room is spread over them, not stacked on the first actor."""
     fake, pool = _pool(monkeypatch, {"CPU": 16.0, "GPU": 2.0}, "ray.inflight_per_actor=3")

@@ -52,6 +52,43 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path: Path, mo
     assert [q.name for q in tmp_path.iterdir()] == ["x.wav"]
 
 
+def test_a_wav_that_cannot_be_written_is_named(tmp_path: Path, monkeypatch):
+    def failing_write(path, *a, **k):
+        raise atomic.sf.LibsndfileError(2)  # libsndfile's "System error.", which names no file
+
+    monkeypatch.setattr(atomic.sf, "write", failing_write)
+    with pytest.raises(OSError, match=r"cannot write .*x\.wav: System error"):
+        atomic.write_wav_atomic(tmp_path / "x.wav", np.ones(800, np.float32), 8000)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_is_on_disk_before_it_takes_its_name_and_the_name_after(tmp_path: Path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(atomic.os, "fsync", fsync)
+    monkeypatch.setattr(atomic.os, "replace", replace)
+    for write in (
+        lambda p: atomic.write_wav_atomic(p, np.zeros(800, np.float32), 8000),
+        lambda p: atomic.write_bytes_atomic(p, b"{}"),
+        lambda p: atomic.write_parquet_atomic(p, results_table([])),
+    ):
+        events.clear()
+        target = tmp_path / "sub" / "x"
+        write(target)
+        [(_, temp), replaced, (_, folder)] = events
+        assert Path(temp).name.startswith(f".x{TMP_MARK}") and replaced == ("replace", str(target))
+        assert folder == str(target.parent)
+
+
 def test_wav_round_trip(tmp_path: Path):
     audio = (0.5 * np.sin(np.linspace(0, 60, 2400))).astype(np.float32)
     p = tmp_path / "w" / "a.wav"

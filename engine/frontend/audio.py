@@ -17,7 +17,7 @@ import soundfile as sf
 import soxr
 
 from engine.config import GenerationConfig
-from engine.errors import AudioError, InputError
+from engine.errors import AudioError, ClipReadError, InputError
 from engine.frontend.silence import (
     Pcm16,
     detect_leading_silence,
@@ -59,9 +59,9 @@ def read_clip_bytes(clip: ClipSource) -> bytes:
     try:
         return Path(clip).read_bytes()
     except FileNotFoundError:
-        raise AudioError(f"reference clip {clip} does not exist: check the path.") from None
+        raise ClipReadError(f"reference clip {clip} does not exist: check the path.") from None
     except OSError as e:
-        raise AudioError(
+        raise ClipReadError(
             f"reference clip {clip} cannot be read ({e.strerror}): check its permissions."
         ) from None
 
