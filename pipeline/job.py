@@ -281,7 +281,30 @@ def execute(
 ) -> JobOutcome:
     """Run `shard_indices` and write their results; t0 (perf_counter) is when the run began, planning
     included (default: now); workers: started already (default: started here, on ray_head's Ray if given);
-    planning_phases: plan_job's phases, for the run's record."""
+    planning_phases: plan_job's phases, for the run's record. One run at a time writes into a job."""
+    try:
+        held = job.hold_for_run()
+    except BaseException:
+        if workers is not None:
+            workers.shutdown()
+        raise
+    try:
+        return _execute(job, cfg, plan, shard_indices, kind, t0, workers, ray_head, planning_phases)
+    finally:
+        held.close()
+
+
+def _execute(
+    job: JobDir,
+    cfg: JobConfig,
+    plan: Plan,
+    shard_indices: list[int],
+    kind: str,
+    t0: float | None,
+    workers: Workers | None,
+    ray_head: RayHead | None,
+    planning_phases: dict[str, float] | None,
+) -> JobOutcome:
     job.remove_temp_files()
     rows = job.read_rows()
     finished = job.finished_shards()

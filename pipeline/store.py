@@ -10,13 +10,17 @@
     JOB/tokens/<variant>/<id>.npy   the row's generated audio codes (pipeline.tokens)
     JOB/runs.jsonl                  one line per run of the job (submit, resume, rerun)
     JOB/summary.json
+    JOB/.run-lock                   held by the run writing into the job, if any (who it is, inside)
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import socket
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -52,6 +56,7 @@ class JobDir:
         self.runs_path = self.path / "runs.jsonl"
         self.report_dir = self.path / "report"
         self.clip_dir = self.path / "clips"
+        self.lock_path = self.path / ".run-lock"
 
     def foreign_entries(self) -> list[str]:
         """Names in the directory that a job does not write (a job never writes into such a folder)."""
@@ -69,8 +74,31 @@ class JobDir:
             "runs.jsonl",
             "summary.json",
             "report",
+            ".run-lock",
         }
         return sorted(p.name for p in self.path.iterdir() if p.name not in ours and not is_temp_name(p.name))
+
+    def hold_for_run(self) -> IO[str]:
+        """The job's run lock, taken: closing the file returned gives it back (so does the process's end).
+        A second submit or rerun while one runs is refused: its start would delete the running one's temp
+        files mid-write."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        f = open(self.lock_path, "a+")  # noqa: SIM115 - held open as long as the run
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise JobDirError(
+                f"{self.path} is being run by {holder}: wait for that run to end (`ovbatch status "
+                f"{self.path}` shows its progress) or stop it, then run this again."
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        return f
 
     def exists(self) -> bool:
         return self.plan_path.is_file()

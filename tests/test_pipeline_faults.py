@@ -24,6 +24,7 @@ import torch
 
 from engine.api import SynthResult
 from engine.errors import ClipReadError, InputError
+from pipeline.atomic import TMP_MARK
 from pipeline.config import load_job_config
 from pipeline.job import rerun, submit
 from pipeline.manifest import ManifestRow
@@ -299,6 +300,20 @@ def test_a_resubmitted_job_reads_its_clips_where_the_manifest_now_puts_them(tmp_
     resumed = submit(_fake_cfg(m), job.path, lambda cfg, rows: _fake_sizer)
     assert resumed.shards_run == [0] and resumed.summary["rows"]["ok"] == 4
     assert all("/moved/" in r.ref_audio for r in job.read_rows().values())
+
+
+def test_a_rerun_while_the_job_runs_is_refused_and_touches_nothing(tmp_path: Path):
+    job = JobDir(tmp_path / "job")
+    submit(_fake_cfg(_manifest(tmp_path / "m.parquet", 4)), job.path, lambda cfg, rows: _fake_sizer)
+    job.shard_result_path(0).unlink()
+    running = job.hold_for_run()  # as a run still going would
+    in_flight = job.wav_path("default", "r00").with_name(f".r00.wav{TMP_MARK}live")
+    in_flight.write_bytes(b"RIFF, being written")
+    with pytest.raises(JobDirError, match="is being run by pid"):
+        rerun(job.path)
+    assert in_flight.exists() and 0 not in job.finished_shards()
+    running.close()
+    assert rerun(job.path).shards_run == [0]
 
 
 def test_killing_the_driver_then_resubmitting_redoes_only_unfinished_shards(tmp_path: Path, tmp_path_factory):

@@ -156,6 +156,16 @@ def test_remove_temp_files_and_torn_run_log(tmp_path: Path):
     assert [r["kind"] for r in job.read_runs()] == ["submit", "resume"]
 
 
+def test_one_run_at_a_time_holds_a_job(tmp_path: Path):
+    job = JobDir(tmp_path / "job")
+    held = job.hold_for_run()
+    with pytest.raises(store.JobDirError, match=rf"is being run by pid {os.getpid()} on .*: wait for that"):
+        JobDir(tmp_path / "job").hold_for_run()
+    held.close()
+    job.hold_for_run().close()  # given back
+    assert job.foreign_entries() == []
+
+
 def test_require_names_the_missing_job(tmp_path: Path):
     with pytest.raises(store.JobDirError, match="not a job directory"):
         JobDir(tmp_path / "nothing").require()
