@@ -7,7 +7,7 @@ import torch
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs CUDA: no GPU on this machine (run `make test-gpu` on one)")
+    skip = pytest.mark.skip(reason="needs CUDA: no GPU visible here (run `make test-gpu` on a GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
