@@ -201,6 +201,7 @@ def submit(
             )
         kind = "resume"
         job.write_rows(rows)  # the same rows, their clips where the manifest now puts them (moved, maybe)
+        job.write_rejected(plan)
     else:
         job.path.mkdir(parents=True, exist_ok=True)
         job.write_rows(rows)

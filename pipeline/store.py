@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 from engine.errors import OVBatchError
 from pipeline.atomic import TMP_MARK, is_temp_name, write_json_atomic, write_parquet_atomic
 from pipeline.manifest import ManifestRow
+from pipeline.messages import first_line
 from pipeline.plan import Plan
 from pipeline.rows import RESULT_SCHEMA, ResultRow, results_table
 
@@ -43,6 +44,16 @@ def _with_schema(table: pa.Table) -> pa.Table:
         for f in RESULT_SCHEMA
     ]
     return pa.Table.from_arrays(columns, schema=RESULT_SCHEMA)
+
+
+def _read_results_file(path: Path) -> pa.Table:
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise JobDirError(
+            f"{path} cannot be read ({first_line(e)}): delete it, then submit the same manifest to this "
+            "--out again; the job resumes and writes it anew."
+        ) from None
 
 
 class JobDir:
@@ -160,11 +171,11 @@ class JobDir:
         return {int(p.stem.split("-")[1]) for p in self.results_dir.glob("shard-*.parquet")}
 
     def read_shard_results(self, index: int) -> list[ResultRow]:
-        return [ResultRow.from_dict(d) for d in pq.read_table(self.shard_result_path(index)).to_pylist()]
+        return [ResultRow.from_dict(d) for d in _read_results_file(self.shard_result_path(index)).to_pylist()]
 
     def read_results(self) -> pa.Table:
         files = sorted(self.results_dir.glob("*.parquet")) if self.results_dir.is_dir() else []
-        tables = [_with_schema(pq.read_table(f)) for f in files]
+        tables = [_with_schema(_read_results_file(f)) for f in files]
         return pa.concat_tables(tables) if tables else results_table([])
 
     # ------------------------------------------------------------ housekeeping

@@ -302,6 +302,19 @@ def test_a_resubmitted_job_reads_its_clips_where_the_manifest_now_puts_them(tmp_
     assert all("/moved/" in r.ref_audio for r in job.read_rows().values())
 
 
+def test_an_unreadable_results_file_is_named_with_its_fix(tmp_path: Path):
+    m = _manifest(tmp_path / "m.parquet", 4)
+    job = JobDir(tmp_path / "job")
+    submit(_fake_cfg(m), job.path, lambda cfg, rows: _fake_sizer)
+    for broken in (job.shard_result_path(0), job.results_dir / "rejected.parquet"):
+        broken.write_bytes(b"")  # as a disk that lost it might leave it
+        with pytest.raises(JobDirError, match=rf"{broken.name} cannot be read .*: delete it, then submit"):
+            job.read_results()
+        broken.unlink()
+        assert submit(_fake_cfg(m), job.path, lambda cfg, rows: _fake_sizer).summary["rows"]["ok"] == 4
+        assert broken.is_file()
+
+
 def test_a_rerun_while_the_job_runs_is_refused_and_touches_nothing(tmp_path: Path):
     job = JobDir(tmp_path / "job")
     submit(_fake_cfg(_manifest(tmp_path / "m.parquet", 4)), job.path, lambda cfg, rows: _fake_sizer)
