@@ -147,12 +147,10 @@ def _check_schema(table: pa.Table, source: str) -> None:
         )
     for name in table.column_names:
         t = table.schema.field(name).type
-        if name in _STRING_COLUMNS and not (
-            pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)
-        ):
+        if name in _STRING_COLUMNS and not (_is_string_type(t) or pa.types.is_null(t)):
             raise ManifestError(
-                f"manifest column {name!r} has type {t}; it must hold strings "
-                f"(e.g. df[{name!r}] = df[{name!r}].astype(str))."
+                f"manifest column {name!r} has type {t}; it must hold strings, null where unset "
+                f"(e.g. df[{name!r}] = df[{name!r}].astype('string'))."
             )
         if name in _FLOAT_COLUMNS and not (
             pa.types.is_floating(t) or pa.types.is_integer(t) or pa.types.is_null(t)
@@ -161,8 +159,19 @@ def _check_schema(table: pa.Table, source: str) -> None:
                 f"manifest column {name!r} has type {t}; it must be numeric (seconds or a "
                 "speed factor), or null where unset."
             )
-        if name in _INT_COLUMNS and not (pa.types.is_integer(t) or pa.types.is_null(t)):
-            raise ManifestError(f"manifest column {name!r} has type {t}; it must hold integers.")
+        if name in _INT_COLUMNS and not (
+            pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_null(t)
+        ):  # floats: pandas stores an integer column with missing values as float64 (checked per row)
+            raise ManifestError(
+                f"manifest column {name!r} has type {t}; it must hold integers, null where unset "
+                f"(e.g. df[{name!r}] = df[{name!r}].astype('Int64'))."
+            )
+
+
+def _is_string_type(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
 
 
 # ---------------------------------------------------------------- row checks
@@ -242,8 +251,8 @@ def probe_clip(location: str, clip_dir: Path | None, max_seconds: float) -> Clip
             f"reference clip {location!r} is silent or holds NaN/Inf "
             "samples: pass a clip with audible speech",
         )
-    if local:
-        path = location[len("file://") :] if location.startswith("file://") else location
+    if local:  # a file:// URI's path as pyarrow reads it (percent-decoded)
+        path = open_location(location)[1] if location.startswith("file://") else location
         return Clip(path, digest, seconds, None)
     if clip_dir is None:  # the row keeps the URI (the engine reads local paths: submit passes a clip_dir)
         return Clip(location, digest, seconds, None)
@@ -332,7 +341,19 @@ def read_table(source: str | Path) -> tuple[str, pa.Table]:
         source = str(Path(source).expanduser().absolute())
     table = _read_table(source)
     _check_schema(table, source)
-    return source, table
+    return source, _row_columns(table)
+
+
+def _row_columns(table: pa.Table) -> pa.Table:
+    """The columns a row reads, and nothing else (other columns may be large, or of types that do not convert
+    to Python), their strings as plain strings: pandas' categoricals read back as dictionaries, and polars
+    may write string views."""
+    names = [c for c in (*REQUIRED, *OPTIONAL) if c in table.column_names]
+    table = table.select(names)
+    for i, name in enumerate(names):
+        if name in _STRING_COLUMNS and not pa.types.is_null(table.schema.field(name).type):
+            table = table.set_column(i, name, table.column(name).cast(pa.string()))
+    return table
 
 
 def reference_pairs(read: tuple[str, pa.Table]) -> list[tuple[str, str]]:
@@ -393,7 +414,9 @@ def _normalise(
     if why:
         return None, why
     seed = rec.get("seed")
-    if seed is not None and not 0 <= int(seed) < 2**63:
+    if isinstance(seed, float):  # a float column: pandas' integers with missing values (NaN)
+        seed = None if math.isnan(seed) else int(seed) if seed.is_integer() else seed
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**63):
         return None, f"seed={seed} must be a non-negative integer below 2**63, or null"
     clip = Clip(None, None, 0.0, None)
     if ref_source is not None:
