@@ -171,3 +171,8 @@ class EngineConfig:
             raise InputError(f"precision={self.precision!r}: choose one of auto, {', '.join(PRECISIONS)}.")
         if self.attention not in ("auto", "flash", "flash4", "varlen", "sdpa"):
             raise InputError(f"attention={self.attention!r}: choose auto, flash, flash4, varlen or sdpa.")
+        if not self.buckets or min(self.buckets) < 1 or self.max_batch_tokens < 1:
+            raise InputError(
+                f"buckets={list(self.buckets)}, max_batch_tokens={self.max_batch_tokens}: give at least one "
+                "bucket, every bucket and the batch limit a positive number of packed tokens."
+            )

@@ -49,7 +49,7 @@ HOW_TO = {
 
 def _cell(v: Any) -> str:
     if isinstance(v, float):
-        text = "inf" if math.isinf(v) else ("" if math.isnan(v) else f"{v:.4g}")
+        text = "" if math.isnan(v) else f"{v:.4g}"  # inf and -inf as such (a silent wav's SNR is -inf)
         return f'<td class="n">{text}</td>'
     if isinstance(v, int):
         return f'<td class="n">{v}</td>'

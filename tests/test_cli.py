@@ -77,6 +77,8 @@ def test_bad_config_keys_and_values_are_one_line(tmp_path: Path, capsys):
             "ray.gpus_per_actor=0, ray.cpus_per_actor=1: GPUs per actor must be positive",
         ),
         ("ray.num_cpus=0", "ray.num_cpus=0: give the local Ray at least 1 CPU"),
+        ("engine.buckets=[]", "buckets=[], max_batch_tokens=16384: give at least one bucket"),
+        ("engine.max_batch_tokens=0", "max_batch_tokens=0: give at least one bucket"),
     ):
         assert main(["submit", m, "--out", str(tmp_path / "j"), bad]) == EXIT_ERROR
         assert message in _error_line(capsys)

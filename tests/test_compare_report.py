@@ -13,7 +13,7 @@ from ab_job import tone as _tone
 from engine.errors import OVBatchError
 from pipeline.atomic import write_wav_atomic
 from pipeline.compare import compare_variants, log_mel_db, mel_filterbank, pair_metrics
-from pipeline.report import write_report
+from pipeline.report import table, write_report
 from pipeline.store import JobDir
 
 
@@ -56,6 +56,12 @@ def test_mel_filterbank_and_tone_peak():
 
 def _ab_job(root: Path) -> JobDir:
     return make_ab_job(root)
+
+
+def test_table_cells_keep_the_sign_of_an_infinity():
+    row = {"snr_db": float("-inf"), "gain": float("inf"), "x": float("nan")}
+    html = table([row], list(row))
+    assert '<td class="n">-inf</td><td class="n">inf</td><td class="n"></td>' in html
 
 
 def test_compare_variants_pairs_rows_by_id(tmp_path: Path):
