@@ -83,9 +83,10 @@ def _print_outcome(outcome: Any) -> int:
 
     s = outcome.summary
     rows = s["rows"]
+    variants = f" over {len(s['variants'])} variants" if len(s["variants"]) > 1 else ""  # a row in each
     print(
         f"job {s['job']}: {rows['ok']} ok, {rows['failed']} failed, {rows['rejected']} rejected, "
-        f"{rows['pending']} pending; {len(outcome.shards_run)} shard(s) run; "
+        f"{rows['pending']} pending{variants}; {len(outcome.shards_run)} shard(s) run; "
         f"wall {s['wall_seconds']:.1f} s; {realtime_text(s['x_realtime'])}"
     )
     print(f"  wavs:    {outcome.job.path / 'wavs'}")
