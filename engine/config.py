@@ -166,6 +166,11 @@ class EngineConfig:
     fast_paths: FastPaths = field(default_factory=FastPaths)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
+    @property
+    def token_budget(self) -> int:
+        """Packed tokens one generation may take: max_batch_tokens, and the largest graph bucket."""
+        return min(self.max_batch_tokens, max(self.buckets))
+
     def __post_init__(self) -> None:
         if self.precision != "auto" and self.precision not in PRECISIONS:
             raise InputError(f"precision={self.precision!r}: choose one of auto, {', '.join(PRECISIONS)}.")

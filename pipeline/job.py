@@ -27,7 +27,7 @@ from pipeline import manifest as manifest_mod
 from pipeline.atomic import write_bytes_atomic, write_json_atomic
 from pipeline.config import JobConfig, load_job_config, resolve_checkpoint_names, to_yaml
 from pipeline.messages import first_line
-from pipeline.plan import Plan, RowSize, SizerFactory, make_plan, plan_differences
+from pipeline.plan import Plan, RowSize, SizerFactory, budget_problem, make_plan, plan_differences
 from pipeline.ray_head import RayHead
 from pipeline.rows import RequestRow, ResultRow
 from pipeline.shard_runner import BatchCallback, BatchDone, ShardRunner, ShardTask, load_factory, run_local
@@ -114,6 +114,15 @@ def plan_rows(
         cfg.max_rows_per_shard,
     )
     plan.engine_settings = settings
+    if any(sizes[r.id].cut_to_budget for r in rows):
+        plan.token_budget = cfg.engine_config(cfg.variant_names()[0]).token_budget  # the sizer's budget
+    for variant in cfg.variant_names()[1:]:
+        problem = budget_problem(plan, variant, cfg.engine_config(variant).token_budget)
+        if problem:
+            raise InputError(
+                f"variants.{variant}: {problem}. Give every variant the same engine.max_batch_tokens and "
+                "engine.buckets."
+            )
     times.append(time.perf_counter())
     if phases is not None:
         phases.update((k, round(b - a, 3)) for k, a, b in zip(("clips", "rows", "cut"), times, times[1:]))
@@ -256,6 +265,10 @@ def rerun(
             todo.append(shard.index)
         elif any(r.status == "failed" for r in job.read_shard_results(shard.index)):
             todo.append(shard.index)
+    for variant in plan.variants:
+        problem = budget_problem(plan, variant, cfg.engine_config(variant).token_budget, todo)
+        if problem:
+            raise JobDirError(f"rerun cannot run variant {variant} under these batch limits: {problem}.")
     return execute(job, cfg, plan, todo, "rerun", ray_head=ray_head)
 
 

@@ -30,6 +30,7 @@ class RowSize:
     ref_frames: int
     target_frames: int
     chunked_tokens: int | None = None  # packed tokens summed over its chunks; None: one chunk
+    cut_to_budget: bool = False  # its chunks were cut to fit the engine's token budget
 
     @property
     def packed_tokens(self) -> int:
@@ -71,6 +72,9 @@ class Plan:
     shards: list[Shard] = field(default_factory=list)
     rejected: list[Rejection] = field(default_factory=list)
     engine_settings: dict[str, Any] = field(default_factory=dict)  # variant -> settings in its row keys
+    # The token budget rows were cut to fit (EngineConfig.token_budget), which their audio then depends on;
+    # None when it cut no row. A job keeps it: a resume or rerun under another budget is refused.
+    token_budget: int | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -78,6 +82,8 @@ class Plan:
         (not the wording of why: an error text from storage may differ between two identical submissions)."""
         items = [[s.index, s.variant, [(r.id, r.row_key) for r in s.rows]] for s in self.shards]
         items.append([[r.row_index, r.id] for r in self.rejected])
+        if self.token_budget is not None:
+            items.append(["token_budget", self.token_budget])
         return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:32]
 
     def to_json(self) -> dict[str, Any]:
@@ -90,6 +96,7 @@ class Plan:
             "num_rows": sum(len(s.rows) for s in self.shards),
             "num_rejected": len(self.rejected),
             "engine_settings": self.engine_settings,
+            "token_budget": self.token_budget,
             "shards": [asdict(s) for s in self.shards],
             "rejected": [asdict(r) for r in self.rejected],
         }
@@ -109,6 +116,7 @@ class Plan:
             shards,
             [Rejection(**r) for r in d["rejected"]],
             d.get("engine_settings", {}),
+            d.get("token_budget"),
         )
 
 
@@ -128,7 +136,43 @@ def plan_differences(old: Plan, new: Plan) -> list[str]:
     changed_rows = [k for k in set(keys_a) & set(keys_b) if keys_a[k] != keys_b[k]]
     if changed_rows:
         out.append(f"{len(changed_rows)} row(s) have other inputs (e.g. id {sorted(changed_rows)[0][1]!r})")
+    if old.token_budget != new.token_budget:
+        out.append(budget_difference(old.token_budget, new.token_budget))
     return out or ["its shards are cut differently (shard_tokens, max_rows_per_shard or engine.buckets)"]
+
+
+def budget_difference(job: int | None, now: int | None) -> str:
+    """Why a budget (EngineConfig.token_budget) other than the one a job's rows were cut by is refused."""
+    cut = f"rows were cut into chunks to fit a token budget of {job}" if job else "no row was cut to fit"
+    budget = f"one of {now}" if now else "none"
+    return (
+        f"{cut}, and these settings give {budget} (the smaller of engine.max_batch_tokens and the largest "
+        "engine.buckets): their audio depends on it, so keep the job's"
+    )
+
+
+def budget_problem(plan: Plan, variant: str, budget: int, shards: Sequence[int] | None = None) -> str | None:
+    """Why running a variant's rows (those of `shards`, default all) under a token budget would change their
+    audio, or None: rows cut to fit the plan's budget need that one; others must fit whole, since a smaller
+    budget would cut them."""
+    rows = [
+        r
+        for s in plan.shards
+        if s.variant == variant and (shards is None or s.index in shards)
+        for r in s.rows
+    ]
+    if not rows or budget == plan.token_budget:
+        return None
+    if plan.token_budget is not None:
+        return budget_difference(plan.token_budget, budget)
+    largest = max(rows, key=lambda r: r.packed_tokens)
+    if largest.packed_tokens <= budget:
+        return None
+    return (
+        f"row {largest.id!r} needs {largest.packed_tokens} packed tokens in one generation, and these "
+        f"settings give a token budget of {budget} (the smaller of engine.max_batch_tokens and the largest "
+        "engine.buckets): it would be cut into other chunks, and sound other"
+    )
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -28,7 +28,7 @@ from pipeline.shard_runner import synth_request
 def prepared_size(frontend: RequestFrontend, prepared: PreparedRequest) -> RowSize:
     """Packed tokens of a prepared request, laid out as the engine packs them (chunk_sizes)."""
     sizes = [RowSize(*size) for size in frontend.chunk_sizes(prepared)]
-    largest = max(sizes, key=lambda s: s.packed_tokens)
+    largest = replace(max(sizes, key=lambda s: s.packed_tokens), cut_to_budget=prepared.cut_to_budget)
     if len(sizes) == 1:
         return largest
     return replace(largest, chunked_tokens=sum(s.packed_tokens for s in sizes))

@@ -96,6 +96,16 @@ def test_every_chunk_fits_a_small_budget_even_a_sentence_without_punctuation(cli
         assert "".join(c.text for c in prepared.chunks).replace(" ", "") == text.replace(" ", "")
 
 
+def test_a_request_says_whether_the_token_budget_cut_it(engine):
+    """Only a cut the budget (a run setting) forced is flagged: a long text's cut by its length is not."""
+    small = _engine(buckets=(256, 512), max_batch_tokens=1024)
+    by_length = engine.prepare(SynthRequest(text=_text(engine.cfg.max_text_chars)))
+    assert len(by_length.chunks) > 1 and not by_length.cut_to_budget
+    for text in (_text(1500), _text(300)):  # a long text cut finer, a short one cut at all
+        assert small.prepare(SynthRequest(text=text, ref_audio=CLIP, ref_text=TRANSCRIPT)).cut_to_budget
+    assert not small.prepare(SynthRequest(text="Hello.", ref_audio=CLIP, ref_text=TRANSCRIPT)).cut_to_budget
+
+
 def test_a_row_whose_chunks_cannot_fit_is_rejected_with_the_numbers():
     engine = _engine(buckets=(64,), max_batch_tokens=64)  # less than the reference clip alone
     plan = _plan(engine, ManifestRow(0, "long", _text(400), CLIP, TRANSCRIPT))

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -279,6 +280,38 @@ def test_a_resubmitted_job_must_be_the_same_job(tmp_path: Path):
             tmp_path / "job",
             lambda cfg, rows: _fake_sizer,
         )
+
+
+def test_rows_cut_to_fit_the_token_budget_keep_it_for_the_whole_job(tmp_path: Path):
+    """Such rows sound as their chunks do, which the budget (a run setting) chose: every variant, resume and
+    rerun must run them under that budget, and rows that fit whole under a budget that still holds them."""
+
+    def sizer(row) -> RowSize:
+        return replace(_fake_sizer(row), cut_to_budget=row.id == "r01")
+
+    m = _manifest(tmp_path / "m.parquet", 4)
+    job = JobDir(tmp_path / "job")
+    ab = _fake_cfg(m, "variants.a.precision=fp32", "variants.b.max_batch_tokens=128")
+    with pytest.raises(InputError, match=r"variants.b: rows were cut into chunks to fit a token budget of 2"):
+        submit(ab, job.path, lambda cfg, rows: sizer)
+    submit(_fake_cfg(m), job.path, lambda cfg, rows: sizer)
+    assert json.loads(job.plan_path.read_text())["token_budget"] == 256
+    job.shard_result_path(0).unlink()
+    with pytest.raises(JobDirError, match="cannot run variant default under these batch limits: rows were"):
+        rerun(job.path, ["engine.max_batch_tokens=128"])
+    with pytest.raises(JobDirError, match="these settings give one of 128"):
+        submit(_fake_cfg(m, "engine.max_batch_tokens=128"), job.path, lambda cfg, rows: sizer)
+    assert rerun(job.path, ["engine.buckets=[64,128,256,512]"]).shards_run == [0]  # the same budget
+
+
+def test_a_rerun_under_a_budget_too_small_for_a_row_is_refused(tmp_path: Path):
+    job = JobDir(tmp_path / "job")
+    submit(_fake_cfg(_manifest(tmp_path / "m.parquet", 4)), job.path, lambda cfg, rows: _fake_sizer)
+    largest = max((r for s in job.read_plan().shards for r in s.rows), key=lambda r: r.packed_tokens)
+    for shard in job.read_plan().shards:
+        job.shard_result_path(shard.index).unlink()
+    with pytest.raises(JobDirError, match=rf"row '{largest.id}' needs {largest.packed_tokens} packed tokens"):
+        rerun(job.path, [f"engine.max_batch_tokens={largest.packed_tokens - 1}"])
 
 
 def test_a_resubmitted_job_reads_its_clips_where_the_manifest_now_puts_them(tmp_path: Path):

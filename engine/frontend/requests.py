@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,6 +60,9 @@ class PreparedRequest:
     target_frames: int  # of the whole text
     chunks: list[Chunk]  # one chunk holding the whole text unless the text is long
     prompt: VoicePrompt | None = None  # the reference's codes (None where only the size was needed)
+    # Whether the token budget (run settings) cut the text into other chunks than its length alone would
+    # (then the row's audio depends on that budget, and a job keeps it: pipeline.plan.Plan.token_budget).
+    cut_to_budget: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,11 +108,6 @@ class RequestFrontend:
         return cls(
             cfg, TextFrontend(ckpt_dir / "tokenizer.json"), CodecShape.from_dir(ckpt_dir / "audio_tokenizer")
         )
-
-    @property
-    def token_budget(self) -> int:
-        """Packed tokens one generation may take: max_batch_tokens, and the largest graph bucket."""
-        return min(self.cfg.max_batch_tokens, max(self.cfg.buckets))
 
     def checked_style(self, req: SynthRequest) -> tuple[str | None, str | None]:
         """Check text and seed; resolve language and instruct."""
@@ -193,22 +192,17 @@ class RequestFrontend:
         is_long = needs_chunking(target, self.gen.audio_chunk_threshold, self.frame_rate)
         if self.gen.audio_chunk_duration > 0 and (is_long or not self._fits(p)):
             speed = effective_speed(text, ref_text, frames, req.speed, req.duration, self.frame_rate)
-            p.chunks = plan_chunks(
-                text,
-                target,
-                ref_text,
-                frames,
-                speed,
-                self.gen.audio_chunk_duration,
-                self.frame_rate,
-                fits=lambda chunks: self._fits(replace(p, chunks=chunks)),
-            )
+            chunk_s = self.gen.audio_chunk_duration
+            chunked = partial(plan_chunks, text, target, ref_text, frames, speed, chunk_s, self.frame_rate)
+            p.chunks = chunked(fits=lambda chunks: self._fits(replace(p, chunks=chunks)))
+            p.cut_to_budget = not is_long or p.chunks != chunked()
         return p
 
     def _fits(self, p: PreparedRequest) -> bool:
-        # The budget comes from run settings (not part of a row's key); it only binds where a chunk of
-        # about audio_chunk_duration would not fit, which the planner would otherwise reject.
-        return all(text + ref + 2 * target <= self.token_budget for text, ref, target in self.chunk_sizes(p))
+        # The budget comes from run settings; it binds only where a chunk of about audio_chunk_duration
+        # would not fit (cut_to_budget), which the planner would otherwise reject.
+        budget = self.cfg.token_budget
+        return all(text + ref + 2 * target <= budget for text, ref, target in self.chunk_sizes(p))
 
     def chunk_reference(self, p: PreparedRequest, index: int) -> tuple[str | None, int]:
         """The transcript and frame count of what chunk `index` clones: the reference, or (no clip) the
