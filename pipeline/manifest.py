@@ -183,7 +183,10 @@ def check_id(value: Any) -> str | None:
         return "id is empty: give every row a unique, non-empty id"
     bad = [c for c in value if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")]
     if bad:
-        return f"id {value!r} holds control character {bad[0]!r}: use printable characters only"
+        return (
+            f"id {value!r} holds the invisible character U+{ord(bad[0]):04X} (a control, format or line "
+            "separator character, e.g. a zero-width joiner): use visible characters only"
+        )
     if "/" in value or "\\" in value:
         return f"id {value!r} holds a path separator; ids name files inside the job dir: drop '/' and '\\'"
     if value in (".", "..") or value.startswith("."):

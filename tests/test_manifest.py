@@ -140,7 +140,7 @@ ROW_PROBLEMS = [
     ("../escape", "Text.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "path separator"),
     ("/abs", "Text.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "path separator"),
     ("..", "Text.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "starts with '.'"),
-    ("bell\x07", "Text.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "control character"),
+    ("bell\x07", "Text.", f"clips/{CLIP}", TRANSCRIPT, None, None, None, "invisible character U+0007"),
     ("lang", "Text.", f"clips/{CLIP}", TRANSCRIPT, "klingonish", None, None, "language 'klingonish'"),
     ("dur", "Text.", f"clips/{CLIP}", TRANSCRIPT, None, -2.0, None, "duration=-2.0"),
     ("speed", "Text.", f"clips/{CLIP}", TRANSCRIPT, None, None, 0.0, "speed=0.0"),
