@@ -10,6 +10,7 @@ no Ray behind.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 # driver that connects to that cluster must be in the same mode before it imports Ray, which reads it then.
 AUTH_MODE = "RAY_AUTH_MODE"
 CLOSE_TIMEOUT_S = 30.0  # for Ray's shutdown once asked; then the head is killed
+CONNECT_TIMEOUT_S = 10.0  # for a cluster address to answer
 
 
 class RayHead:
@@ -40,6 +42,9 @@ class RayHead:
             stdout=subprocess.PIPE,
             stderr=self._errors,
             text=True,
+            # out of the terminal's process group: a Ctrl-C mid-start killed the head before Ray's agents
+            # were its children, and left them running; the head stops when the driver closes its stdin
+            start_new_session=True,
         )
         self._address: str | None = None
 
@@ -80,6 +85,30 @@ class RayHead:
 def cluster_address(cfg: JobConfig) -> str | None:
     """The running cluster a job joins (ray.address, else RAY_ADDRESS); None: the job starts its own Ray."""
     return cfg.ray.address or os.environ.get("RAY_ADDRESS")
+
+
+def check_reachable(address: str, given_as: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Refuse, at once, an address that is no Ray cluster's (Ray retries one for over ten minutes): a
+    dashboard URL, or a host:port that does not answer. `auto` is left to Ray."""
+    if address == "auto":
+        return
+    if address.startswith(("http://", "https://")):
+        raise OVBatchError(
+            f"{given_as} {address!r} is a dashboard URL (the one `ray job submit` takes): give the cluster's "
+            "GCS address, host:6379."
+        )
+    host, _, port = address.split("://")[-1].rpartition(":")
+    if not host or not port.isdigit():
+        raise OVBatchError(
+            f"{given_as} {address!r} is not host:port: give the cluster's GCS address, host:6379."
+        )
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise OVBatchError(
+            f"no Ray cluster answers at {address} ({given_as}: {e.strerror or e}): start the cluster or fix "
+            "the address (host:6379), or pass --local to run in this process."
+        ) from None
 
 
 def wanted(cfg: JobConfig) -> bool:

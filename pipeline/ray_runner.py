@@ -28,7 +28,7 @@ from typing import Any
 from engine.errors import OVBatchError
 from pipeline.config import JobConfig
 from pipeline.messages import first_line
-from pipeline.ray_head import RayHead, cluster_address
+from pipeline.ray_head import RayHead, check_reachable, cluster_address
 from pipeline.rows import ResultRow
 from pipeline.shard_runner import SHARDS_IN_FLIGHT, BatchCallback, ShardRunner, ShardTask
 
@@ -74,7 +74,15 @@ def connect(cfg: JobConfig, head: RayHead | None = None) -> bool:
         return True
     address = cluster_address(cfg)
     if address:
-        ray.init(address=address, log_to_driver=False)
+        given_as = "ray.address" if cfg.ray.address else "RAY_ADDRESS"
+        check_reachable(address, given_as)
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except ConnectionError as e:
+            raise OVBatchError(
+                f"cannot join the Ray cluster at {address} ({given_as}): {first_line(e)}. Start the cluster "
+                "or fix the address, or pass --local to run in this process."
+            ) from None
         return False
     ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False)
     return True

@@ -143,3 +143,19 @@ def test_only_a_job_that_starts_its_own_ray_in_a_process_without_ray_gets_a_head
     monkeypatch.delenv("RAY_ADDRESS")
     monkeypatch.setitem(sys.modules, "ray", object())
     assert not ray_head.wanted(JobConfig())
+
+
+def test_an_address_that_is_no_clusters_is_refused_at_once():
+    """Ray retries an unreachable address for over ten minutes; a dashboard URL is a common mix-up."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"  # bound, not listening: refused
+        with pytest.raises(OVBatchError, match=rf"no Ray cluster answers at {address} \(RAY_ADDRESS: "):
+            ray_head.check_reachable(address, "RAY_ADDRESS")
+    with pytest.raises(OVBatchError, match="'http://127.0.0.1:8265' is a dashboard URL .* host:6379"):
+        ray_head.check_reachable("http://127.0.0.1:8265", "ray.address")
+    with pytest.raises(OVBatchError, match="'headnode' is not host:port"):
+        ray_head.check_reachable("headnode", "ray.address")
+    ray_head.check_reachable("auto", "RAY_ADDRESS")  # left to Ray
