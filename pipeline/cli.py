@@ -7,8 +7,11 @@ finishes with failed rows exits with code 1 and says how to rerun them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ from pipeline.messages import first_line, first_line_of
 EXIT_FAILED_ROWS = 1
 EXIT_ERROR = 2
 EXIT_UNEXPECTED = 3
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a command whose reader went away
 ERROR_CHARS = 300  # of a row's error shown on the terminal (the results files hold all of it)
 OVERRIDE_FORM = "write overrides as key=value, e.g. engine.precision=fp16"
 CHECKPOINT_HELP = (
@@ -239,6 +243,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     from pipeline.config import load_job_config, resolve_checkpoint_names
 
     cfg = resolve_checkpoint_names(load_job_config(None, args.overrides, _flag_settings(args)))
+    _check_wav_out(Path(args.out))
     engine = Engine(cfg.engine)
     req = SynthRequest(
         text=args.text,
@@ -255,6 +260,21 @@ def cmd_synth(args: argparse.Namespace) -> int:
     seconds = len(result.audio) / result.sample_rate
     print(f"{args.out}: {seconds:.2f} s at {result.sample_rate} Hz ({engine.precision} on {engine.device})")
     return 0
+
+
+def _check_wav_out(out: Path) -> None:
+    """Before any work: a path synth can write its WAV to."""
+    if out.suffix.lower() != ".wav":
+        raise InputError(f"--out {out}: synth writes a WAV file; give a name ending in .wav.")
+    if out.is_dir():
+        raise InputError(f"--out {out} is a folder: give a file name ending in .wav.")
+    folder = next(p for p in out.absolute().parents if p.exists())  # the folders below it are made
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise InputError(
+            f"--out {out}: {folder} cannot be written to ({e.strerror}): give a path in a writable folder."
+        ) from None
 
 
 def cmd_quantize(argv: list[str]) -> int:
@@ -380,20 +400,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ovbatch: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        job = getattr(args, "out", None) or getattr(args, "job", None) or "JOB"
-        print(
-            f"ovbatch: interrupted; finished shards are saved: `ovbatch rerun {job}` (or the same submit "
-            "again) runs the rest.",
-            file=sys.stderr,
-        )
+        print(f"ovbatch: interrupted.{_what_is_kept(args)}", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # its reader stopped reading (`ovbatch status JOB | head`): as a shell would
+        with contextlib.suppress(OSError, ValueError):  # no second error at exit's flush
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except Exception as e:  # a bug, or the machine's (a full disk): the traceback to report, then one line
         traceback.print_exc()
-        runs_job = getattr(args, "func", None) in (cmd_submit, cmd_rerun)
-        job = getattr(args, "out", None) or getattr(args, "job", None)
-        after = f" Finished shards are saved: fix the cause, then `ovbatch rerun {job}`." if runs_job else ""
-        print(f"ovbatch: unexpected {type(e).__name__}: {first_line(e)}.{after}", file=sys.stderr)
+        kept = _what_is_kept(args)
+        print(f"ovbatch: unexpected {type(e).__name__}: {first_line(e)}.{kept}", file=sys.stderr)
         return EXIT_UNEXPECTED
+
+
+def _what_is_kept(args: argparse.Namespace | None) -> str:
+    """For a job's run stopped midway: what it kept and how to go on."""
+    if getattr(args, "func", None) not in (cmd_submit, cmd_rerun, cmd_demo):
+        return ""
+    from pipeline.store import JobDir
+
+    job = getattr(args, "out", None) or getattr(args, "job", None)
+    if job is None or not JobDir(job).exists():
+        return " The job was not planned yet: nothing was kept."
+    return f" Finished shards are kept: `ovbatch rerun {job}` (or the same submit again) runs the rest."
 
 
 if __name__ == "__main__":

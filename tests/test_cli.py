@@ -13,6 +13,8 @@ import soundfile as sf
 from pipeline.cli import EXIT_ERROR, EXIT_UNEXPECTED, main
 from pipeline.demo import DEMO_ROWS, write_demo_manifest
 from pipeline.manifest import load
+from pipeline.plan import Plan
+from pipeline.store import JobDir
 
 DATA = Path(__file__).parent / "data"
 CLIPS = json.loads((DATA / "clips.json").read_text())
@@ -118,9 +120,28 @@ def test_an_unexpected_error_exits_3_with_its_traceback_and_a_line_saying_what_i
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err
     assert err.strip().splitlines()[-1] == (
-        "ovbatch: unexpected OSError: [Errno 28] No space left on device. Finished shards are saved: fix the "
-        f"cause, then `ovbatch rerun {tmp_path / 'j'}`."
+        "ovbatch: unexpected OSError: [Errno 28] No space left on device. The job was not planned yet: "
+        "nothing was kept."
     )
+    JobDir(tmp_path / "j").write_plan(Plan(["default"], [128], 1000))  # a job planned before the error
+    assert main(["submit", "m.parquet", "--out", str(tmp_path / "j"), "--local"]) == EXIT_UNEXPECTED
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            f"Finished shards are kept: `ovbatch rerun {tmp_path / 'j'}` (or the same submit again) runs the "
+            "rest."
+        )
+    )
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly(monkeypatch, capsys):
+    def status(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("pipeline.cli.cmd_status", status)
+    assert main(["status", "somejob"]) == 141
+    assert capsys.readouterr().err == ""
 
 
 def test_an_out_that_is_a_file_is_refused_before_planning(tmp_path: Path, capsys):
@@ -248,6 +269,22 @@ def test_manifest_check_reads_remote_clips_as_submit_does(tmp_path: Path, capsys
     )
     assert main(["manifest", "check", str(tmp_path / "m.parquet"), *fast]) == 0
     assert "1 rows, 1 accepted, 0 rejected" in capsys.readouterr().out
+
+
+def test_synth_refuses_an_output_it_cannot_write_before_any_work(tmp_path: Path, capsys, monkeypatch):
+    def no_engine(*a, **k):
+        raise AssertionError("the engine was loaded")
+
+    monkeypatch.setattr("engine.api.Engine", no_engine)
+    (tmp_path / "folder.wav").mkdir()
+    (tmp_path / "file").write_text("a file, not a folder")
+    for out, message in (
+        (tmp_path / "h.mp3", "synth writes a WAV file; give a name ending in .wav"),
+        (tmp_path / "folder.wav", "is a folder: give a file name ending in .wav"),
+        (tmp_path / "file" / "h.wav", "cannot be written to"),
+    ):
+        assert main(["synth", "--text", "Hi.", "--out", str(out)]) == EXIT_ERROR
+        assert message in _error_line(capsys)
 
 
 def test_synth_writes_a_wav(tmp_path: Path, capsys, fast):
