@@ -191,8 +191,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     _print_checkpoints(JobDir(args.job))
     _print_problems(s)
-    if shards["finished"] < shards["planned"]:
-        left = shards["planned"] - shards["finished"]
+    left = shards["planned"] - shards["finished"]
+    running = JobDir(args.job).running_by()
+    if left and running:
+        print(f"running now ({running}): {left} shard(s) not finished yet.")
+    elif left:
         print(
             f"{left} shard(s) not run yet: `ovbatch rerun {s['job']}` runs them (so does submitting the "
             "same manifest and config to this --out again)."

@@ -111,6 +111,20 @@ class JobDir:
         f.flush()
         return f
 
+    def running_by(self) -> str | None:
+        """Who runs the job now (the run lock's holder), or None."""
+        try:
+            f = open(self.lock_path)  # noqa: SIM115 - closed below, after the lock test
+        except FileNotFoundError:
+            return None
+        with f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return f.read().strip() or "another process"
+            fcntl.flock(f, fcntl.LOCK_UN)
+        return None
+
     def exists(self) -> bool:
         return self.plan_path.is_file()
 

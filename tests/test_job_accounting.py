@@ -190,6 +190,21 @@ def test_submit_and_status_name_the_rejected_rows_and_their_files(tmp_path: Path
     assert summary["problems"]["rejected"]["count"] == 7 and summary["problems"]["failed"]["count"] == 0
 
 
+def test_status_says_a_job_is_running_instead_of_advising_a_rerun(tmp_path: Path, capsys):
+    outcome = _submit(tmp_path, ["row 0", "row 1"])
+    job = outcome.job
+    for index in job.finished_shards():
+        job.shard_result_path(index).unlink()
+    assert cli.main(["status", str(job.path)]) == 0
+    assert "shard(s) not run yet: `ovbatch rerun" in capsys.readouterr().out
+    held = job.hold_for_run()  # as a run still going holds it
+    assert cli.main(["status", str(job.path)]) == 0
+    out = capsys.readouterr().out
+    assert "running now (pid " in out and "shard(s) not finished yet." in out and "ovbatch rerun" not in out
+    held.close()
+    assert job.running_by() is None
+
+
 def test_x_realtime_reads_as_people_write_it():
     assert realtime_text(6.7051) == "6.7x realtime"
     assert realtime_text(None) == "no audio timed yet"
