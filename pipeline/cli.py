@@ -105,10 +105,11 @@ def _print_outcome(outcome: Any) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from pipeline.config import load_job_config
+    from pipeline.job import may_run, submit
 
     cfg = load_job_config(args.config, args.overrides, _flag_settings(args, manifest=args.manifest))
-    with ray_head.own_ray(cfg) as head:  # Ray comes up while the job's modules import and it reads its input
-        from pipeline.job import submit
+    # Ray comes up while the job's modules import and it reads its input
+    with ray_head.own_ray(cfg, needed=may_run(args.out)) as head:
         from pipeline.sizing import frontend_sizer
 
         return _print_outcome(submit(cfg, args.out, frontend_sizer, head))
@@ -116,14 +117,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_rerun(args: argparse.Namespace) -> int:
     from pipeline.config import load_job_config
+    from pipeline.job import rerun, shards_to_rerun
     from pipeline.store import JobDir
 
     job = JobDir(args.job)
     job.require()
     cfg = load_job_config(job.config_path, args.overrides, _flag_settings(args))  # as rerun() reads it
-    with ray_head.own_ray(cfg) as head:
-        from pipeline.job import rerun
-
+    with ray_head.own_ray(cfg, needed=bool(shards_to_rerun(job))) as head:
         return _print_outcome(rerun(args.job, args.overrides, _flag_settings(args), head))
 
 

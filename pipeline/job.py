@@ -233,6 +233,22 @@ def _complete(job: JobDir) -> bool:
     return job.exists() and {s.index for s in job.read_plan().shards} <= job.finished_shards()
 
 
+def may_run(out: str | Path) -> bool:
+    """Whether submitting to `out` may run shards: a new job, or one not complete (not a file, not done)."""
+    job = JobDir(out)
+    return not job.path.exists() or (job.path.is_dir() and not _complete(job))
+
+
+def shards_to_rerun(job: JobDir) -> list[int]:
+    """The shards a rerun runs: those missing their results file or holding failed rows."""
+    finished = job.finished_shards()
+    return [
+        s.index
+        for s in job.read_plan().shards
+        if s.index not in finished or any(r.status == "failed" for r in job.read_shard_results(s.index))
+    ]
+
+
 def rerun(
     job_path: str | Path,
     overrides: list[str] | tuple[str, ...] = (),
@@ -258,13 +274,7 @@ def rerun(
             "settings): only run settings (device, buckets, batch limits, ray.*, local) may be overridden. "
             "Submit the manifest to a new --out for other settings."
         )
-    finished = job.finished_shards()
-    todo = []
-    for shard in plan.shards:
-        if shard.index not in finished:
-            todo.append(shard.index)
-        elif any(r.status == "failed" for r in job.read_shard_results(shard.index)):
-            todo.append(shard.index)
+    todo = shards_to_rerun(job)
     for variant in plan.variants:
         problem = budget_problem(plan, variant, cfg.engine_config(variant).token_budget, todo)
         if problem:

@@ -118,9 +118,10 @@ def wanted(cfg: JobConfig) -> bool:
 
 
 @contextmanager
-def own_ray(cfg: JobConfig) -> Iterator[RayHead | None]:
-    """The job's own Ray, started now where wanted() (else None), closed on leaving."""
-    head = RayHead(cfg.ray.num_cpus) if wanted(cfg) else None
+def own_ray(cfg: JobConfig, needed: bool = True) -> Iterator[RayHead | None]:
+    """The job's own Ray, started now where wanted() and the command may run shards (else None), closed on
+    leaving."""
+    head = RayHead(cfg.ray.num_cpus) if needed and wanted(cfg) else None
     try:
         yield head
     finally:

@@ -11,8 +11,9 @@ import pytest
 import soundfile as sf
 
 from pipeline.cli import EXIT_ERROR, EXIT_UNEXPECTED, main
+from pipeline.config import load_job_config
 from pipeline.demo import DEMO_ROWS, write_demo_manifest
-from pipeline.manifest import load
+from pipeline.manifest import engine_settings, load
 from pipeline.plan import Plan
 from pipeline.store import JobDir
 
@@ -142,6 +143,24 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly(monkeypatch, capsy
     monkeypatch.setattr("pipeline.cli.cmd_status", status)
     assert main(["status", "somejob"]) == 141
     assert capsys.readouterr().err == ""
+
+
+def test_a_command_with_no_shard_to_run_starts_no_ray(tmp_path: Path, capsys, monkeypatch):
+    def no_head(*a, **k):
+        raise AssertionError("a Ray head was started")
+
+    monkeypatch.setattr("pipeline.ray_head.RayHead", no_head)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    (tmp_path / "file").write_text("mine")
+    done = JobDir(tmp_path / "done")
+    settings = {"default": engine_settings(load_job_config(None).engine_config("default"))}
+    done.write_plan(Plan(["default"], [128], 1000, engine_settings=settings))  # no shards: complete
+    done.config_path.write_text("{}\n")
+    done.write_rows([])
+    assert main(["submit", "m.parquet", "--out", str(tmp_path / "file")]) == EXIT_ERROR
+    assert "is a file" in _error_line(capsys)
+    assert main(["rerun", str(done.path)]) == 0
+    assert "0 shard(s) run" in capsys.readouterr().out
 
 
 def test_an_out_that_is_a_file_is_refused_before_planning(tmp_path: Path, capsys):
