@@ -122,18 +122,19 @@ class Plan:
 
 def plan_differences(old: Plan, new: Plan) -> list[str]:
     """What makes two plans of one job directory differ, in words a person can act on."""
-    out = []
+    out, resettled = [], set()
     for variant in sorted(set(old.engine_settings) | set(new.engine_settings)):
         a, b = _flatten(old.engine_settings.get(variant, {})), _flatten(new.engine_settings.get(variant, {}))
         changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
         if changed:
             shown = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed[:5])
             out.append(f"variant {variant} engine settings changed ({shown})")
+            resettled.add(variant)  # its row keys hold its settings: they all change, said once above
     keys_a = {(s.variant, r.id): r.row_key for s in old.shards for r in s.rows}
     keys_b = {(s.variant, r.id): r.row_key for s in new.shards for r in s.rows}
     if set(keys_a) != set(keys_b):
         out.append(f"{len(set(keys_a) ^ set(keys_b))} row(s) added or removed")
-    changed_rows = [k for k in set(keys_a) & set(keys_b) if keys_a[k] != keys_b[k]]
+    changed_rows = [k for k in set(keys_a) & set(keys_b) if keys_a[k] != keys_b[k] and k[0] not in resettled]
     if changed_rows:
         out.append(f"{len(changed_rows)} row(s) have other inputs (e.g. id {sorted(changed_rows)[0][1]!r})")
     if old.token_budget != new.token_budget:

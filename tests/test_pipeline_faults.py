@@ -272,7 +272,7 @@ def test_a_resubmitted_job_must_be_the_same_job(tmp_path: Path):
     submit(_fake_cfg(m), tmp_path / "job", lambda cfg, rows: _fake_sizer)
     resumed = submit(_fake_cfg(m), tmp_path / "job", lambda cfg, rows: _fake_sizer)
     assert resumed.shards_run == []
-    with pytest.raises(JobDirError, match=r"holds a different job: .*generation.num_step: 32 -> 8"):
+    with pytest.raises(JobDirError, match=r"a different job: .*generation.num_step: 32 -> 8\)\. Submit"):
         submit(_fake_cfg(m, "engine.generation.num_step=8"), tmp_path / "job", lambda cfg, rows: _fake_sizer)
     with pytest.raises(JobDirError, match=r"1 row\(s\) have other inputs \(e.g. id 'r01'\)"):
         submit(
