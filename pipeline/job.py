@@ -283,12 +283,13 @@ def rerun(
 
 
 def _task(
-    plan: Plan, index: int, rows: dict[str, manifest_mod.ManifestRow], kept: dict[int, list[ResultRow]]
+    plan: Plan, index: int, rows: dict[str, manifest_mod.ManifestRow], earlier: dict[int, list[ResultRow]]
 ) -> ShardTask:
+    """The shard's rows not settled by an earlier run (`earlier`: its results), as its next attempt."""
     shard = plan.shards[index]
-    done = {r.id for r in kept.get(index, [])}
+    done = {r.id for r in earlier.get(index, []) if r.status != "failed"}
     payload = [RequestRow.of(rows[p.id], p) for p in shard.rows if p.id not in done]
-    attempt = 1 + max((r.attempt or 0 for r in kept.get(index, [])), default=0)
+    attempt = 1 + max((r.attempt or 0 for r in earlier.get(index, [])), default=0)
     return ShardTask(shard.index, shard.variant, shard.bucket, attempt, payload)
 
 
@@ -332,13 +333,10 @@ def _execute(
     job.remove_temp_files()
     rows = job.read_rows()
     finished = job.finished_shards()
+    earlier = {i: job.read_shard_results(i) for i in shard_indices if i in finished}
     # Rows a shard already settled (ok or rejected) are kept and never run again.
-    kept = {
-        i: [r for r in job.read_shard_results(i) if r.status != "failed"]
-        for i in shard_indices
-        if i in finished
-    }
-    tasks = [_task(plan, i, rows, kept) for i in shard_indices]
+    kept = {i: [r for r in results if r.status != "failed"] for i, results in earlier.items()}
+    tasks = [_task(plan, i, rows, earlier) for i in shard_indices]
     t0 = time.perf_counter() if t0 is None else t0
     if tasks and workers is None:
         workers = Workers(job, cfg, ray_head)

@@ -225,6 +225,16 @@ def test_rerun_runs_only_the_failed_rows_and_never_rewrites_an_ok_row(tmp_path: 
         rerun(job.path, ["engine.generation.num_step=8"])
 
 
+def test_a_shard_whose_rows_all_failed_reruns_as_its_next_attempt(tmp_path: Path):
+    FakeEngine.fail_ids = {"r00", "r01"}
+    cfg = _fake_cfg(_manifest(tmp_path / "m.parquet", 2))
+    job = submit(cfg, tmp_path / "job", lambda cfg, rows: _fake_sizer).job
+    assert {r["status"] for r in job.read_results().to_pylist()} == {"failed"}
+    FakeEngine.fail_ids = set()
+    rerun(job.path)
+    assert [(r["status"], r["attempt"]) for r in job.read_results().to_pylist()] == [("ok", 2), ("ok", 2)]
+
+
 def test_a_writer_killed_during_a_run_leaves_no_temp_file_behind(tmp_path: Path):
     # A killed actor's half-written wav (tests/test_pipeline_e2e.py kills one) appears after the job
     # started, so the cleanup at the start cannot catch it; the run's end must.
