@@ -122,6 +122,7 @@ def cmd_rerun(args: argparse.Namespace) -> int:
 
     job = JobDir(args.job)
     job.require()
+    job.refuse_if_running()
     cfg = load_job_config(job.config_path, args.overrides, _flag_settings(args))  # as rerun() reads it
     with ray_head.own_ray(cfg, needed=bool(shards_to_rerun(job))) as head:
         return _print_outcome(rerun(args.job, args.overrides, _flag_settings(args), head))

@@ -164,6 +164,7 @@ def submit(
         raise JobDirError("no manifest given: pass MANIFEST to submit (or manifest=... in the config).")
     if job.path.exists() and not job.path.is_dir():
         raise JobDirError(f"--out {job.path} is a file: give a new or empty directory for the job.")
+    job.refuse_if_running()  # before its config, rows or Ray are touched
     foreign = [] if job.exists() else job.foreign_entries()
     if foreign:
         raise JobDirError(
@@ -234,8 +235,10 @@ def _complete(job: JobDir) -> bool:
 
 
 def may_run(out: str | Path) -> bool:
-    """Whether submitting to `out` may run shards: a new job, or one not complete (not a file, not done)."""
+    """Whether submitting to `out` may run shards: a new job, or one not complete (not a file, not done).
+    A job another run holds is refused here, before anything starts."""
     job = JobDir(out)
+    job.refuse_if_running()
     return not job.path.exists() or (job.path.is_dir() and not _complete(job))
 
 
@@ -260,6 +263,7 @@ def rerun(
     in submit."""
     job = JobDir(job_path)
     job.require()
+    job.refuse_if_running()
     cfg = load_job_config(job.config_path, overrides, literal)
     plan = job.read_plan()
     changed = [

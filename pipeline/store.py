@@ -101,21 +101,31 @@ class JobDir:
             f.seek(0)
             holder = f.read().strip() or "another process"
             f.close()
-            raise JobDirError(
-                f"{self.path} is being run by {holder}: wait for that run to end (`ovbatch status "
-                f"{self.path}` shows its progress) or stop it, then run this again."
-            ) from None
+            raise self._busy(holder) from None
         f.seek(0)
         f.truncate()
         f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         f.flush()
         return f
 
+    def refuse_if_running(self) -> None:
+        """Before a submit or rerun starts anything (Ray, planning, a write): refused while a run holds the
+        job (hold_for_run, taken when shards start, refuses it again then)."""
+        holder = self.running_by()
+        if holder:
+            raise self._busy(holder)
+
+    def _busy(self, holder: str) -> JobDirError:
+        return JobDirError(
+            f"{self.path} is being run by {holder}: wait for that run to end (`ovbatch status {self.path}` "
+            "shows its progress) or stop it, then run this again."
+        )
+
     def running_by(self) -> str | None:
         """Who runs the job now (the run lock's holder), or None."""
         try:
             f = open(self.lock_path)  # noqa: SIM115 - closed below, after the lock test
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         with f:
             try:

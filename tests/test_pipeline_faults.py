@@ -358,16 +358,21 @@ def test_an_unreadable_results_file_is_named_with_its_fix(tmp_path: Path):
         assert broken.is_file()
 
 
-def test_a_rerun_while_the_job_runs_is_refused_and_touches_nothing(tmp_path: Path):
+def test_a_submit_or_rerun_while_the_job_runs_is_refused_and_touches_nothing(tmp_path: Path):
+    m = _manifest(tmp_path / "m.parquet", 4)
     job = JobDir(tmp_path / "job")
-    submit(_fake_cfg(_manifest(tmp_path / "m.parquet", 4)), job.path, lambda cfg, rows: _fake_sizer)
+    submit(_fake_cfg(m), job.path, lambda cfg, rows: _fake_sizer)
     job.shard_result_path(0).unlink()
     running = job.hold_for_run()  # as a run still going would
     in_flight = job.wav_path("default", "r00").with_name(f".r00.wav{TMP_MARK}live")
     in_flight.write_bytes(b"RIFF, being written")
+    files = {p: p.read_bytes() for p in (job.config_path, job.rows_path, job.plan_path)}
     with pytest.raises(JobDirError, match="is being run by pid"):
         rerun(job.path)
+    with pytest.raises(JobDirError, match="is being run by pid"):
+        submit(_fake_cfg(m, "writer_threads=1"), job.path, lambda cfg, rows: _fake_sizer)
     assert in_flight.exists() and 0 not in job.finished_shards()
+    assert {p: p.read_bytes() for p in files} == files
     running.close()
     assert rerun(job.path).shards_run == [0]
 
