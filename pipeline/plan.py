@@ -1,4 +1,4 @@
-"""Plan a job: each row's packed length and graph bucket, and shards of one bucket that fill a token budget.
+"""Plan a job: each row's packed length and graph bucket, and shards of one bucket of about shard_tokens.
 
 A row's packed length is what it costs the engine's forward pass: the conditional sequence (prompt text
 tokens + reference frames + target frames) plus the unconditional one (target frames), i.e.

@@ -1,5 +1,5 @@
-"""The job directory: resolved config, plan, per-shard results, wavs, summary. Every write is atomic
-(pipeline.atomic), so a reader never sees half a file.
+"""The job directory: resolved config, plan, per-shard results, wavs, summary. Every file is written
+atomically (pipeline.atomic), so a reader never sees half a file, but runs.jsonl, appended a line a run.
 
     JOB/config.yaml                 resolved job config
     JOB/plan.json                   shards and their rows (pipeline.plan)
