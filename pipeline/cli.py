@@ -1,7 +1,9 @@
 """`ovbatch`: submit, status, rerun, report, demo, manifest check, synth, quantize.
 
 Errors the project raises on purpose (OVBatchError) print one line and exit with code 2; a job that
-finishes with failed rows exits with code 1 and says how to rerun them.
+finishes with failed rows (or a manifest check that finds rejected ones) exits with code 1 and says what
+to do; any other error prints its traceback and one line, and exits 3; Ctrl-C exits 130, and a reader
+that stops reading 141 (docs/pipeline.md lists them).
 """
 
 from __future__ import annotations
