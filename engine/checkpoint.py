@@ -142,14 +142,18 @@ def checkpoint_fingerprint(ckpt_dir: str | os.PathLike, cache_dir: str | os.Path
     return files_fingerprint([config, *weight_files(ckpt_dir)], cache_dir)
 
 
+def _stamp(st: os.stat_result) -> tuple[int, ...]:
+    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns
+
+
 def files_fingerprint(files: list[Path], cache_dir: str | os.PathLike | None = None) -> str:
     """sha256 over the sha256 of each file, in order (64 hex digits).
 
     Hashing reads every byte (seconds for a full-size checkpoint), so the result is kept in `cache_dir`
     (default <cache_root>/fingerprints) under the files' paths, sizes and modification times: a load of
-    unchanged files reads none of them to name them. A file rewritten in place with the same size and
-    modification time would keep its old fingerprint."""
-    stamps = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    unchanged files reads none of them to name them. The stamps hold the inode and change time too: a
+    file replaced or rewritten keeps neither, whatever size and modification time it is given."""
+    stamps = [(str(p.resolve()), *_stamp(p.stat())) for p in files]
     key = hashlib.sha256(json.dumps(stamps).encode()).hexdigest()
     cached = Path(cache_dir or cache_root() / "fingerprints") / key
     try:

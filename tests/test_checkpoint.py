@@ -3,6 +3,7 @@ the checkpoint fingerprint."""
 
 import hashlib
 import json
+import os
 import shutil
 import time
 
@@ -224,6 +225,14 @@ def test_a_fingerprint_is_hashed_once_per_unchanged_checkpoint(broken, tmp_path,
     assert second != first and len(list(cache.iterdir())) == 2
     (cache / "not-a-folder").write_text("")
     assert checkpoint_fingerprint(broken, cache / "not-a-folder") == second  # no cache: hashed, not an error
+    weights = broken / "model.safetensors"
+    before = weights.stat()
+    replacement = weights.with_name("new.safetensors")
+    data = weights.read_bytes()
+    replacement.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # another file of the same size
+    os.replace(replacement, weights)
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))  # and the same modification time
+    assert checkpoint_fingerprint(broken, cache) != second
 
 
 def test_fingerprint_of_a_sharded_checkpoint_covers_every_shard(broken):

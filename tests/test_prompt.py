@@ -107,9 +107,15 @@ def test_voice_prompt_detects_mismatched_or_damaged_files(tmp_path):
     (tmp_path / "e.json").write_text(json.dumps({**meta, "version": 99}))
     with pytest.raises(InputError, match="not a version-1 ovbatch-voice-prompt file"):
         VoicePrompt.load(tmp_path / "e")
-    (tmp_path / "e.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "ref_rms"}))
-    with pytest.raises(InputError, match=r"e\.json needs a text ref_text and a numeric ref_rms"):
+    for damaged in ({k: v for k, v in meta.items() if k != "ref_rms"}, {**meta, "ref_rms": 0.0}):
+        (tmp_path / "e.json").write_text(json.dumps(damaged))
+        with pytest.raises(InputError, match=r"e\.json needs a text ref_text and a positive finite ref_rms"):
+            VoicePrompt.load(tmp_path / "e")
+    (tmp_path / "e.json").write_text("null")
+    with pytest.raises(InputError, match=r"e\.json holds NoneType, not a prompt's metadata"):
         VoicePrompt.load(tmp_path / "e")
+    with pytest.raises(InputError, match="voice prompt ref_rms=-1.0: give the reference clip's RMS"):
+        VoicePrompt(torch.zeros(8, 3, dtype=torch.long), "words", -1.0)
 
 
 # ---------------------------------------------------------------- building and caching
@@ -299,6 +305,10 @@ def test_two_processes_preparing_one_clip_leave_one_valid_entry(tmp_path):
     entries = [p for p in tmp_path.rglob("*") if p.is_dir() and len(p.name) == 64]
     assert len(entries) == 1
     assert sorted(p.name for p in entries[0].iterdir()) == ["prompt.json", "prompt.safetensors"]
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (entries[0], *entries[0].iterdir()):  # other users reuse it: modes as the umask makes them
+        assert path.stat().st_mode & 0o777 == (0o777 if path.is_dir() else 0o666) & ~umask, path
     assert not [p for p in tmp_path.rglob(".tmp-*")]
     winner = VoicePrompt.load(entries[0] / "prompt")  # one writer's complete entry, never a mix
     assert winner.ref_rms in (1.0, 2.0) and (winner.tokens == int(winner.ref_rms)).all()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -32,12 +33,19 @@ from engine.frontend.audio import (
     prepare_reference,
     read_clip_bytes,
 )
+from engine.fsmodes import chmod_tree_as_created
 
 log = logging.getLogger(__name__)
 
 PROMPT_FORMAT = "ovbatch-voice-prompt"
 PROMPT_VERSION = 1
 ENTRY_STEM = "prompt"
+
+
+def _loudness(value: object) -> bool:
+    """Whether a ref_rms can scale the output: a positive finite number (0 silences it, < 0 flips it)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return number and math.isfinite(value) and value > 0
 
 
 def _tokens_sha256(tokens: torch.Tensor) -> str:
@@ -49,6 +57,13 @@ class VoicePrompt:
     tokens: torch.Tensor  # long [C, F] reference audio codes
     ref_text: str
     ref_rms: float
+
+    def __post_init__(self) -> None:
+        if not _loudness(self.ref_rms):
+            raise InputError(
+                f"voice prompt ref_rms={self.ref_rms!r}: give the reference clip's RMS, a positive finite "
+                "number (it scales the output's loudness)."
+            )
 
     def save(self, stem: str | Path) -> None:
         """Write `<stem>.safetensors` and `<stem>.json`."""
@@ -78,6 +93,8 @@ class VoicePrompt:
             raise InputError(f"voice prompt {e.filename} is missing: {fix}") from None
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, OSError, SafetensorError) as e:
             raise InputError(f"voice prompt {stem} is unreadable ({e!r}): {fix}") from None
+        if not isinstance(meta, dict):
+            raise InputError(f"{json_path} holds {type(meta).__name__}, not a prompt's metadata: {fix}")
         if meta.get("format") != PROMPT_FORMAT or meta.get("version") != PROMPT_VERSION:
             raise InputError(
                 f"{json_path} is not a version-{PROMPT_VERSION} {PROMPT_FORMAT} file "
@@ -90,9 +107,9 @@ class VoicePrompt:
         ):
             raise InputError(f"voice prompt {st_path} does not match {json_path} (shape or checksum): {fix}")
         ref_text, ref_rms = meta.get("ref_text"), meta.get("ref_rms")
-        if not isinstance(ref_text, str) or not isinstance(ref_rms, int | float):
+        if not isinstance(ref_text, str) or not _loudness(ref_rms):
             raise InputError(
-                f"{json_path} needs a text ref_text and a numeric ref_rms, has {ref_text!r} and "
+                f"{json_path} needs a text ref_text and a positive finite ref_rms, has {ref_text!r} and "
                 f"{ref_rms!r}: {fix}"
             )
         return cls(tokens=tokens, ref_text=ref_text, ref_rms=float(ref_rms))
@@ -282,6 +299,7 @@ class PromptCache:
         staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
         try:
             prompt.save(staging / ENTRY_STEM)
+            chmod_tree_as_created(staging)  # mkdtemp and save_file make owner-only entries; others reuse them
             os.rename(staging, final)  # atomic; fails when another writer published first
         except OSError:
             if not final.exists():
