@@ -339,10 +339,12 @@ class Engine:
         seen = [(source, text) for source, (_, _, text) in zip(sources, wanted)]
         with self._lock:
             keys = [self._clip_keys.get(clip) for clip in seen]
-        made = self.prompts.get_or_create_many(sources, [text for _, _, text in wanted], make_many, keys)
-        with self._lock:
-            for clip in seen:
-                self._clip_keys.pop(clip, None)
+        try:
+            made = self.prompts.get_or_create_many(sources, [text for _, _, text in wanted], make_many, keys)
+        finally:  # used once, or never if the batch failed: a later batch reads its clips again
+            with self._lock:
+                for clip in seen:
+                    self._clip_keys.pop(clip, None)
         for (i, name, _), prompt in zip(wanted, made):
             seconds = prompt.tokens.shape[1] / self.frame_rate
             if seconds > LONG_REFERENCE_S:

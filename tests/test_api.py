@@ -141,6 +141,13 @@ def test_batch_results_do_not_depend_on_neighbours(engine):
     np.testing.assert_allclose(together.audio, alone.audio, atol=1e-4)
 
 
+def test_a_numpy_integer_seed_is_the_same_seed(engine):
+    plain, numpy_seed = (SynthRequest(text="Seeded.", instruct="male", seed=s) for s in (5, np.int64(5)))
+    np.testing.assert_array_equal(
+        engine.synthesize([plain])[0].tokens, engine.synthesize([numpy_seed])[0].tokens
+    )
+
+
 def test_voice_prompt_request_equals_clip_request(engine, tmp_path):
     by_clip = SynthRequest(text="Same voice.", ref_audio=CLIP, ref_text=TRANSCRIPT, seed=5)
     prompt = engine.prepare(by_clip).prompt
@@ -219,6 +226,8 @@ def test_long_text_is_chunked_and_cross_faded(chunking_engine, with_clip):
         ({"text": "Hi.", "speed": -1.0}, InputError, "speed=-1.0"),
         ({"text": "Hi.", "duration": 0.0}, InputError, "duration=0.0"),
         ({"text": "Hi.", "seed": 1.5}, InputError, "seed=1.5"),
+        ({"text": "Hi.", "seed": 2**70}, InputError, r"seed=1180591620717411303424: give an integer from 0"),
+        ({"text": "Hi.", "seed": -1}, InputError, "seed=-1"),
         ({"text": "Hi.", "duration": 3600.0}, InputError, "3600 s of audio, over the 600 s limit"),
         ({"text": "Hello there.", "speed": 0.001}, InputError, "over the 600 s limit"),
         (
@@ -454,6 +463,24 @@ def test_a_batch_that_fails_leaves_no_then_running(engine, monkeypatch, stage):
     with pytest.raises(RuntimeError, match=f"{stage} failed"):
         engine.generate([SynthRequest(text="Fails.", instruct="male", seed=4)], then=slow_then)
     assert finished.is_set()
+
+
+def test_a_failed_batch_leaves_no_clip_key_for_a_later_one(engine, tmp_path):
+    """preload() keys a clip by its content when read; a batch that fails must not leave that key for a
+    later batch, which may find other content under the same path."""
+    import shutil
+
+    voice, bad = tmp_path / "voice.wav", tmp_path / "bad.wav"
+    shutil.copy(DATA / "en_24k_mono.wav", voice)
+    bad.write_bytes(b"not audio")
+    a, b = (SynthRequest(text="Hi.", ref_audio=str(p), ref_text=TRANSCRIPT) for p in (voice, bad))
+    engine.preload([a, b])
+    with pytest.raises(AudioError):
+        engine.prepare_many([a, b])
+    shutil.copy(DATA / "en_16k_mono.wav", voice)  # the same path, another clip
+    got = engine.prepare(SynthRequest(text="Hi.", ref_audio=str(voice), ref_text=TRANSCRIPT)).prompt
+    want = engine.prepare(SynthRequest(text="Hi.", ref_audio=DATA / "en_16k_mono.wav", ref_text=TRANSCRIPT))
+    assert torch.equal(got.tokens, want.prompt.tokens)
 
 
 def test_preloaded_clips_give_the_prompts_and_audio_an_unprepared_engine_makes(tmp_path, monkeypatch):

@@ -112,6 +112,16 @@ def test_a_file_that_cannot_be_read_is_a_read_error_and_bad_content_is_not(tmp_p
     assert not isinstance(refused.value, ClipReadError)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_clip_with_nan_or_infinite_samples_is_named(bad):
+    x = np.full(RATE, 0.1, np.float32)
+    x[100] = bad
+    buf = io.BytesIO()
+    sf.write(buf, x, RATE, format="WAV", subtype="FLOAT")
+    with pytest.raises(AudioError, match="holds NaN or infinite samples"):
+        A.prepare_reference(buf.getvalue(), RATE, HOP)
+
+
 def test_clip_of_another_type_is_named():
     with pytest.raises(AudioError, match="reference clip 7 is a int"):
         A.read_clip_bytes(7)

@@ -222,6 +222,8 @@ def prepare_reference(
     name = clip_name(clip)
     raw = read_clip_bytes(clip) if raw is None else raw
     audio, clip_rate = decode(raw, name, settings.max_seconds)
+    if not np.isfinite(audio).all():
+        raise AudioError(f"reference clip {name} holds NaN or infinite samples: export it again as PCM.")
     audio = resample(audio, clip_rate, rate)
     level = rms(audio)
     if not level >= settings.silence_floor_rms:

@@ -120,8 +120,9 @@ class RequestFrontend:
                 "character limit: split it into several requests or raise max_text_chars (in a job: "
                 f"engine.max_text_chars={len(text)})."
             )
-        if isinstance(req.seed, bool) or not isinstance(req.seed, int | np.integer):
-            raise InputError(f"seed={req.seed!r}: give an integer.")
+        integer = isinstance(req.seed, int | np.integer) and not isinstance(req.seed, bool)
+        if not integer or not 0 <= req.seed < 2**63:
+            raise InputError(f"seed={req.seed!r}: give an integer from 0 to 2**63 - 1.")
         language = resolve_language(req.language)
         instruct = resolve_instruct(req.instruct, use_zh=has_chinese(text)) if req.instruct else None
         return language, instruct

@@ -63,7 +63,7 @@ class RequestNoise:
     """
 
     def __init__(self, seed: int, target_len: int, num_codebooks: int, gen: GenerationConfig, device):
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.generator = torch.Generator(device=device).manual_seed(int(seed))  # numpy integers too
         self.target_len, self.num_codebooks, self.device = target_len, num_codebooks, device
         self.position = None
         if gen.position_temperature > 0:
