@@ -104,9 +104,12 @@ def _wav_bytes(x, rate=RATE):
 def test_a_file_that_cannot_be_read_is_a_read_error_and_bad_content_is_not(tmp_path):
     with pytest.raises(ClipReadError, match="does not exist"):
         A.prepare_reference(tmp_path / "nope.wav", RATE, HOP)
-    with pytest.raises(ClipReadError, match="cannot be read"):
-        A.read_clip_bytes(tmp_path)  # a folder: IsADirectoryError
     (tmp_path / "noise.wav").write_bytes(b"not audio")
+    with pytest.raises(ClipReadError, match="cannot be read"):
+        A.read_clip_bytes(tmp_path / "noise.wav" / "x.wav")  # NotADirectoryError
+    with pytest.raises(AudioError, match="is a folder") as folder:
+        A.read_clip_bytes(tmp_path)
+    assert not isinstance(folder.value, ClipReadError)
     with pytest.raises(AudioError) as refused:
         A.prepare_reference(tmp_path / "noise.wav", RATE, HOP)
     assert not isinstance(refused.value, ClipReadError)

@@ -60,6 +60,8 @@ def read_clip_bytes(clip: ClipSource) -> bytes:
         return Path(clip).read_bytes()
     except FileNotFoundError:
         raise ClipReadError(f"reference clip {clip} does not exist: check the path.") from None
+    except IsADirectoryError:
+        raise AudioError(f"reference clip {clip} is a folder: give an audio file in it.") from None
     except OSError as e:
         raise ClipReadError(
             f"reference clip {clip} cannot be read ({e.strerror}): check its permissions."

@@ -135,6 +135,13 @@ class RequestFrontend:
                 raise InputError(
                     "a request gives both a voice prompt and ref_audio/ref_text: pass one of the two."
                 )
+            from engine.frontend.prompt import VoicePrompt  # imports this module's neighbours
+
+            if not isinstance(req.prompt, VoicePrompt):
+                raise InputError(
+                    f"prompt is a {type(req.prompt).__name__}: give a VoicePrompt (VoicePrompt.load reads a "
+                    "saved one)."
+                )
             return None
         if req.ref_audio is None:
             if req.ref_text is not None:
@@ -143,6 +150,11 @@ class RequestFrontend:
                     "or drop ref_text for voice design / auto voice."
                 )
             return None
+        if not isinstance(req.ref_audio, str | Path | bytes) or not str(req.ref_audio).strip():
+            raise InputError(
+                f"ref_audio={req.ref_audio!r:.60}: give the clip's path or its file's bytes (or leave it "
+                "unset for voice design / auto voice)."
+            )
         name = clip_name(req.ref_audio)
         if not isinstance(req.ref_text, str) or not req.ref_text.strip():
             raise InputError(
