@@ -103,8 +103,9 @@ def main(argv: list[str] | None = None, load_manifest: Callable | None = None) -
     """Entry of `ovbatch quantize`; load_manifest(location, clip_dir=...) -> manifest with .rows/.rejected
     (default: pipeline.manifest.load)."""
     args = build_parser().parse_args(argv)
-    if args.samples < 1 or args.eval_requests < 1:
-        raise QuantError("--samples and --eval-requests must be at least 1.")
+    for flag in ("samples", "eval_requests", "sample_rows"):
+        if getattr(args, flag) < 1:
+            raise QuantError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: it must be at least 1.")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     options = QuantizeOptions(
         rank=args.rank,

@@ -152,6 +152,21 @@ def test_already_quantized_and_existing_output_are_refused(tiny, quantized, tmp_
         quantize_command.main([str(tiny), "--out", str(out)])
 
 
+def test_an_out_inside_the_source_or_under_a_file_and_bad_counts_are_refused_before_any_work(tiny, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny, src)
+    with pytest.raises(QuantError, match=r"--out .*src/w4 lies inside the source checkpoint"):
+        quantize_command.main([str(src), "--out", str(src / "w4")])
+    assert sorted(p.name for p in src.iterdir()) == sorted(p.name for p in tiny.iterdir())
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(QuantError, match=r"--out .*file/x: its folder cannot be made"):
+        quantize_command.main([str(src), "--out", str(tmp_path / "file" / "x")])
+    for flag in ("--samples", "--eval-requests", "--sample-rows"):
+        with pytest.raises(QuantError, match=f"{flag} 0: it must be at least 1"):
+            quantize_command.main([str(src), "--out", str(tmp_path / "q"), flag, "0"])
+    assert not (tmp_path / "q").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")
 def test_cuda_without_gpu_is_refused(tiny, tmp_path):
     with pytest.raises(QuantError, match="no CUDA GPU"):

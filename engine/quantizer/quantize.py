@@ -107,6 +107,17 @@ def check_source(src: Path, out: Path, rank: int) -> tuple[dict, OmniVoiceModel]
         raise QuantError(f"--rank {rank}: the W4A4 format supports ranks {SUPPORTED_RANKS}.")
     if out.exists():
         raise QuantError(f"output {out} already exists; pass a new --out directory or remove it first.")
+    source, target = src.resolve(), out.resolve()
+    if target == source or source in target.parents or target in source.parents:
+        raise QuantError(
+            f"--out {out} lies inside the source checkpoint {src} (or holds it): pass a directory beside it."
+        )
+    try:  # the folder the result lands in, made now rather than after the minutes of quantizing
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise QuantError(
+            f"--out {out}: its folder cannot be made ({e.strerror}): pass a writable path."
+        ) from None
     with torch.device("meta"):
         model = OmniVoiceModel(cfg)
     for i, layer in enumerate(model.llm.layers):
