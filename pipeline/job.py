@@ -246,9 +246,7 @@ def shards_to_rerun(job: JobDir) -> list[int]:
     """The shards a rerun runs: those missing their results file or holding failed rows."""
     finished = job.finished_shards()
     return [
-        s.index
-        for s in job.read_plan().shards
-        if s.index not in finished or any(r.status == "failed" for r in job.read_shard_results(s.index))
+        s.index for s in job.read_plan().shards if s.index not in finished or job.has_failed_rows(s.index)
     ]
 
 

@@ -46,9 +46,9 @@ def _with_schema(table: pa.Table) -> pa.Table:
     return pa.Table.from_arrays(columns, schema=RESULT_SCHEMA)
 
 
-def _read_results_file(path: Path) -> pa.Table:
+def _read_results_file(path: Path, columns: list[str] | None = None) -> pa.Table:
     try:
-        return pq.read_table(path)
+        return pq.read_table(path, columns=columns)
     except (pa.ArrowInvalid, OSError) as e:
         raise JobDirError(
             f"{path} cannot be read ({first_line(e)}): delete it, then submit the same manifest to this "
@@ -196,6 +196,10 @@ class JobDir:
 
     def read_shard_results(self, index: int) -> list[ResultRow]:
         return [ResultRow.from_dict(d) for d in _read_results_file(self.shard_result_path(index)).to_pylist()]
+
+    def has_failed_rows(self, index: int) -> bool:
+        """Whether a finished shard holds failed rows (its status column alone is read)."""
+        return "failed" in _read_results_file(self.shard_result_path(index), ["status"]).column(0).to_pylist()
 
     def read_results(self) -> pa.Table:
         files = sorted(self.results_dir.glob("*.parquet")) if self.results_dir.is_dir() else []

@@ -150,7 +150,8 @@ class RequestFrontend:
                     "or drop ref_text for voice design / auto voice."
                 )
             return None
-        if not isinstance(req.ref_audio, str | Path | bytes) or not str(req.ref_audio).strip():
+        empty = isinstance(req.ref_audio, str) and not req.ref_audio.strip()
+        if not isinstance(req.ref_audio, str | Path | bytes) or empty:
             raise InputError(
                 f"ref_audio={req.ref_audio!r:.60}: give the clip's path or its file's bytes (or leave it "
                 "unset for voice design / auto voice)."
