@@ -269,6 +269,40 @@ def fp8_noise_rows(result: dict) -> list[str]:
     ]
 
 
+def fp8_accumulation_gemm_rows(result: dict) -> list[str]:
+    """docs/ARCHITECTURE.md: each backbone FP8 GEMM at generation's M, float32 sums vs fast accumulation."""
+    out = []
+    for name, r in result["cases"]["18944"]["gemms"].items():
+        f32, fast = r["float32"], r["fast_accum"]
+        out.append(
+            row(
+                name,
+                f"{r['float32_us']:.1f} / {r['fast_accum_us']:.1f} ({r['speedup_fast_accum']:.2f}x)",
+                f"{f32['rel_err']:.1e} / {fast['rel_err']:.1e}",
+                f"{f32['worst_bf16_ulps']:.0f} / {fast['worst_bf16_ulps']:.0f}",
+            )
+        )
+    return out
+
+
+def fp8_accumulation_gate_up_rows(result: dict) -> list[str]:
+    """docs/ARCHITECTURE.md: gate/up to down_proj's codes four ways at generation's M."""
+    return [
+        row(
+            label,
+            f"{r['us']:.1f} ({r['speedup']:.2f}x)",
+            f"{r['h']['rel_err']:.1e}",
+            f"{r['h']['worst_bf16_ulps']:.0f}",
+        )
+        for label, r in result["cases"]["18944"]["gate_up_to_codes"].items()
+    ]
+
+
+def fp8_accumulation_generation_rows(result: dict) -> list[str]:
+    """docs/ARCHITECTURE.md: each way of summing over a generation's backbone GEMMs and gate/up's SiLU."""
+    return [row(label, f"{ms:.0f}") for label, ms in result["per_generation_ms"].items()]
+
+
 E2E_KINDS = ("official", "engine", "job_local", "job_ray")
 
 
@@ -330,6 +364,7 @@ def e2e_rows(result: dict) -> list[str]:
 def tables() -> dict[str, tuple[str, list[str]]]:
     """Table name -> (the document it lives in, its rows)."""
     generate, kernels, fused = load("generate-h200.json"), load("kernels-h200.json"), load("fused-h200.json")
+    accumulation = load("fp8-accumulation-h100.json")
     return {
         "generation": ("README.md", generate_rows(generate)),
         "precisions": ("README.md", precision_rows(load("profile-generate-h200.json"))),
@@ -345,6 +380,9 @@ def tables() -> dict[str, tuple[str, list[str]]]:
         "swiglu": ("docs/kernels.md", swiglu_rows(fused)),
         "residual": ("docs/kernels.md", residual_rows(fused)),
         "fp8 noise": ("docs/quantization.md", fp8_noise_rows(load("fp8-noise-cpu.json"))),
+        "fp8 accumulation": ("docs/ARCHITECTURE.md", fp8_accumulation_gemm_rows(accumulation)),
+        "fp8 gate/up": ("docs/ARCHITECTURE.md", fp8_accumulation_gate_up_rows(accumulation)),
+        "fp8 sums per generation": ("docs/ARCHITECTURE.md", fp8_accumulation_generation_rows(accumulation)),
     }
 
 
