@@ -34,6 +34,7 @@ from engine.frontend.audio import (
     postprocess_output,
     prepare_reference,
     read_clip_bytes,
+    too_long,
 )
 from engine.frontend.prompt import PromptCache, VoicePrompt, build_prompts
 from engine.frontend.requests import CodecShape, PreparedRequest, RequestFrontend, SynthRequest
@@ -346,6 +347,9 @@ class Engine:
                 for clip in seen:
                     self._clip_keys.pop(clip, None)
         for (i, name, _), prompt in zip(wanted, made):
+            limit = self.reference_settings.max_seconds  # a prompt cached under a higher limit meets this one
+            if prompt.source_seconds is not None and prompt.source_seconds > limit:
+                raise too_long(name, prompt.source_seconds, limit)
             seconds = prompt.tokens.shape[1] / self.frame_rate
             if seconds > LONG_REFERENCE_S:
                 log.warning("reference %s is %.1f s long: 3-10 s clones faster and better", name, seconds)

@@ -101,6 +101,21 @@ def test_same_clip_is_encoded_once(engine, monkeypatch, tmp_path):
     assert 0.03 < first.prompt.ref_rms < 0.1 and first.prompt.ref_text == text
 
 
+def test_a_cached_prompt_is_held_to_a_lower_max_ref_seconds(tmp_path):
+    """A clip cached under the default 60 s limit is refused by an engine whose limit it exceeds, as a clip
+    not yet cached would be."""
+    cache = str(tmp_path / "prompts")
+    clip = DATA / "en_16k_mono.wav"
+    seconds = sf.info(clip).duration
+    req = SynthRequest(text="One.", ref_audio=clip, ref_text=CLIPS["en_16k_mono.wav"]["transcript"])
+    Engine(EngineConfig(prompt_cache_dir=cache, generation=FAST)).prepare(req)
+    strict = Engine(EngineConfig(prompt_cache_dir=cache, generation=FAST, max_ref_seconds=seconds / 2))
+    with pytest.raises(
+        AudioError, match=rf"en_16k_mono\.wav is {seconds:.1f} s long, over the {seconds / 2:g} s"
+    ):
+        strict.prepare(req)
+
+
 def test_new_clips_of_one_call_are_encoded_together(engine, monkeypatch, tmp_path):
     calls = _count_encodes(engine, monkeypatch)
     audio, rate = sf.read(DATA / "en_8k_mono.wav", dtype="float32")

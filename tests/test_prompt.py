@@ -107,15 +107,31 @@ def test_voice_prompt_detects_mismatched_or_damaged_files(tmp_path):
     (tmp_path / "e.json").write_text(json.dumps({**meta, "version": 99}))
     with pytest.raises(InputError, match="not a version-1 ovbatch-voice-prompt file"):
         VoicePrompt.load(tmp_path / "e")
-    for damaged in ({k: v for k, v in meta.items() if k != "ref_rms"}, {**meta, "ref_rms": 0.0}):
+    for damaged in (
+        {k: v for k, v in meta.items() if k != "ref_rms"},
+        {**meta, "ref_rms": 0.0},
+        {**meta, "source_seconds": -3.0},
+    ):
         (tmp_path / "e.json").write_text(json.dumps(damaged))
-        with pytest.raises(InputError, match=r"e\.json needs a text ref_text and a positive finite ref_rms"):
+        with pytest.raises(InputError, match=r"e\.json needs a text ref_text, a positive finite ref_rms"):
             VoicePrompt.load(tmp_path / "e")
     (tmp_path / "e.json").write_text("null")
     with pytest.raises(InputError, match=r"e\.json holds NoneType, not a prompt's metadata"):
         VoicePrompt.load(tmp_path / "e")
     with pytest.raises(InputError, match="voice prompt ref_rms=-1.0: give the reference clip's RMS"):
         VoicePrompt(torch.zeros(8, 3, dtype=torch.long), "words", -1.0)
+    with pytest.raises(InputError, match="voice prompt source_seconds=nan: give the reference clip's length"):
+        VoicePrompt(torch.zeros(8, 3, dtype=torch.long), "words", 0.1, float("nan"))
+
+
+def test_voice_prompt_keeps_its_clips_length_when_it_knows_it(tmp_path):
+    rng = np.random.default_rng()
+    known = _random_prompt(rng)
+    known.source_seconds = 4.25
+    for name, prompt in (("known", known), ("unknown", _random_prompt(rng))):
+        prompt.save(tmp_path / name)
+        assert VoicePrompt.load(tmp_path / name).source_seconds == prompt.source_seconds
+    assert "source_seconds" not in json.loads((tmp_path / "unknown.json").read_text())
 
 
 # ---------------------------------------------------------------- building and caching
@@ -181,6 +197,28 @@ def test_damaged_entry_is_rebuilt(tmp_path):
     assert codec.calls == 2 and torch.equal(again.tokens, first.tokens)
     cache.flush()
     assert VoicePrompt.load(entry.with_suffix("")).ref_text == TEXT
+
+
+def test_a_prompt_carries_its_clips_length_as_given(tmp_path):
+    prompt = _cache(tmp_path).get_or_create(CLIP, TEXT, _maker(CountingCodec()))
+    info = sf.info(CLIP)
+    assert prompt.source_seconds == pytest.approx(info.frames / info.samplerate)
+
+
+def test_an_entry_that_does_not_know_its_clips_length_is_rebuilt(tmp_path):
+    """Entries written before prompts kept their clip's length: engine.max_ref_seconds could not be held
+    to them on a hit, so they are made again (once)."""
+    codec = CountingCodec()
+    cache = _cache(tmp_path, codec)
+    cache.get_or_create(CLIP, TEXT, _maker(codec))
+    cache.flush()
+    (meta_path,) = tmp_path.glob("*/*/prompt.json")
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({k: v for k, v in meta.items() if k != "source_seconds"}))
+    fresh = _cache(tmp_path, codec)
+    assert fresh.get_or_create(CLIP, TEXT, _maker(codec)).source_seconds is not None and codec.calls == 2
+    fresh.flush()
+    assert "source_seconds" in json.loads(meta_path.read_text())
 
 
 def test_bad_clip_is_not_cached(tmp_path):
@@ -281,9 +319,8 @@ def _race_writer(directory, marker, barrier, results):
 
     def make(raw):
         time.sleep(0.3)  # both writers are inside make() before either publishes
-        return VoicePrompt(
-            tokens=torch.full((8, 300), marker, dtype=torch.long), ref_text=TEXT, ref_rms=marker
-        )
+        tokens = torch.full((8, 300), marker, dtype=torch.long)
+        return VoicePrompt(tokens=tokens, ref_text=TEXT, ref_rms=marker, source_seconds=4.0)
 
     barrier.wait()
     prompt = cache.get_or_create(CLIP, TEXT, make)

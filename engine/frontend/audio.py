@@ -68,6 +68,13 @@ def read_clip_bytes(clip: ClipSource) -> bytes:
         ) from None
 
 
+def too_long(name: str, seconds: float, max_seconds: float) -> AudioError:
+    return AudioError(
+        f"reference clip {name} is {seconds:.1f} s long, over the {max_seconds:g} s limit: "
+        "cut it to 3-10 s of clean speech (and its transcript to match)."
+    )
+
+
 def decode(raw: bytes, name: str, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
     """Decode any format libsndfile reads to mono float32 (channels averaged) and its sample rate."""
     if not raw:
@@ -75,10 +82,7 @@ def decode(raw: bytes, name: str, max_seconds: float | None = None) -> tuple[np.
     try:
         info = sf.info(io.BytesIO(raw))
         if max_seconds is not None and info.duration > max_seconds:
-            raise AudioError(
-                f"reference clip {name} is {info.duration:.1f} s long, over the {max_seconds:g} s limit: "
-                "cut it to 3-10 s of clean speech (and its transcript to match)."
-            )
+            raise too_long(name, info.duration, max_seconds)
         data, rate = sf.read(io.BytesIO(raw), dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError) as e:
         # libsndfile's message names the in-memory buffer (<_io.BytesIO object at 0x...>), not the clip
@@ -209,6 +213,7 @@ class ReferenceSettings:
 class PreparedReference:
     audio: np.ndarray  # float32 [n * hop] at the codec rate, ready to encode
     rms: float  # RMS of the clip as loaded (before raising it), drives the output volume
+    source_seconds: float  # the clip's length as given, before resampling and trimming
 
 
 def prepare_reference(
@@ -224,6 +229,7 @@ def prepare_reference(
     name = clip_name(clip)
     raw = read_clip_bytes(clip) if raw is None else raw
     audio, clip_rate = decode(raw, name, settings.max_seconds)
+    source_seconds = len(audio) / clip_rate
     if not np.isfinite(audio).all():
         raise AudioError(f"reference clip {name} holds NaN or infinite samples: export it again as PCM.")
     audio = resample(audio, clip_rate, rate)
@@ -246,7 +252,7 @@ def prepare_reference(
             f"reference clip {name} holds {seconds:.2f} s of sound after silence trimming, under "
             f"{settings.min_seconds:g} s: pass a clip with at least a few seconds of speech."
         )
-    return PreparedReference(audio=audio, rms=level)
+    return PreparedReference(audio=audio, rms=level, source_seconds=source_seconds)
 
 
 def postprocess_output(

@@ -42,8 +42,8 @@ PROMPT_VERSION = 1
 ENTRY_STEM = "prompt"
 
 
-def _loudness(value: object) -> bool:
-    """Whether a ref_rms can scale the output: a positive finite number (0 silences it, < 0 flips it)."""
+def _positive(value: object) -> bool:
+    """A positive finite number (a ref_rms of 0 would silence the output, < 0 flip it)."""
     number = isinstance(value, int | float) and not isinstance(value, bool)
     return number and math.isfinite(value) and value > 0
 
@@ -57,12 +57,19 @@ class VoicePrompt:
     tokens: torch.Tensor  # long [C, F] reference audio codes
     ref_text: str
     ref_rms: float
+    # the clip's length as given (engine.max_ref_seconds applies to it on a cache hit); None: not known
+    source_seconds: float | None = None
 
     def __post_init__(self) -> None:
-        if not _loudness(self.ref_rms):
+        if not _positive(self.ref_rms):
             raise InputError(
                 f"voice prompt ref_rms={self.ref_rms!r}: give the reference clip's RMS, a positive finite "
                 "number (it scales the output's loudness)."
+            )
+        if self.source_seconds is not None and not _positive(self.source_seconds):
+            raise InputError(
+                f"voice prompt source_seconds={self.source_seconds!r}: give the reference clip's length in "
+                "seconds, a positive finite number, or None."
             )
 
     def save(self, stem: str | Path) -> None:
@@ -75,6 +82,7 @@ class VoicePrompt:
             "version": PROMPT_VERSION,
             "ref_text": self.ref_text,
             "ref_rms": float(self.ref_rms),
+            **({} if self.source_seconds is None else {"source_seconds": float(self.source_seconds)}),
             "shape": list(tokens.shape),
             "tokens_sha256": _tokens_sha256(tokens),
         }
@@ -106,13 +114,17 @@ class VoicePrompt:
             or _tokens_sha256(tokens) != meta.get("tokens_sha256")
         ):
             raise InputError(f"voice prompt {st_path} does not match {json_path} (shape or checksum): {fix}")
-        ref_text, ref_rms = meta.get("ref_text"), meta.get("ref_rms")
-        if not isinstance(ref_text, str) or not _loudness(ref_rms):
+        ref_text, ref_rms, seconds = meta.get("ref_text"), meta.get("ref_rms"), meta.get("source_seconds")
+        if (
+            not isinstance(ref_text, str)
+            or not _positive(ref_rms)
+            or not (seconds is None or _positive(seconds))
+        ):
             raise InputError(
-                f"{json_path} needs a text ref_text and a positive finite ref_rms, has {ref_text!r} and "
-                f"{ref_rms!r}: {fix}"
+                f"{json_path} needs a text ref_text, a positive finite ref_rms and source_seconds (or none), "
+                f"has {ref_text!r}, {ref_rms!r} and {seconds!r}: {fix}"
             )
-        return cls(tokens=tokens, ref_text=ref_text, ref_rms=float(ref_rms))
+        return cls(tokens, ref_text, float(ref_rms), None if seconds is None else float(seconds))
 
 
 def build_prompts(
@@ -145,7 +157,10 @@ def build_prompts(
             codes = codec.encode([torch.from_numpy(refs[i].audio) for i in usable], device="cpu")
         for i, tokens in zip(usable, codes, strict=True):
             out[i] = VoicePrompt(
-                tokens=tokens.to(torch.long).contiguous(), ref_text=clips[i][2], ref_rms=refs[i].rms
+                tokens=tokens.to(torch.long).contiguous(),
+                ref_text=clips[i][2],
+                ref_rms=refs[i].rms,
+                source_seconds=refs[i].source_seconds,
             )
     return out
 
@@ -287,11 +302,16 @@ class PromptCache:
         if not entry.exists():
             return None
         try:
-            return VoicePrompt.load(entry / ENTRY_STEM)
+            prompt = VoicePrompt.load(entry / ENTRY_STEM)
         except InputError as e:
             log.warning("prompt cache entry %s is damaged (%s); rebuilding it", entry, e)
             shutil.rmtree(entry, ignore_errors=True)
             return None
+        if prompt.source_seconds is None:  # an entry from before clips' lengths were kept
+            log.info("prompt cache entry %s does not know its clip's length; rebuilding it", entry)
+            shutil.rmtree(entry, ignore_errors=True)
+            return None
+        return prompt
 
     def _publish(self, key: str, prompt: VoicePrompt) -> None:
         final = self.entry_dir(key)
