@@ -4,9 +4,12 @@ calibration rows read from a Parquet manifest as `ovbatch submit` reads them."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pipeline.manifest
@@ -99,6 +102,25 @@ def _source(checkpoint: str) -> str:
     return str(ensure_tiny_checkpoint())
 
 
+@contextlib.contextmanager
+def _sigterm_ends_like_an_error() -> Iterator[None]:
+    """SIGTERM (`kill`, a scheduler's stop) raises SystemExit(143) here, so that the hidden folder the
+    checkpoint is built in and the copied calibration clips are removed on the way out: its default action
+    ends the process at once and left them behind (the folder holds a whole checkpoint)."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)  # what a shell reports for a process SIGTERM ended
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None, load_manifest: Callable | None = None) -> int:
     """Entry of `ovbatch quantize`; load_manifest(location, clip_dir=...) -> manifest with .rows/.rejected
     (default: pipeline.manifest.load)."""
@@ -117,7 +139,10 @@ def main(argv: list[str] | None = None, load_manifest: Callable | None = None) -
         seed=args.seed,
         stage_report=args.stage_report,
     )
-    with tempfile.TemporaryDirectory(prefix="ovbatch-calib-clips-") as clip_dir:
+    with (
+        _sigterm_ends_like_an_error(),
+        tempfile.TemporaryDirectory(prefix="ovbatch-calib-clips-") as clip_dir,
+    ):
         requests = _manifest_requests(args.calib, load_manifest, Path(clip_dir)) if args.calib else None
         report = quantize_checkpoint(_source(args.checkpoint), args.out, options, requests, args.calib)
     print(format_report(report))

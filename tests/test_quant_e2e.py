@@ -5,6 +5,11 @@ import dataclasses
 import io
 import json
 import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +25,8 @@ from engine.tiny import ensure_tiny_checkpoint
 from engine.w4a4.format import FORMAT_VERSION, read_w4a4_safetensors, write_w4a4_safetensors
 from engine.w4a4.linear import W4A4Group, W4A4Linear
 from pipeline import quantize_command
+
+REPO = Path(__file__).resolve().parents[1]
 
 # Stated thresholds for the tiny model (random weights, so its decoding is fragile: near-flat logits
 # flip under small perturbations; chance agreement is 1/1024). Measured: cosine ~0.998, agreement ~0.45.
@@ -228,6 +235,36 @@ def test_failure_midway_leaves_nothing(tiny, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="injected"):
         quantize_mod.quantize_checkpoint(tiny, out, opts, show_progress=False)
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+def test_sigterm_midway_leaves_nothing(tiny, tmp_path):
+    """`kill` while the checkpoint is being written: the command exits 143 and removes its hidden folder
+    (SIGTERM's default action left a whole checkpoint's worth beside --out)."""
+    out, inside = tmp_path / "w", tmp_path / "inside-the-temp-phase"
+    child = textwrap.dedent(f"""
+        import sys, time
+        import engine.quantizer.quantize as q
+        def wait_for_the_signal(*args, **kwargs):
+            open({str(inside)!r}, "w").close()
+            time.sleep(120)
+        q.compare_models = wait_for_the_signal
+        from pipeline.cli import main
+        sys.exit(main(["quantize", {str(tiny)!r}, "--out", {str(out)!r}, "--samples", "1",
+                       "--eval-requests", "1", "--device", "cpu"]))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", child], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not inside.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert inside.exists(), proc.stderr.read() if proc.poll() is not None else "no temp phase in 240 s"
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".w.")], "the hidden folder exists"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+    finally:
+        proc.kill()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [inside.name]
 
 
 @pytest.mark.gpu
