@@ -146,6 +146,20 @@ def test_request_alone_equals_request_in_a_batch_of_eight(tiny):
     assert not torch.equal(runner.generate([reseeded], gen)[0], together[0])
 
 
+def test_a_packed_batch_generates_alike_each_time_and_stays_as_packed(tiny):
+    """generate_packed writes its tokens into the device batch; on the CPU that batch once was the
+    HostBatch's own tensors, so a second run of the same HostBatch started with every target filled in."""
+    _, model = load_model(tiny)
+    runner = Runner(model, EngineConfig(), "cpu", torch.float32)
+    gen = GenerationConfig(num_step=4)
+    host = runner.pack(make_items([(9, 14, 12), (5, 0, 7)]))
+    before = host.packed.input_ids.clone()
+    first = runner.generate_packed(host, gen)
+    assert torch.equal(host.packed.input_ids, before)
+    for a, b in zip(first, runner.generate_packed(host, gen)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize(
     "change,message",
     [

@@ -123,6 +123,8 @@ class Runner:
         batch's target rows, in the heads' dtype)."""
         layout = host.layout
         batch = host.packed.to(self.device)
+        if batch.input_ids is host.packed.input_ids:  # on the host already: the steps must not write into it
+            batch = replace(batch, input_ids=batch.input_ids.clone())
         eager = functools.partial(self.model, float32=False)
         if not self.use_graphs:
             return batch, eager
