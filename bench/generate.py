@@ -10,8 +10,9 @@ activations quantized by the kernels that produce them) with CUDA graphs; the
 `_unfused` variants run with the fused kernels off (FastPaths.fused_kernels: torch's RMSNorm, SiLU*up and
 q/k norm + RoPE around the Linears), which is what they save; the `_ungrouped` variants run q/k/v and gate/up
 as separate layers (FastPaths.grouped_projections; each computes its input's RMSNorm) instead of one GEMM
-each; `_silu_mul` runs W4A4 gate/up as the grouped GEMM + the silu_mul kernel instead of the GEMM that
-writes silu(gate) * up (FastPaths.swiglu_gemm). Each variant is its own model, loaded with its switches.
+each; `_silu_mul` runs bf16 and W4A4 gate/up as one GEMM (bf16: cuBLAS's) + the silu_mul kernel instead of
+the GEMM that writes silu(gate) * up (FastPaths.swiglu_gemm; bf16's is a Triton kernel). Each variant is its
+own model, loaded with its switches.
 Medians of the repetitions; RTF = wall time / audio time. Each case also reports every variant's 32-step
 token agreement with ours_bf16_graphs (the same requests and seeds; with random weights a figure for how far
 a precision's numerics move the sampled codes, not a quality measure).
@@ -119,6 +120,7 @@ def main() -> None:
     labels = [
         "ours_bf16_eager",
         "ours_bf16_graphs",
+        "ours_bf16_graphs_silu_mul",
         "ours_w4a4_graphs",
         "ours_w4a4_graphs_silu_mul",
         "ours_bf16_graphs_unfused",

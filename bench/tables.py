@@ -269,6 +269,23 @@ def fp8_noise_rows(result: dict) -> list[str]:
     ]
 
 
+def swiglu_gemm_rows(result: dict) -> list[str]:
+    """docs/kernels.md: the bf16 SwiGLU GEMM against cuBLAS + silu_mul, per M, and over a generation."""
+    out = [
+        row(
+            f"{r['M']:,}",
+            f"{r['cublas_silu_mul_us']:.1f}",
+            f"{r['swiglu_gemm_us']:.1f} ({r['speedup']:.2f}x)",
+            f"{r['cublas_silu_mul_rel_err']:.1e} / {r['swiglu_gemm_rel_err']:.1e}",
+        )
+        for r in result["rows"]
+    ]
+    ms = result["per_generation_ms"]
+    return out + [
+        row("a B = 32 generation", f"{ms['cublas_silu_mul']:.0f} ms", f"{ms['swiglu_gemm']:.0f} ms", "")
+    ]
+
+
 def fp8_accumulation_gemm_rows(result: dict) -> list[str]:
     """docs/ARCHITECTURE.md: each backbone FP8 GEMM at generation's M, float32 sums vs fast accumulation."""
     out = []
@@ -380,6 +397,7 @@ def tables() -> dict[str, tuple[str, list[str]]]:
         "swiglu": ("docs/kernels.md", swiglu_rows(fused)),
         "residual": ("docs/kernels.md", residual_rows(fused)),
         "fp8 noise": ("docs/quantization.md", fp8_noise_rows(load("fp8-noise-cpu.json"))),
+        "bf16 swiglu gemm": ("docs/kernels.md", swiglu_gemm_rows(load("swiglu-gemm-h100.json"))),
         "fp8 accumulation": ("docs/ARCHITECTURE.md", fp8_accumulation_gemm_rows(accumulation)),
         "fp8 gate/up": ("docs/ARCHITECTURE.md", fp8_accumulation_gate_up_rows(accumulation)),
         "fp8 sums per generation": ("docs/ARCHITECTURE.md", fp8_accumulation_generation_rows(accumulation)),

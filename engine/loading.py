@@ -31,7 +31,7 @@ from engine.checkpoint import (
 from engine.config import FastPaths, ModelConfig
 from engine.errors import QuantError
 from engine.fp8.linear import Fp8Linear
-from engine.model import DenseLinear, LinearFactory, OmniVoiceModel, default_linear
+from engine.model import DenseLinear, Linear, LinearFactory, OmniVoiceModel, default_linear
 from engine.w4a4.format import FORMAT_VERSION, QuantMeta, W4A4Tensors, read_w4a4_safetensors
 from engine.w4a4.linear import W4A4Group, W4A4Linear
 
@@ -114,9 +114,10 @@ def prepare_for_inference(model: OmniVoiceModel, fast_paths: FastPaths | None = 
     for module in model.modules():
         if hasattr(module, "fused"):
             module.fused = fast_paths.fused_kernels
+        if isinstance(module, Linear):
+            module.swiglu_gemm = fast_paths.swiglu_gemm
         if isinstance(module, W4A4Linear | W4A4Group):
             module.backend_name = fast_paths.w4a4_backend
-            module.swiglu_gemm = fast_paths.swiglu_gemm
     if fast_paths.grouped_projections:
         model.merge_projections()
     return model

@@ -4,16 +4,22 @@ engine/loading.py decides each Linear's implementation when it loads a checkpoin
 W4A4Linear in engine/w4a4/linear.py), and merges the Linears that read one input (q/k/v, gate/up) into
 one with `merge`. The model calls only the methods below. An implementation overrides those it can run
 faster: the input's RMSNorm inside its activation quantization, the residual add in its GEMM's epilogue
-(else the next RMSNorm adds it), silu(gate) * up written by the GEMM itself.
+(else the next RMSNorm adds it), silu(gate) * up written by the GEMM itself (DenseLinear's on Hopper: a
+Triton GEMM, engine/kernels/swiglu.py).
 """
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.model.layers import RMSNorm, silu_mul
+
+log = logging.getLogger(__name__)
 
 
 class Linear(nn.Module):
@@ -24,6 +30,7 @@ class Linear(nn.Module):
     out_features: int
     splits: tuple[int, ...]
     fused: bool = True  # may call the fused CUDA kernels (engine/kernels/fused.py); fixed at load
+    swiglu_gemm: bool = True  # a (gate, up) Linear may write silu(gate) * up in its GEMM; fixed at load
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """x W^T, plus `residual` (the output's shape) when given."""
@@ -73,6 +80,24 @@ class DenseLinear(Linear, nn.Linear):
         y = F.linear(x, self.weight, self.bias)
         return y if residual is None else residual + y
 
+    def forward_swiglu(self, x: Tensor, norm: RMSNorm, delta: Tensor | None = None) -> Tensor:
+        """On a Hopper GPU (bf16/fp16, fused kernels and `swiglu_gemm` on) one GEMM writes silu(gate) * up
+        (engine/kernels/swiglu.py); elsewhere cuBLAS's gate and up go through the silu_mul kernel."""
+        kernel = self._swiglu_kernel(x)
+        if kernel is None:
+            return super().forward_swiglu(x, norm, delta)
+        normed = norm(x, delta)
+        h = kernel.swiglu_gemm(normed.reshape(-1, normed.shape[-1]), self.weight)
+        return h.view(*normed.shape[:-1], h.shape[-1])
+
+    def _swiglu_kernel(self, x: Tensor):
+        even = len(self.splits) == 2 and self.splits[0] == self.splits[1]
+        if not (self.swiglu_gemm and self.fused and even and self.bias is None and x.is_cuda):
+            return None
+        kernel = _swiglu_module()
+        ok = kernel is not None and x.dtype == self.weight.dtype and kernel.can_run(self.weight)
+        return kernel if ok else None
+
     @classmethod
     def merge(cls, linears: list[Linear]) -> DenseLinear | None:
         if not all(type(linear) is cls for linear in linears):
@@ -91,11 +116,22 @@ class DenseLinear(Linear, nn.Linear):
             merged.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
         merged.splits = tuple(s for linear in linears for s in linear.splits)
         merged.fused = all(linear.fused for linear in linears)
+        merged.swiglu_gemm = all(linear.swiglu_gemm for linear in linears)
         return merged
 
     def extra_repr(self) -> str:
         merged = f", splits={self.splits}" if len(self.splits) > 1 else ""
         return super().extra_repr() + merged
+
+
+@functools.cache
+def _swiglu_module():
+    try:
+        from engine.kernels import swiglu
+    except ImportError as e:
+        log.info("SwiGLU GEMM off: Triton is not importable (%s)", e)
+        return None
+    return swiglu
 
 
 def default_linear(name: str, in_features: int, out_features: int) -> DenseLinear:

@@ -44,7 +44,6 @@ class _Prepared(nn.Module):
     packed forms, which belong to one device and are dropped when the module moves."""
 
     backend_name = "auto"  # EngineConfig.w4a4_backend, set at load
-    swiglu_gemm = True  # EngineConfig.swiglu_gemm: a (gate, up) group may write silu(gate) * up itself
 
     def _reset_packed(self) -> None:
         self._packed: dict[str, tuple[object, object]] = {}  # kind -> (backend, packed form)
