@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -123,8 +124,21 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.num_step < 1:
             raise InputError(f"num_step={self.num_step}: needs at least 1 decoding step.")
-        if self.position_temperature < 0 or self.class_temperature < 0:
-            raise InputError("temperatures must be >= 0 (0 means greedy).")
+        finite = ("guidance_scale", "layer_penalty_factor", "audio_chunk_threshold")
+        self._check(finite, lambda v: True, "a finite number")
+        # t_shift bends the unmasking schedule t -> s t / (1 + (s - 1) t): 0 leaves every position to the
+        # last step, a negative one breaks it
+        self._check(("t_shift",), lambda v: v > 0, "a positive number (upstream's is 0.1)")
+        temperatures = ("position_temperature", "class_temperature")
+        self._check(temperatures, lambda v: v >= 0, "a number >= 0 (0 is greedy)")
+        durations = ("audio_chunk_duration", "pad_duration", "fade_duration")
+        self._check(durations, lambda v: v >= 0, "seconds >= 0")
+
+    def _check(self, names: tuple[str, ...], ok, want: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and ok(value)):
+                raise InputError(f"generation.{name}={value}: give {want}.")
 
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "w4a4")

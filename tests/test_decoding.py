@@ -7,6 +7,7 @@ import torch
 from dense_reference import upstream_style_step
 
 from engine.config import GenerationConfig
+from engine.errors import InputError
 from engine.generate.decoding import BatchDecoder, RequestNoise, unmask_schedule
 
 C, V, MASK = 8, 1025, 1024
@@ -111,3 +112,22 @@ def test_flat_rows_sit_where_a_padded_view_holds_each_requests_frames():
         dec = BatchDecoder(lens, list(range(len(lens))), C, MASK, GenerationConfig(num_step=2), "cpu")
         mask = torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]
         assert torch.equal(dec.padded_rows, mask.flatten().nonzero().squeeze(1))
+
+
+@pytest.mark.parametrize(
+    "setting, want",
+    [
+        ({"t_shift": 0.0}, "t_shift=0.0: give a positive number"),
+        ({"t_shift": -1.0}, "t_shift=-1.0: give a positive number"),
+        ({"t_shift": float("nan")}, "t_shift=nan"),
+        ({"guidance_scale": float("inf")}, "guidance_scale=inf: give a finite number"),
+        ({"position_temperature": -0.5}, "position_temperature=-0.5: give a number >= 0"),
+        ({"class_temperature": float("nan")}, "class_temperature=nan"),
+        ({"pad_duration": -0.1}, "pad_duration=-0.1: give seconds >= 0"),
+    ],
+)
+def test_generation_settings_that_break_decoding_are_refused_by_name(setting, want):
+    """t_shift = -1 overflowed inside the schedule, 0 unmasked every position at the last step, NaN raised a
+    ValueError there; an infinite guidance turned the log-probabilities into NaN."""
+    with pytest.raises(InputError, match=rf"generation\.{want}"):
+        GenerationConfig(**setting)
