@@ -614,7 +614,7 @@ class Engine:
             self._gen_item(prepared[i], index, tokens[i][0] if tokens[i] else None)
             for i in _round_members(prepared, index)
         ]
-        batches = even_batches(items, packed_tokens, self.cfg.max_batch_tokens)
+        batches = even_batches(items, packed_tokens, self.cfg.token_budget)
         return [self.runner.pack(batch) for batch in batches]
 
     def _decode(self, codes: list[torch.Tensor]) -> list[np.ndarray]:

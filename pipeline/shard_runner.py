@@ -156,11 +156,11 @@ def synth_request(row: ManifestRow) -> Any:
 
 
 def pack_batches(rows: list[RequestRow], engine_cfg: EngineConfig) -> list[list[RequestRow]]:
-    """A shard's rows in batches within the engine's max_batch_tokens that fill its graph buckets
+    """A shard's rows in batches within the engine's token budget that fill its graph buckets
     (bucket_batches), each longest row first."""
     longest_first = sorted(rows, key=lambda r: -r.packed_tokens)
     return bucket_batches(
-        longest_first, lambda r: r.packed_tokens, engine_cfg.max_batch_tokens, engine_cfg.buckets
+        longest_first, lambda r: r.packed_tokens, engine_cfg.token_budget, engine_cfg.buckets
     )
 
 

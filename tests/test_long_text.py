@@ -12,6 +12,7 @@ import pytest
 
 from engine.api import Engine, SynthRequest
 from engine.config import EngineConfig, GenerationConfig
+from engine.generate.packing import packed_tokens
 from engine.tiny import ensure_tiny_checkpoint
 from pipeline.manifest import ManifestRow
 from pipeline.plan import make_plan
@@ -111,3 +112,18 @@ def test_a_row_whose_chunks_cannot_fit_is_rejected_with_the_numbers():
     plan = _plan(engine, ManifestRow(0, "long", _text(400), CLIP, TRANSCRIPT))
     (rejected,) = plan.rejected
     assert "row's largest text chunk needs" in rejected.reason and "engine limit of 64" in rejected.reason
+
+
+def test_the_engine_cuts_its_batches_to_the_token_budget(monkeypatch):
+    """Requests that each fit the budget but not together: every generation the engine runs holds at most
+    the budget (the largest bucket here, under max_batch_tokens), as the planner's batches do."""
+    engine = _engine(buckets=(256, 512), max_batch_tokens=4096)
+    packed_batches = []
+    pack = engine.runner.pack
+    monkeypatch.setattr(
+        engine.runner,
+        "pack",
+        lambda items: (packed_batches.append(sum(map(packed_tokens, items))), pack(items))[1],
+    )
+    engine.synthesize([SynthRequest(text=SENTENCES[i % 4], seed=i) for i in range(8)])
+    assert sum(packed_batches) > _budget(engine) >= max(packed_batches)

@@ -556,3 +556,16 @@ def test_a_shards_last_batch_goes_to_the_writers_once_the_next_shards_first_is_s
     events = [e for e in SetUpEngine.events if e[0] in ("set up", "write")]
     first, second = [text for kind, text in events if kind == "set up"]
     assert events.index(("write", first)) > events.index(("set up", second))
+
+
+def test_a_shards_batches_hold_at_most_the_engines_token_budget():
+    """max_batch_tokens above the largest bucket: batches stay within the bucket (the token budget), where
+    the engine's graphs are, instead of running larger ones eagerly."""
+    from engine.config import EngineConfig
+    from pipeline.shard_runner import pack_batches
+
+    cfg = EngineConfig(buckets=(512, 1024), max_batch_tokens=8192)
+    rows = [RequestRow(i, f"r{i}", "Hi.", None, None, packed_tokens=300 + 7 * i) for i in range(12)]
+    batches = pack_batches(rows, cfg)
+    assert sorted(r.id for b in batches for r in b) == sorted(r.id for r in rows)
+    assert max(sum(r.packed_tokens for r in b) for b in batches) <= cfg.token_budget == 1024
