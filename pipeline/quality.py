@@ -142,25 +142,38 @@ class SpeakerEmbedder:
         self.batch_size = batch_size
         self.rate = int(self.extractor.sampling_rate)
 
-    def embed(self, audios: Sequence[np.ndarray]) -> np.ndarray:
-        """[n, dim] unit-length embeddings of mono clips at self.rate (their first SPEAKER_SECONDS)."""
-        import torch
-
+    def embed(self, audios: Sequence[np.ndarray]) -> list[np.ndarray | str]:
+        """Unit-length embeddings of mono clips at self.rate (their first SPEAKER_SECONDS), in order; for a
+        clip the model gives none, why. An x-vector pools statistics over the clip's frames: a clip of a few
+        frames fails alone (shorter than the model's kernels) and gives NaN in a padded batch."""
         limit = int(SPEAKER_SECONDS * self.rate)
         clips = [np.asarray(a[:limit], np.float32) for a in audios]
         order = _length_order(clips)
-        out: list[np.ndarray | None] = [None] * len(clips)
+        out: list[np.ndarray | str] = [""] * len(clips)
         for start in range(0, len(order), self.batch_size):
             members = order[start : start + self.batch_size]
-            inputs = self.extractor(
-                [clips[i] for i in members], sampling_rate=self.rate, padding=True, return_tensors="pt"
-            ).to(self.device)
-            with torch.inference_mode():
-                emb = self.model(**inputs).embeddings.float()
-            emb = torch.nn.functional.normalize(emb, dim=-1).cpu().numpy()
-            for i, e in zip(members, emb, strict=True):
+            for i, e in zip(members, self._embed_batch([clips[i] for i in members]), strict=True):
                 out[i] = e
-        return np.stack(out) if out else np.zeros((0, 0), np.float32)
+        return out
+
+    def _embed_batch(self, clips: list[np.ndarray]) -> list[np.ndarray | str]:
+        import torch
+
+        try:
+            inputs = self.extractor(clips, sampling_rate=self.rate, padding=True, return_tensors="pt")
+            with torch.inference_mode():
+                emb = self.model(**inputs.to(self.device)).embeddings.float()
+        except RuntimeError as e:  # one clip too short fails its whole batch: the others go on their own
+            if len(clips) > 1:
+                return [e for clip in clips for e in self._embed_batch([clip])]
+            return [f"the speaker model cannot embed it ({first_line(e)})"]
+        emb = torch.nn.functional.normalize(emb, dim=-1).cpu().numpy()
+        return [
+            e
+            if np.isfinite(e).all() and e.any()
+            else "the speaker model's embedding of it is NaN, infinite or zero"
+            for e in emb
+        ]
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -331,14 +344,26 @@ class _Batch:
         clips, ref_audio, bad_clips = _read_all(
             sorted({c for c in clip_of.values() if c}), lambda c: _read_reference(c, model.rate)
         )
-        references = dict(zip(clips, model.embed(ref_audio), strict=True))
+        references, unembedded = {}, {}
+        for clip, emb in zip(clips, model.embed(ref_audio), strict=True):
+            (unembedded if isinstance(emb, str) else references)[clip] = emb
         for key in keys:
             clip = clip_of[key]
             if clip is None:
                 _add_problem(self.records[key], "no reference clip to compare the voice with")
             elif clip in bad_clips:
                 _add_problem(self.records[key], f"the reference clip cannot be read ({bad_clips[clip]})")
+            elif clip in unembedded:
+                _add_problem(
+                    self.records[key], f"no speaker similarity: for the reference clip, {unembedded[clip]}"
+                )
         keys, audios = self._wavs([k for k in keys if clip_of[k] in references], model.rate)
-        for key, emb in zip(keys, model.embed(audios), strict=True):
+        for key, audio, emb in zip(keys, audios, model.embed(audios), strict=True):
+            if isinstance(emb, str):  # left unmeasured (tried again next time), named
+                seconds = len(audio) / model.rate
+                _add_problem(
+                    self.records[key], f"no speaker similarity: {emb}; the wav holds {seconds:.2f} s"
+                )
+                continue
             similarity = cosine(emb, references[clip_of[key]])
             self.records[key].update(speaker_model=model.name, speaker_sim=similarity)

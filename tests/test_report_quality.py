@@ -6,12 +6,14 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from ab_job import TEXTS, make_ab_job
+from ab_job import SR, TEXTS, make_ab_job
 from tiny_models import tiny_wavlm_xvector, tiny_whisper
 
 from engine.errors import InputError
+from pipeline.atomic import write_wav_atomic
 from pipeline.config import CompareConfig, load_job_config
 from pipeline.quality import QUALITY_FILE, measure
 from pipeline.report import write_report
@@ -142,3 +144,40 @@ def test_compare_settings_are_checked_by_name():
         and ab.compare.speaker_model is None
         and ab.variant_names() == ["fp16", "fp8", "w4a4"]
     )
+
+
+def _strict_json(path: Path):
+    def refuse(constant: str):
+        raise ValueError(f"{path.name} holds {constant}, which is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_clips_too_short_for_the_speaker_model_are_named_and_keep_nan_out(
+    tmp_path: Path, models: CompareConfig
+):
+    # An x-vector pools statistics over frames: a few milliseconds of audio gave a NaN embedding in a padded
+    # batch (the variant's mean similarity NaN, ab.json not JSON) and failed alone (every row unmeasured).
+    job = make_ab_job(tmp_path, rows=3)
+    write_wav_atomic(job.wav_path("w4a4", "u2"), np.full(100, 0.1, np.float32), SR)
+    speaker = CompareConfig(speaker_model=models.speaker_model, device="cpu")
+    page = write_report(job, speaker).read_text()
+    quality = _strict_json(job.report_dir / "ab.json")[0]["quality"]["w4a4"]
+    assert quality["sim_rows"] == 2 and math.isfinite(quality["speaker_sim"])
+    assert "<td>u2</td><td>w4a4</td><td>no speaker similarity: the speaker model" in page
+    ok = [r for r in job.read_results().to_pylist() if r["status"] == "ok"]
+    again = measure(job, speaker, ok)  # u2 alone is measured again: a batch of one short clip
+    assert again.notes == [] and again.rows[("w4a4", "u2")]["speaker_sim"] is None
+    assert "cannot embed it" in again.rows[("w4a4", "u2")]["problem"]
+    assert "the wav holds 0.00 s" in again.rows[("w4a4", "u2")]["problem"]
+    assert all(again.rows[(v, f"u{i}")]["speaker_sim"] is not None for v in ("fp16", "w4a4") for i in (0, 1))
+
+    short = tmp_path / "short-reference.wav"
+    write_wav_atomic(short, np.full(100, 0.1, np.float32), SR)
+    rows = job.read_rows()
+    rows["u0"].ref_audio = str(short)
+    job.write_rows(list(rows.values()))
+    (job.report_dir / QUALITY_FILE).unlink()
+    again = measure(job, speaker, ok)
+    assert again.notes == [] and "for the reference clip" in again.rows[("fp16", "u0")]["problem"]
+    assert again.rows[("fp16", "u0")]["speaker_sim"] is None and again.rows[("fp16", "u1")]["speaker_sim"]
