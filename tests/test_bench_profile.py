@@ -49,6 +49,7 @@ NAMES = {
     "void w4a4::(anonymous namespace)::w4a4_gemm_lora_up_kernel<128>(...)": "w4a4_gemm",
     "void w4a4::(anonymous namespace)::fp8_quantize_kernel<__nv_bfloat16, 1>(...)": "fp8_quantize",
     "void w4a4::(anonymous namespace)::fp8_silu_mul_rows_kernel<__nv_bfloat16, 2>(...)": "fp8_quantize",
+    "_swiglu_gemm_kernel": "dense_gemm",  # engine/kernels/swiglu.py (Triton): a GEMM with its SiLU epilogue
     "Memcpy HtoD (Pageable -> Device)": "memcpy_memset",
     "Memset (Device)": "memcpy_memset",
     "void some_library::mystery_kernel(float*)": "other",

@@ -26,7 +26,7 @@ OUT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
-def _swiglu_kernel(
+def _swiglu_gemm_kernel(
     x_desc, w_desc, h_desc, M, N, K, programs,
     BM: tl.constexpr, HALF: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, OUT: tl.constexpr,
 ):  # fmt: skip
@@ -75,7 +75,7 @@ def swiglu_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if m == 0:
         return h
     programs = min(_programs(x.device), triton.cdiv(m, BLOCK_M) * triton.cdiv(width, HALF_N))
-    _swiglu_kernel[(programs,)](
+    _swiglu_gemm_kernel[(programs,)](
         TensorDescriptor.from_tensor(x, [BLOCK_M, BLOCK_K]),
         TensorDescriptor.from_tensor(weight.view(2, width, k), [2, HALF_N, BLOCK_K]),
         TensorDescriptor.from_tensor(h, [BLOCK_M, HALF_N]),
