@@ -2,6 +2,8 @@
 it: CPU tests for the switch and the fallback, GPU tests (`-m gpu`) for the kernel against a float64
 reference and for its dispatch."""
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -80,3 +82,22 @@ def test_the_mlp_runs_the_kernel_where_switched_on(switch, tmp_path):
     else:
         want = silu_mul(*(norm(x) @ gate_up.weight.T).split(gate_up.splits, dim=-1), True)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("version", ("3.3.1", "3.2.0", "2.3.1"))
+def test_a_triton_without_what_the_kernel_uses_leaves_it_off(version, monkeypatch, caplog):
+    """torch 2.7's Triton 3.3 has no tl.range(flatten=...): the kernel would fail at its first compile, in a
+    forward, so the engine keeps cuBLAS + silu_mul there."""
+    import sys
+    import types
+
+    from engine.model import linear
+
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=version))
+    linear._swiglu_module.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="engine.model.linear"):
+            assert linear._swiglu_module() is None
+        assert f"Triton {version} is older than 3.4" in caplog.text
+    finally:
+        linear._swiglu_module.cache_clear()

@@ -124,9 +124,20 @@ class DenseLinear(Linear, nn.Linear):
         return super().extra_repr() + merged
 
 
+# engine/kernels/swiglu.py needs tl.range's flatten and host-side tensor descriptors (Triton 3.4 on; tested
+# on 3.6): an older Triton would fail at the first forward's compile, not at import
+SWIGLU_MIN_TRITON = (3, 4)
+
+
 @functools.cache
 def _swiglu_module():
     try:
+        import triton
+
+        version = tuple(int(part) for part in triton.__version__.split(".")[:2])
+        if version < SWIGLU_MIN_TRITON:
+            log.info("SwiGLU GEMM off: Triton %s is older than 3.4", triton.__version__)
+            return None
         from engine.kernels import swiglu
     except ImportError as e:
         log.info("SwiGLU GEMM off: Triton is not importable (%s)", e)
