@@ -307,6 +307,10 @@ def _read_all(
     return kept, audios, failed
 
 
+def _number(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
 class _Batch:
     """The rows of one report that still need a metric, and where their audio is."""
 
@@ -316,8 +320,13 @@ class _Batch:
         self.manifest = job.read_rows()
 
     def todo(self, model_key: str, model: str) -> list[tuple[str, str]]:
-        """The rows not yet measured with `model`."""
-        return [k for k, rec in self.records.items() if rec[model_key] != model]
+        """The rows not yet measured with `model`: a speaker_sim that is not a number counts as not measured
+        (quality.parquet files written before short clips were named could hold NaN)."""
+        return [
+            k
+            for k, rec in self.records.items()
+            if rec[model_key] != model or (model_key == "speaker_model" and not _number(rec["speaker_sim"]))
+        ]
 
     def _wavs(self, keys: list[tuple[str, str]], rate: int) -> tuple[list[tuple[str, str]], list[np.ndarray]]:
         kept, audios, failed = _read_all(keys, lambda k: _read_mono(self.wavs[k], rate))

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from ab_job import SR, TEXTS, make_ab_job
@@ -181,3 +182,21 @@ def test_clips_too_short_for_the_speaker_model_are_named_and_keep_nan_out(
     again = measure(job, speaker, ok)
     assert again.notes == [] and "for the reference clip" in again.rows[("fp16", "u0")]["problem"]
     assert again.rows[("fp16", "u0")]["speaker_sim"] is None and again.rows[("fp16", "u1")]["speaker_sim"]
+
+
+def test_a_nan_speaker_similarity_kept_from_before_is_measured_again(tmp_path: Path, models: CompareConfig):
+    """quality.parquet files written before short clips were named could hold NaN: such a value is not a
+    measurement, so the next report measures the row again instead of serving NaN forever."""
+    job = make_ab_job(tmp_path, rows=2)
+    ok = [r for r in job.read_results().to_pylist() if r["status"] == "ok"]
+    speaker = CompareConfig(speaker_model=models.speaker_model, device="cpu")
+    first = measure(job, speaker, ok)
+    stored = pq.read_table(job.report_dir / QUALITY_FILE)
+    rows = stored.to_pylist()
+    rows[0]["speaker_sim"] = float("nan")
+    pq.write_table(pa.Table.from_pylist(rows, schema=stored.schema), job.report_dir / QUALITY_FILE)
+    again = measure(job, speaker, ok)
+    key = (rows[0]["variant"], rows[0]["id"])
+    assert math.isfinite(again.rows[key]["speaker_sim"]) and -1.0 <= again.rows[key]["speaker_sim"] <= 1.0
+    others = [k for k in first.rows if k != key]  # kept, not measured again
+    assert [again.rows[k]["speaker_sim"] for k in others] == [first.rows[k]["speaker_sim"] for k in others]
