@@ -23,7 +23,7 @@ def nice_step(span: float, ticks: int = TICKS) -> float:
 
 def nice_axis(lo: float, hi: float, ticks: int = TICKS, integer: bool = False) -> list[float]:
     """Round tick values from a multiple of the step at or below `lo` to one at or above `hi`."""
-    if hi <= lo:
+    if hi - lo <= 1e-9 * max(abs(lo), abs(hi)):  # equal but for rounding: ticks that far apart round to one
         pad = abs(lo) * 0.1 or 1.0
         lo, hi = lo - pad, hi + pad
     step = nice_step(hi - lo, ticks)

@@ -72,3 +72,14 @@ def test_histogram_counts_are_whole_ticks_and_bars_stay_inside_the_frame():
     assert 7.0 <= max(ys) and all(v.is_integer() for v in ys)
     for x, w in re.findall(r'<rect x="([\d.]+)" y="[\d.]+" width="([\d.]+)" height="[\d.]+" fill="#', svg):
         assert svgplot.LEFT <= float(x) and float(x) + float(w) <= svgplot.W - svgplot.RIGHT + 0.5
+
+
+@pytest.mark.parametrize("values", ([0.8, 0.8000000000000002], [1e-300, 1.0000000000000002e-300], [5.0, 5.0]))
+def test_values_equal_but_for_rounding_plot_on_a_padded_axis(values):
+    """Values a float step or two apart (0.8 and 0.8000000000000002) raised a math domain error: the ticks
+    rounded to one value and the label's step was 0."""
+    ticks = svgplot.nice_axis(min(values), max(values))
+    assert len(set(ticks)) >= 2 and ticks[0] <= min(values) and ticks[-1] >= max(values)
+    svg = svgplot.scatter({"fp16 vs fp8": [(v, v) for v in values]}, "t", "x", "y")
+    assert "<svg" in svg and len(_tick_labels(svg)) >= 4
+    assert "<svg" in svgplot.histogram({"fp8": values}, "t", "x")
