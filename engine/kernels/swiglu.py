@@ -1,8 +1,8 @@
 """silu(gate) * up of a merged bf16/fp16 (gate, up) Linear in one Triton GEMM (Hopper). Each tile multiplies
-input rows by 128 gate rows and the same outputs' 128 up rows, read as one [2, 128, k] box of the weight
-viewed as [2, I, K] (no copy, no new layout), and writes h = silu(gate) * up from its float32 sums: h [M, I]
-instead of gate and up [M, 2I], and no silu_mul pass over them (cuBLAS has no such epilogue). Persistent
-blocks, operands and output through the tensor copy engine (TMA descriptors).
+input rows by 128 gate rows and the same outputs' 128 up rows, read each k step as one [2, 128, 64] box of
+the weight viewed as [2, I, K] (no copy, no new layout), and writes h = silu(gate) * up from its float32 sums:
+h [M, I] instead of gate and up [M, 2I], and no silu_mul pass over them (cuBLAS has no such epilogue).
+Persistent blocks, operands and output through the tensor copy engine (TMA descriptors).
 
 h = silu(x . w_gate) * (x . w_up), summed in float32 and rounded once; the path it replaces (cuBLAS, then the
 silu_mul kernel) rounds gate and up to bf16/fp16 first (tests/test_swiglu_gemm.py holds both).
