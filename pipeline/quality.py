@@ -83,6 +83,13 @@ def _length_order(audios: Sequence[np.ndarray]) -> list[int]:
     return sorted(range(len(audios)), key=lambda i: -len(audios[i]))
 
 
+@dataclass
+class NoTranscript:
+    """A clip the speech model refused, and why (the row is tried again by the next report)."""
+
+    reason: str
+
+
 class Transcriber:
     """A transformers automatic-speech-recognition pipeline (Whisper, wav2vec 2 CTC, ...)."""
 
@@ -107,23 +114,37 @@ class Transcriber:
         """The row's language when the model takes one (Whisper's own codes); None lets it detect."""
         return code if code and f"<|{code}|>" in self.languages else None
 
-    def transcribe(self, audios: Sequence[np.ndarray], languages: Sequence[str | None]) -> list[str]:
-        """Transcripts of mono clips at self.rate, in order."""
+    def transcribe(
+        self, audios: Sequence[np.ndarray], languages: Sequence[str | None]
+    ) -> list[str | NoTranscript]:
+        """Transcripts of mono clips at self.rate, in order; for a clip the model refuses, why."""
         groups: dict[tuple[str | None, bool], list[int]] = {}
         for i in _length_order(audios):
             long = len(audios[i]) > CHUNK_SECONDS * self.rate
             groups.setdefault((self._language(languages[i]), long), []).append(i)
-        texts = [""] * len(audios)
+        texts: list[str | NoTranscript] = [""] * len(audios)
         for (language, long), members in groups.items():
             kwargs: dict[str, Any] = {"batch_size": self.batch_size}
             if language is not None:
                 kwargs["generate_kwargs"] = {"language": language, "task": "transcribe"}
             if long:
                 kwargs["chunk_length_s"] = CHUNK_SECONDS
-            out = self.pipe([np.asarray(audios[i], np.float32) for i in members], **kwargs)
-            for i, o in zip(members, out, strict=True):
-                texts[i] = o["text"].strip()
+            for i, text in zip(
+                members, self._run([np.asarray(audios[i], np.float32) for i in members], kwargs)
+            ):
+                texts[i] = text
         return texts
+
+    def _run(self, clips: list[np.ndarray], kwargs: dict[str, Any]) -> list[str | NoTranscript]:
+        try:
+            out = self.pipe(clips, **kwargs)
+        except (
+            RuntimeError
+        ) as e:  # a CTC model refuses a clip shorter than its convolutions, and its batch with it
+            if len(clips) > 1:
+                return [text for clip in clips for text in self._run([clip], kwargs)]
+            return [NoTranscript(f"the speech model cannot transcribe it ({first_line(e)})")]
+        return [o["text"].strip() for o in out]
 
 
 class SpeakerEmbedder:
@@ -337,7 +358,13 @@ class _Batch:
     def transcribe(self, model: Transcriber) -> None:
         keys, audios = self._wavs(self.todo("asr_model", model.name), model.rate)
         languages = [self.manifest[i].language if i in self.manifest else None for _, i in keys]
-        for key, text in zip(keys, model.transcribe(audios, languages), strict=True):
+        for key, audio, text in zip(keys, audios, model.transcribe(audios, languages), strict=True):
+            if isinstance(text, NoTranscript):
+                seconds = len(audio) / model.rate
+                _add_problem(
+                    self.records[key], f"no transcript: {text.reason}; the wav holds {seconds:.2f} s"
+                )
+                continue
             self.records[key].update(asr_model=model.name, transcript=text)
 
     def score_transcripts(self) -> None:

@@ -200,3 +200,40 @@ def test_a_nan_speaker_similarity_kept_from_before_is_measured_again(tmp_path: P
     assert math.isfinite(again.rows[key]["speaker_sim"]) and -1.0 <= again.rows[key]["speaker_sim"] <= 1.0
     others = [k for k in first.rows if k != key]  # kept, not measured again
     assert [again.rows[k]["speaker_sim"] for k in others] == [first.rows[k]["speaker_sim"] for k in others]
+
+
+def test_a_clip_too_short_for_the_speech_model_is_named_and_the_others_transcribed(
+    tmp_path: Path, models: CompareConfig, monkeypatch
+):
+    """A CTC speech model (wav2vec 2) refuses a clip shorter than its convolutions, and the refusal failed the
+    batch, so speech recognition failed for the whole job. Here the tiny Whisper's pipeline refuses clips
+    under 400 samples the way such a model does."""
+    from pipeline import quality
+
+    made = quality.Transcriber.__init__
+
+    def refusing_short_clips(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        pipe = self.pipe
+
+        def run(clips, **kw):
+            if any(len(c) < 400 for c in clips):
+                raise RuntimeError("Calculated padded input size per channel: (1). Kernel size: (10).")
+            return pipe(clips, **kw)
+
+        self.pipe = run
+
+    monkeypatch.setattr(quality.Transcriber, "__init__", refusing_short_clips)
+    job = make_ab_job(tmp_path, rows=3)
+    write_wav_atomic(job.wav_path("w4a4", "u2"), np.full(100, 0.1, np.float32), SR)
+    asr = CompareConfig(asr_model=models.asr_model, device="cpu", batch_size=8)
+    ok = [r for r in job.read_results().to_pylist() if r["status"] == "ok"]
+    measured = measure(job, asr, ok)
+    assert measured.notes == []
+    short = measured.rows[("w4a4", "u2")]
+    assert (
+        short["transcript"] is None
+        and "no transcript: the speech model cannot transcribe it" in short["problem"]
+    )
+    assert "the wav holds 0.00 s" in short["problem"]
+    assert all(rec["transcript"] is not None for key, rec in measured.rows.items() if key != ("w4a4", "u2"))
