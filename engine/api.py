@@ -346,8 +346,8 @@ class Engine:
             with self._lock:
                 for clip in seen:
                     self._clip_keys.pop(clip, None)
+        limit = self.reference_settings.max_seconds  # a prompt cached under a higher limit meets this one
         for (i, name, _), prompt in zip(wanted, made):
-            limit = self.reference_settings.max_seconds  # a prompt cached under a higher limit meets this one
             if prompt.source_seconds is not None and prompt.source_seconds > limit:
                 raise too_long(name, prompt.source_seconds, limit)
             seconds = prompt.tokens.shape[1] / self.frame_rate

@@ -306,7 +306,6 @@ def quantize_checkpoint(
     meta = QuantMeta(
         rank=options.rank, source_hash=source_hash, layers=tuple(quantizer.tensors), settings=settings
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         write_w4a4_checkpoint(tmp, src, raw, quantizer.tensors, meta)
