@@ -11,8 +11,9 @@ activations quantized by the kernels that produce them) with CUDA graphs; the
 q/k norm + RoPE around the Linears), which is what they save; the `_ungrouped` variants run q/k/v and gate/up
 as separate layers (FastPaths.grouped_projections; each computes its input's RMSNorm) instead of one GEMM
 each; `_silu_mul` runs bf16 and W4A4 gate/up as one GEMM (bf16: cuBLAS's) + the silu_mul kernel instead of
-the GEMM that writes silu(gate) * up (FastPaths.swiglu_gemm; bf16's is a Triton kernel). Each variant is its
-own model, loaded with its switches.
+the GEMM that writes silu(gate) * up (FastPaths.swiglu_gemm; bf16's is a Triton kernel); `_qk_rope_apart` runs
+bf16 q/k/v on cuBLAS + the qk_norm_rope kernel instead of the Triton GEMM that norms and rotates q and k
+(FastPaths.qkv_rope_gemm). Each variant is its own model, loaded with its switches.
 Medians of the repetitions; RTF = wall time / audio time. Each case also reports every variant's 32-step
 token agreement with ours_bf16_graphs (the same requests and seeds; with random weights a figure for how far
 a precision's numerics move the sampled codes, not a quality measure).
@@ -68,7 +69,12 @@ def requests(batch: int, vary: bool) -> list[Request]:
 
 
 # the fast path a variant's label turns off (engine/config.py FastPaths)
-SWITCHES = {"_unfused": "fused_kernels", "_ungrouped": "grouped_projections", "_silu_mul": "swiglu_gemm"}
+SWITCHES = {
+    "_unfused": "fused_kernels",
+    "_ungrouped": "grouped_projections",
+    "_silu_mul": "swiglu_gemm",
+    "_qk_rope_apart": "qkv_rope_gemm",
+}
 
 
 def fast_paths_for(label: str) -> FastPaths:
@@ -121,6 +127,7 @@ def main() -> None:
         "ours_bf16_eager",
         "ours_bf16_graphs",
         "ours_bf16_graphs_silu_mul",
+        "ours_bf16_graphs_qk_rope_apart",
         "ours_w4a4_graphs",
         "ours_w4a4_graphs_silu_mul",
         "ours_bf16_graphs_unfused",

@@ -2,7 +2,7 @@
 # One device call, many steps: GPU tests and benchmarks, each under its own time limit.
 # Usage on the GPU machine (repo root):  bash bench/gpu_session.sh STEP[:SECONDS] ...
 # Steps: tests memcheck official parity generate attention profile codec-parity codec quantize
-# pipeline e2e encode-beside profile-job kernels fused fp8-accumulation swiglu-gemm scaling
+# pipeline e2e encode-beside profile-job kernels fused fp8-accumulation gemm-epilogues scaling
 # (GPU_TESTS narrows the test paths, MEMCHECK_TESTS the tests run under compute-sanitizer memcheck,
 # PIPELINE_ROWS the pipeline bench's rows, E2E_PARTS / E2E_PRECISIONS / E2E_ROWS what the e2e bench runs
 # (E2E_PARTS=setup makes its checkpoints, manifests and CUDA extension and measures nothing; timed
@@ -51,7 +51,7 @@ step() {
     kernels)      $PY bench/kernels.py ;;
     fused)        $PY bench/fused.py ;;
     fp8-accumulation) $PY bench/fp8_accumulation.py ;;
-    swiglu-gemm)  $PY bench/swiglu_gemm.py ;;
+    gemm-epilogues) $PY bench/gemm_epilogues.py ;;
     scaling)      $PY bench/scaling.py --gpus ${SCALING_GPUS:-1} ;;
     *) echo "unknown step $1"; return 2 ;;
   esac

@@ -269,21 +269,21 @@ def fp8_noise_rows(result: dict) -> list[str]:
     ]
 
 
-def swiglu_gemm_rows(result: dict) -> list[str]:
-    """docs/kernels.md: the bf16 SwiGLU GEMM against cuBLAS + silu_mul, per M, and over a generation."""
+def gemm_epilogue_rows(result: dict, case: str) -> list[str]:
+    """docs/kernels.md: one bf16 Triton GEMM with its epilogue against cuBLAS + the kernel it replaced, per M,
+    and over a generation."""
     out = [
         row(
             f"{r['M']:,}",
-            f"{r['cublas_silu_mul_us']:.1f}",
-            f"{r['swiglu_gemm_us']:.1f} ({r['speedup']:.2f}x)",
-            f"{r['cublas_silu_mul_rel_err']:.1e} / {r['swiglu_gemm_rel_err']:.1e}",
+            f"{r['before_us']:.1f}",
+            f"{r['epilogue_us']:.1f} ({r['speedup']:.2f}x)",
+            f"{r['before_rel_err']:.1e} / {r['epilogue_rel_err']:.1e}",
         )
         for r in result["rows"]
+        if r["case"] == case
     ]
-    ms = result["per_generation_ms"]
-    return out + [
-        row("a B = 32 generation", f"{ms['cublas_silu_mul']:.0f} ms", f"{ms['swiglu_gemm']:.0f} ms", "")
-    ]
+    ms = result["per_generation_ms"][case]
+    return out + [row("a B = 32 generation", f"{ms['before']:.0f} ms", f"{ms['epilogue']:.0f} ms", "")]
 
 
 def fp8_accumulation_gemm_rows(result: dict) -> list[str]:
@@ -381,7 +381,7 @@ def e2e_rows(result: dict) -> list[str]:
 def tables() -> dict[str, tuple[str, list[str]]]:
     """Table name -> (the document it lives in, its rows)."""
     generate, kernels, fused = load("generate-h200.json"), load("kernels-h200.json"), load("fused-h200.json")
-    accumulation = load("fp8-accumulation-h100.json")
+    accumulation, epilogues = load("fp8-accumulation-h100.json"), load("gemm-epilogues-h100.json")
     return {
         "generation": ("README.md", generate_rows(generate)),
         "precisions": ("README.md", precision_rows(load("profile-generate-h200.json"))),
@@ -397,7 +397,8 @@ def tables() -> dict[str, tuple[str, list[str]]]:
         "swiglu": ("docs/kernels.md", swiglu_rows(fused)),
         "residual": ("docs/kernels.md", residual_rows(fused)),
         "fp8 noise": ("docs/quantization.md", fp8_noise_rows(load("fp8-noise-cpu.json"))),
-        "bf16 swiglu gemm": ("docs/kernels.md", swiglu_gemm_rows(load("swiglu-gemm-h100.json"))),
+        "bf16 swiglu gemm": ("docs/kernels.md", gemm_epilogue_rows(epilogues, "swiglu")),
+        "bf16 qkv rope gemm": ("docs/kernels.md", gemm_epilogue_rows(epilogues, "qkv_rope")),
         "fp8 accumulation": ("docs/ARCHITECTURE.md", fp8_accumulation_gemm_rows(accumulation)),
         "fp8 gate/up": ("docs/ARCHITECTURE.md", fp8_accumulation_gate_up_rows(accumulation)),
         "fp8 sums per generation": ("docs/ARCHITECTURE.md", fp8_accumulation_generation_rows(accumulation)),

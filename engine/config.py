@@ -153,6 +153,7 @@ class FastPaths:
     fused_kernels: bool = True  # RMSNorm, SiLU * up, q/k norm + RoPE, RMSNorm inside W4A4 quantization
     grouped_projections: bool = True  # q/k/v and gate/up merged into one Linear (one GEMM) each
     swiglu_gemm: bool = True  # the gate/up GEMM writes silu(gate) * up itself (bf16/fp16 and W4A4, Hopper)
+    qkv_rope_gemm: bool = True  # the q/k/v GEMM norms and rotates q and k itself (bf16/fp16, Hopper)
     w4a4_backend: str = "auto"  # auto | cuda-sm90 | reference
 
     def __post_init__(self) -> None:

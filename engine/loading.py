@@ -115,7 +115,7 @@ def prepare_for_inference(model: OmniVoiceModel, fast_paths: FastPaths | None = 
         if hasattr(module, "fused"):
             module.fused = fast_paths.fused_kernels
         if isinstance(module, Linear):
-            module.swiglu_gemm = fast_paths.swiglu_gemm
+            module.swiglu_gemm, module.qkv_rope_gemm = fast_paths.swiglu_gemm, fast_paths.qkv_rope_gemm
         if isinstance(module, W4A4Linear | W4A4Group):
             module.backend_name = fast_paths.w4a4_backend
     if fast_paths.grouped_projections:

@@ -94,10 +94,10 @@ def test_a_triton_without_what_the_kernel_uses_leaves_it_off(version, monkeypatc
     from engine.model import linear
 
     monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=version))
-    linear._swiglu_module.cache_clear()
+    linear._triton_module.cache_clear()
     try:
         with caplog.at_level(logging.INFO, logger="engine.model.linear"):
-            assert linear._swiglu_module() is None
+            assert linear._triton_module("swiglu") is None
         assert f"Triton {version} is older than 3.4" in caplog.text
     finally:
-        linear._swiglu_module.cache_clear()
+        linear._triton_module.cache_clear()

@@ -2,7 +2,7 @@
 input rows by 128 gate rows and the same outputs' 128 up rows, read each k step as one [2, 128, 64] box of
 the weight viewed as [2, I, K] (no copy, no new layout), and writes h = silu(gate) * up from its float32 sums:
 h [M, I] instead of gate and up [M, 2I], and no silu_mul pass over them (cuBLAS has no such epilogue).
-Persistent blocks, operands and output through the tensor copy engine (TMA descriptors).
+Persistent blocks (engine/kernels/persistent.py), operands and output through the tensor copy engine.
 
 h = silu(x . w_gate) * (x . w_up), summed in float32 and rounded once; the path it replaces (cuBLAS, then the
 silu_mul kernel) rounds gate and up to bf16/fp16 first (tests/test_swiglu_gemm.py holds both).
@@ -12,31 +12,26 @@ Imported only where Triton runs (engine/model/linear.py decides).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from engine.kernels.persistent import OUT_TYPES, programs, takes, tile_origin
+
 # The fastest tile tried on an H100 at K = 1024, I = 3072, M = 8,192 and 18,944 (docs/kernels.md): 128 rows
 # x (128 gate + 128 up) outputs, 64-deep k steps, 3 stages, 8 warps.
 BLOCK_M, HALF_N, BLOCK_K, STAGES, WARPS, GROUP_M = 128, 128, 64, 3, 8, 8
-OUT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
 def _swiglu_gemm_kernel(
-    x_desc, w_desc, h_desc, M, N, K, programs,
+    x_desc, w_desc, h_desc, M, N, K, num_programs,
     BM: tl.constexpr, HALF: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, OUT: tl.constexpr,
 ):  # fmt: skip
     tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, HALF)
-    per_group = GROUP * tiles_n  # GROUP row tiles walk the columns together, so weight tiles stay in L2
-    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, programs, flatten=True):
-        first = (tile // per_group) * GROUP
-        rows_in_group = tl.minimum(tiles_m - first, GROUP)
-        off_m = (first + tile % rows_in_group) * BM
-        off_n = ((tile % per_group) // rows_in_group) * HALF
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, num_programs, flatten=True):
+        off_m, off_n = tile_origin(tile, tiles_m, tiles_n, BM, HALF, GROUP)
         sums = tl.zeros((BM, 2 * HALF), tl.float32)
         for k in range(tl.cdiv(K, BK)):
             w = w_desc.load([0, off_n, k * BK]).reshape(2 * HALF, BK)  # HALF gate rows, then their up rows
@@ -45,24 +40,10 @@ def _swiglu_gemm_kernel(
         h_desc.store([off_m, off_n], (gate / (1.0 + tl.exp(-gate)) * up).to(OUT))
 
 
-@functools.cache
-def _programs(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def can_run(weight: torch.Tensor) -> bool:
     """Whether the kernel takes this (gate, up) weight [2I, K]: bf16/fp16 on a Hopper GPU, contiguous, rows
     the tensor copy engine can address (16-byte strides)."""
-    width, k = weight.shape[0] // 2, weight.shape[1]
-    return (
-        weight.is_cuda
-        and weight.dtype in OUT_TYPES
-        and torch.cuda.get_device_capability(weight.device)[0] == 9
-        and weight.is_contiguous()
-        and weight.shape[0] % 2 == 0
-        and k % 8 == 0
-        and width % 8 == 0
-    )
+    return takes(weight) and weight.shape[0] % 16 == 0  # gate and up rows of 16-byte strides in h
 
 
 def swiglu_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -74,12 +55,12 @@ def swiglu_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     h = torch.empty(m, width, device=x.device, dtype=weight.dtype)
     if m == 0:
         return h
-    programs = min(_programs(x.device), triton.cdiv(m, BLOCK_M) * triton.cdiv(width, HALF_N))
-    _swiglu_gemm_kernel[(programs,)](
+    launched = programs(x.device, triton.cdiv(m, BLOCK_M) * triton.cdiv(width, HALF_N))
+    _swiglu_gemm_kernel[(launched,)](
         TensorDescriptor.from_tensor(x, [BLOCK_M, BLOCK_K]),
         TensorDescriptor.from_tensor(weight.view(2, width, k), [2, HALF_N, BLOCK_K]),
         TensorDescriptor.from_tensor(h, [BLOCK_M, HALF_N]),
-        m, width, k, programs,
+        m, width, k, launched,
         BM=BLOCK_M, HALF=HALF_N, BK=BLOCK_K, GROUP=GROUP_M, OUT=OUT_TYPES[weight.dtype],
         num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip

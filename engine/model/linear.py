@@ -4,13 +4,14 @@ engine/loading.py decides each Linear's implementation when it loads a checkpoin
 W4A4Linear in engine/w4a4/linear.py), and merges the Linears that read one input (q/k/v, gate/up) into
 one with `merge`. The model calls only the methods below. An implementation overrides those it can run
 faster: the input's RMSNorm inside its activation quantization, the residual add in its GEMM's epilogue
-(else the next RMSNorm adds it), silu(gate) * up written by the GEMM itself (DenseLinear's on Hopper: a
-Triton GEMM, engine/kernels/swiglu.py).
+(else the next RMSNorm adds it), silu(gate) * up written by the GEMM itself, q and k head-normed and rotated
+by the GEMM itself (DenseLinear's on Hopper: Triton GEMMs, engine/kernels/swiglu.py and qkv_rope.py).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 
 import torch
@@ -31,6 +32,7 @@ class Linear(nn.Module):
     splits: tuple[int, ...]
     fused: bool = True  # may call the fused CUDA kernels (engine/kernels/fused.py); fixed at load
     swiglu_gemm: bool = True  # a (gate, up) Linear may write silu(gate) * up in its GEMM; fixed at load
+    qkv_rope_gemm: bool = True  # a q/k/v Linear may norm and rotate q and k in its GEMM; fixed at load
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """x W^T, plus `residual` (the output's shape) when given."""
@@ -44,6 +46,12 @@ class Linear(nn.Module):
         """silu(gate) * up for a merged (gate, up) Linear on norm(x) (x + delta as forward_normed)."""
         gate, up = self.forward_normed(x, norm, delta).split(self.splits, dim=-1)
         return silu_mul(gate, up, self.fused)
+
+    def forward_qkv_rope(self, x, norm, delta, q_norm, k_norm, cos, sin, heads) -> Tensor | None:
+        """A merged q/k/v Linear's output for norm(x) (x + delta as forward_normed) with q and k already
+        q_norm'ed / k_norm'ed and rotated by cos / sin (heads: q heads, kv heads), where this implementation
+        does that in its GEMM; else None, before touching x (the caller composes qk_norm_rope)."""
+        return None
 
     def forward_residual(self, h: Tensor, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """The residual stream x + self(h) as a block hands it on: (x, self(h)), the add left to the next
@@ -83,20 +91,32 @@ class DenseLinear(Linear, nn.Linear):
     def forward_swiglu(self, x: Tensor, norm: RMSNorm, delta: Tensor | None = None) -> Tensor:
         """On a Hopper GPU (bf16/fp16, fused kernels and `swiglu_gemm` on) one GEMM writes silu(gate) * up
         (engine/kernels/swiglu.py); elsewhere cuBLAS's gate and up go through the silu_mul kernel."""
-        kernel = self._swiglu_kernel(x)
-        if kernel is None:
+        even = len(self.splits) == 2 and self.splits[0] == self.splits[1]
+        kernel = self._triton_kernel("swiglu", self.swiglu_gemm and even, x)
+        if kernel is None or not kernel.can_run(self.weight):
             return super().forward_swiglu(x, norm, delta)
         normed = norm(x, delta)
         h = kernel.swiglu_gemm(normed.reshape(-1, normed.shape[-1]), self.weight)
         return h.view(*normed.shape[:-1], h.shape[-1])
 
-    def _swiglu_kernel(self, x: Tensor):
-        even = len(self.splits) == 2 and self.splits[0] == self.splits[1]
-        if not (self.swiglu_gemm and self.fused and even and self.bias is None and x.is_cuda):
+    def forward_qkv_rope(self, x, norm, delta, q_norm, k_norm, cos, sin, heads) -> Tensor | None:
+        """On a Hopper GPU (bf16/fp16, fused kernels and `qkv_rope_gemm` on) one GEMM writes q and k already
+        normed and rotated (engine/kernels/qkv_rope.py)."""
+        kernel = self._triton_kernel("qkv_rope", self.qkv_rope_gemm and q_norm.eps == k_norm.eps, x)
+        if kernel is None or cos.dtype != x.dtype or not kernel.can_run(self.weight, *heads, cos.shape[-1]):
             return None
-        kernel = _swiglu_module()
-        ok = kernel is not None and x.dtype == self.weight.dtype and kernel.can_run(self.weight)
-        return kernel if ok else None
+        normed = norm(x, delta)
+        rows = normed.reshape(-1, normed.shape[-1])
+        return kernel.qkv_rope_gemm(
+            rows, self.weight, q_norm.weight, k_norm.weight, cos, sin, q_norm.eps, *heads
+        )
+
+    def _triton_kernel(self, name: str, switch: bool, x: Tensor):
+        """engine/kernels/<name>.py where its switch and the fused kernels are on, x is on CUDA in the
+        weight's dtype and Triton imports; else None."""
+        if not (switch and self.fused and self.bias is None and x.is_cuda and x.dtype == self.weight.dtype):
+            return None
+        return _triton_module(name)
 
     @classmethod
     def merge(cls, linears: list[Linear]) -> DenseLinear | None:
@@ -117,6 +137,7 @@ class DenseLinear(Linear, nn.Linear):
         merged.splits = tuple(s for linear in linears for s in linear.splits)
         merged.fused = all(linear.fused for linear in linears)
         merged.swiglu_gemm = all(linear.swiglu_gemm for linear in linears)
+        merged.qkv_rope_gemm = all(linear.qkv_rope_gemm for linear in linears)
         return merged
 
     def extra_repr(self) -> str:
@@ -124,25 +145,24 @@ class DenseLinear(Linear, nn.Linear):
         return super().extra_repr() + merged
 
 
-# engine/kernels/swiglu.py needs tl.range's flatten and host-side tensor descriptors (Triton 3.4 on; tested
-# on 3.6): an older Triton would fail at the first forward's compile, not at import
-SWIGLU_MIN_TRITON = (3, 4)
+# engine/kernels/swiglu.py and qkv_rope.py need tl.range's flatten and host-side tensor descriptors (Triton
+# 3.4 on; tested on 3.6): an older Triton would fail at the first forward's compile, not at import
+TRITON_GEMMS_MIN = (3, 4)
 
 
 @functools.cache
-def _swiglu_module():
+def _triton_module(name: str):
     try:
         import triton
 
         version = tuple(int(part) for part in triton.__version__.split(".")[:2])
-        if version < SWIGLU_MIN_TRITON:
-            log.info("SwiGLU GEMM off: Triton %s is older than 3.4", triton.__version__)
+        if version < TRITON_GEMMS_MIN:
+            log.info("engine/kernels/%s.py off: Triton %s is older than 3.4", name, triton.__version__)
             return None
-        from engine.kernels import swiglu
+        return importlib.import_module(f"engine.kernels.{name}")
     except ImportError as e:
-        log.info("SwiGLU GEMM off: Triton is not importable (%s)", e)
+        log.info("engine/kernels/%s.py off: Triton is not importable (%s)", name, e)
         return None
-    return swiglu
 
 
 def default_linear(name: str, in_features: int, out_features: int) -> DenseLinear:

@@ -63,6 +63,27 @@ class SelfAttention(SiblingBlock):
         q = self.q_proj.forward_normed(x, norm, delta)  # x + delta is in x from here on
         return [q, self.k_proj.forward_normed(x, norm), self.v_proj.forward_normed(x, norm)]
 
+    def project_rope(self, x: Tensor, norm: RMSNorm, delta: Tensor | None, cos: Tensor, sin: Tensor):
+        """q and k of norm(x) head-normed and rotated, and v (x + delta as project): by the q/k/v GEMM where
+        its implementation can, else by the qk_norm_rope kernel after it."""
+        if self.qkv_proj is not None:
+            heads = (self.num_heads, self.num_kv_heads)
+            qkv = self.qkv_proj.forward_qkv_rope(x, norm, delta, self.q_norm, self.k_norm, cos, sin, heads)
+            if qkv is not None:
+                return qkv.split(self.qkv_proj.splits, dim=-1)
+        q, k, v = self.project(x, norm, delta)
+        t, d = x.shape[0], self.head_dim
+        q, k = qk_norm_rope(
+            q.view(t, self.num_heads, d),
+            k.view(t, self.num_kv_heads, d),
+            self.q_norm,
+            self.k_norm,
+            cos,
+            sin,
+            self.fused,
+        )
+        return q, k, v
+
     def forward(
         self,
         x: Tensor,
@@ -76,17 +97,12 @@ class SelfAttention(SiblingBlock):
         """The attention block with its residual: x + o_proj(attention over norm(x)), x the residual stream
         (x + delta when the previous block left its add to this norm), handed on as forward_residual does."""
         t, d = x.shape[0], self.head_dim
-        q, k, v = self.project(x, norm, delta)
-        q, k = qk_norm_rope(
+        q, k, v = self.project_rope(x, norm, delta, cos, sin)
+        q, k, v = (
             q.view(t, self.num_heads, d),
             k.view(t, self.num_kv_heads, d),
-            self.q_norm,
-            self.k_norm,
-            cos,
-            sin,
-            self.fused,
+            v.view(t, self.num_kv_heads, d),
         )
-        v = v.view(t, self.num_kv_heads, d)
         out = attend(q, k, v, batch.cu_seqlens, batch.max_seqlen)
         return self.o_proj.forward_residual(out.reshape(t, self.num_heads * self.head_dim), x)
 
