@@ -385,6 +385,8 @@ def tables() -> dict[str, tuple[str, list[str]]]:
     return {
         "generation": ("README.md", generate_rows(generate)),
         "precisions": ("README.md", precision_rows(load("profile-generate-h200.json"))),
+        "generation on the H100": ("README.md", generate_rows(load("generate-h100.json"))),
+        "precisions on the H100": ("README.md", precision_rows(load("profile-generate-h100.json"))),
         "W4A4 kernels": ("docs/benchmarks.md", kernel_summary_rows(kernels)),
         "planning": ("docs/benchmarks.md", plan_rows(load("plan-cpu.json"))),
         "end to end": ("README.md", e2e_rows(load("e2e-h200.json"))),
