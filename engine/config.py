@@ -196,3 +196,13 @@ class EngineConfig:
                 f"buckets={list(self.buckets)}, max_batch_tokens={self.max_batch_tokens}: give at least one "
                 "bucket, every bucket and the batch limit a positive number of packed tokens."
             )
+        if self.max_text_chars < 1:
+            raise InputError(
+                f"max_text_chars={self.max_text_chars}: give the longest text a request may have, in "
+                f"characters (default {EngineConfig.max_text_chars})."
+            )
+        if not self.max_ref_seconds > 0:  # NaN too: it would turn the limit off
+            raise InputError(
+                f"max_ref_seconds={self.max_ref_seconds:g}: give the longest reference clip a request may "
+                f"have, in seconds > 0 (default {EngineConfig.max_ref_seconds:g})."
+            )
