@@ -87,6 +87,11 @@ class JobConfig:
         overrides = self.variants.get(variant, {}) if self.variants else {}
         if variant not in self.variant_names():
             raise InputError(f"variant {variant!r} is not in this job (variants: {self.variant_names()}).")
+        if overrides is not None and not isinstance(overrides, Mapping):
+            raise InputError(
+                f"variants.{variant}={overrides!r}: give it as a mapping of engine settings, e.g. "
+                f"variants.{variant}.precision=fp16 (see jobs/ab.yaml)."
+            )
         try:
             values = [as_literal(asdict(self.engine)), as_literal(overrides or {})]
             merged = OmegaConf.merge(OmegaConf.structured(EngineConfig), *values)
@@ -138,8 +143,24 @@ def load_job_config(
         cfg: JobConfig = OmegaConf.to_object(OmegaConf.merge(*layers))
     except OmegaConfBaseException as e:
         raise InputError(f"job config: {first_line(e)}") from None
+    except TypeError:  # omegaconf's "Cannot merge incompatible container types"
+        raise InputError(
+            f"job config: {_wrong_shape(config_file, overrides)} gives a list where a mapping belongs, or "
+            "the reverse: give each key the form docs/pipeline.md shows (e.g. variants.fp16.precision=fp16, "
+            "engine.buckets=[512,1024])."
+        ) from None
     validate(cfg)
     return cfg
+
+
+def _wrong_shape(config_file: str | Path | None, overrides: list[str] | tuple[str, ...]) -> str:
+    """The override, else the config file, that gives a list where a mapping belongs (or the reverse)."""
+    for override in overrides:
+        try:
+            OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.from_dotlist([override]))
+        except TypeError:
+            return repr(override)
+    return f"config file {str(config_file)!r}" if config_file is not None else "a setting"
 
 
 def _reject_engine_keys_at_top_level(keys: list[str]) -> None:

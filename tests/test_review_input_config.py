@@ -1,0 +1,43 @@
+"""Bad job settings are refused before any work: one line on stderr naming the value, exit 2, no traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import EXIT_ERROR, main
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("variants.a=1", "variants.a=1: give it as a mapping of engine settings"),
+        ("variants.a=[fp16]", "variants.a=['fp16']: give it as a mapping of engine settings"),
+        ("variants=[1]", "'variants=[1]' gives a list where a mapping belongs, or the reverse"),
+        ("engine.buckets={a:1}", "'engine.buckets={a:1}' gives a list where a mapping belongs"),
+    ],
+)
+def test_a_setting_of_the_wrong_shape_is_one_line(tmp_path: Path, capsys, override: str, message: str):
+    argv = ["submit", str(tmp_path / "m.parquet"), "--out", str(tmp_path / "j"), override]
+    assert main(argv) == EXIT_ERROR
+    assert message in _error_line(capsys)
+    assert not (tmp_path / "j").exists()
+
+
+def test_variants_of_the_wrong_shape_in_a_config_file_are_one_line(tmp_path: Path, capsys):
+    config = tmp_path / "job.yaml"
+    config.write_text("variants:\n  fast: bf16\n")
+    assert main(["manifest", "check", str(tmp_path / "m.parquet"), "--config", str(config)]) == EXIT_ERROR
+    assert "variants.fast='bf16': give it as a mapping of engine settings" in _error_line(capsys)
+    config.write_text("variants: [fp16, fp8]\n")
+    assert main(["manifest", "check", str(tmp_path / "m.parquet"), "--config", str(config)]) == EXIT_ERROR
+    assert f"config file {str(config)!r} gives a list where a mapping belongs" in _error_line(capsys)
