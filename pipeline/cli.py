@@ -289,6 +289,12 @@ def cmd_quantize(argv: list[str]) -> int:
     return int(quantize_command.main(argv) or 0)
 
 
+def _count(value: str) -> int:
+    if not value.isdecimal():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a count: give 0 or more rows to print")
+    return int(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ovbatch", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -350,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     mc.add_argument("file", help="Parquet manifest: local path or pyarrow.fs URI (s3://, gs://, file://)")
     mc.add_argument("--checkpoint", help="checkpoint whose tokenizer sizes the rows (default: tiny)")
     mc.add_argument("--config", help="job config YAML (engine buckets and limits)")
-    mc.add_argument("--limit", type=int, default=50, help="rejected rows to print (default 50)")
+    mc.add_argument("--limit", type=_count, default=50, help="rejected rows to print (default 50)")
     overrides(mc, "engine.max_batch_tokens=8192")
 
     sp = command("synth", cmd_synth, "synthesize one utterance")
