@@ -114,6 +114,8 @@ class RequestFrontend:
         text = req.text
         if not isinstance(text, str) or not text.strip():
             raise InputError(f"text {text!r} is empty or whitespace only: give the words to speak.")
+        if not any(c.isprintable() and not c.isspace() for c in text):  # zero-width, format, control
+            raise InputError(f"text {text!r} holds no visible character: give the words to speak.")
         if len(text) > self.cfg.max_text_chars:
             raise InputError(
                 f"text of {len(text)} characters ({text[:40]!r}...) is over the {self.cfg.max_text_chars}-"
