@@ -145,20 +145,32 @@ class ActorPool:
         self.started_ray = started_ray  # shut Ray down with the pool when the job started it
         self.on_batch = on_batch
         self.progress = None
-        if on_batch is not None:
-            from ray.util.queue import Queue
-
-            self.progress = Queue(actor_options={"num_cpus": 0})  # takes no CPU an actor needs
         self.job_path = job_path
         self.cfg = cfg
         self.created = time.time()
+        self.slots: list[_Slot] = []
+        try:
+            self._start(ray)
+        except BaseException:
+            # Left up, the job's own Ray would be joined as a cluster by the next pool in this process, which
+            # only warns of actors that cannot be placed, and waits for them for ever.
+            self.shutdown()
+            raise
+
+    def _start(self, ray: Any) -> None:
+        if self.on_batch is not None:
+            from ray.util.queue import Queue
+
+            self.progress = Queue(actor_options={"num_cpus": 0})  # takes no CPU an actor needs
         cluster = ray.cluster_resources()
-        self.groups = actor_groups(cfg, cluster)
+        self.groups = actor_groups(self.cfg, cluster)
         self._check_fits(cluster)
         self.actor_cls = ray.remote(ShardActor)
         self.prefix = f"ovbatch-{uuid.uuid4().hex[:8]}"
         self.spawned = 0
-        self.slots = [self._spawn(group) for group in self.groups for _ in range(group.size)]
+        for group in self.groups:
+            for _ in range(group.size):
+                self.slots.append(self._spawn(group))  # one by one: shutdown() kills those made
 
     def _check_fits(self, cluster: dict[str, float]) -> None:
         """Actors that can never be placed leave a job waiting forever: on the local Ray started for the

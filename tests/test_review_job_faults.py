@@ -1,0 +1,104 @@
+"""Fault-tolerance review of the job: a submit that stops on an error leaves no workers or Ray running,
+with stand-ins for the engine and for Ray."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import pipeline.job as job_mod
+from engine.api import SynthResult
+from engine.errors import OVBatchError
+from pipeline.config import load_job_config
+from pipeline.plan import RowSize
+from pipeline.store import JobDir
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+class ToneEngine:
+    sample_rate = 8000
+    model_id = "tone@000000000000"
+    precision = "fp32"
+    device = None
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def synthesize(self, reqs):
+        audio = np.full(800, 0.1, np.float32)
+        return [SynthResult(audio, self.sample_rate, 10, 320) for _ in reqs]
+
+
+def _cfg(manifest: Path, *extra: str):
+    return load_job_config(
+        None,
+        [
+            f"manifest={manifest}",
+            "local=true",
+            f"engine_factory={__name__}:ToneEngine",
+            "progress=false",
+            "engine.buckets=[64,128]",
+            "engine.max_batch_tokens=128",
+            *extra,
+        ],
+    )
+
+
+def _manifest(path: Path, n: int) -> Path:
+    clip = str(DATA / "en_24k_mono.wav")
+    table = {
+        "id": [f"r{i}" for i in range(n)],
+        "text": [f"row {i}" for i in range(n)],
+        "ref_audio": [clip] * n,
+        "ref_text": ["The quick brown fox jumps over the lazy dog."] * n,
+    }
+    pq.write_table(pa.table(table), path)
+    return path
+
+
+def _sizer(cfg, rows):
+    return lambda row: RowSize(text_tokens=10, ref_frames=20, target_frames=15)
+
+
+class FakeRay:
+    """The calls a pool makes of Ray while it starts; actors are never run."""
+
+    def __init__(self, cpus: float):
+        self.cpus, self.up = cpus, False
+
+    def is_initialized(self) -> bool:
+        return self.up
+
+    def init(self, **kwargs) -> None:
+        self.up = True
+
+    def shutdown(self) -> None:
+        self.up = False
+
+    def cluster_resources(self) -> dict[str, float]:
+        return {"CPU": self.cpus}
+
+    def remote(self, cls):
+        raise AssertionError("no actor should be made for a pool that does not fit")
+
+    def kill(self, actor, no_restart: bool = True) -> None:
+        pass
+
+
+def test_a_pool_refused_on_the_ray_the_job_started_shuts_that_ray_down(tmp_path: Path, monkeypatch):
+    """Left up, the job's own Ray is taken for a cluster by the next pool in the process, which then only
+    warns that its actors do not fit and waits for them forever."""
+    fake = FakeRay(cpus=2.0)
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = _cfg(_manifest(tmp_path / "m.parquet", 1), "local=false", "engine.device=cpu", "ray.num_actors=4")
+    for _ in range(2):
+        with pytest.raises(OVBatchError, match=r"4 actors x num_cpus=1 need 4, Ray has 2"):
+            job_mod.Workers(JobDir(tmp_path / "job"), cfg)
+        assert not fake.is_initialized()
