@@ -193,32 +193,30 @@ def submit(
             if start_workers and cfg.local:
                 workers = Workers(job, cfg)  # the engines load on a thread as the rows are sized
             (plan, rows), planned_at = planning.result()
+        if workers is not None and cfg.local:  # what starting them held the driver up beyond the planning
+            workers.start_seconds = max(0.0, workers.started_at - planned_at)
+        kind = "submit"
+        if job.exists():
+            stored = job.read_plan()
+            if stored.fingerprint != plan.fingerprint:
+                raise JobDirError(
+                    f"{job.path} holds a different job: {'; '.join(plan_differences(stored, plan))}. Submit "
+                    "to a new --out, or `ovbatch rerun` the existing job with its own settings."
+                )
+            kind = "resume"
+            job.write_rows(rows)  # the same rows, their clips where the manifest now puts them (moved, maybe)
+            job.write_rejected(plan)
+        else:
+            job.path.mkdir(parents=True, exist_ok=True)
+            job.write_rows(rows)
+            job.write_rejected(plan)
+            job.write_plan(plan)
+        write_bytes_atomic(job.config_path, to_yaml(cfg).encode())
+        todo = [s.index for s in plan.shards if s.index not in job.finished_shards()]
     except BaseException:
         if workers is not None:
             workers.shutdown()
         raise
-    if workers is not None and cfg.local:  # what starting them held the driver up beyond the planning
-        workers.start_seconds = max(0.0, workers.started_at - planned_at)
-    kind = "submit"
-    if job.exists():
-        stored = job.read_plan()
-        if stored.fingerprint != plan.fingerprint:
-            if workers is not None:
-                workers.shutdown()
-            raise JobDirError(
-                f"{job.path} holds a different job: {'; '.join(plan_differences(stored, plan))}. Submit to a "
-                "new --out, or `ovbatch rerun` the existing job with its own settings."
-            )
-        kind = "resume"
-        job.write_rows(rows)  # the same rows, their clips where the manifest now puts them (moved, maybe)
-        job.write_rejected(plan)
-    else:
-        job.path.mkdir(parents=True, exist_ok=True)
-        job.write_rows(rows)
-        job.write_rejected(plan)
-        job.write_plan(plan)
-    write_bytes_atomic(job.config_path, to_yaml(cfg).encode())
-    todo = [s.index for s in plan.shards if s.index not in job.finished_shards()]
     return execute(job, cfg, plan, todo, kind, t0, workers, planning_phases=planning_phases)
 
 
@@ -332,35 +330,41 @@ def _execute(
     ray_head: RayHead | None,
     planning_phases: dict[str, float] | None,
 ) -> JobOutcome:
-    job.remove_temp_files()
-    rows = job.read_rows()
-    finished = job.finished_shards()
-    earlier = {i: job.read_shard_results(i) for i in shard_indices if i in finished}
-    # Rows a shard already settled (ok or rejected) are kept and never run again.
-    kept = {i: [r for r in results if r.status != "failed"] for i, results in earlier.items()}
-    tasks = [_task(plan, i, rows, earlier) for i in shard_indices]
-    t0 = time.perf_counter() if t0 is None else t0
-    if tasks and workers is None:
-        workers = Workers(job, cfg, ray_head)
-    worker_start = workers.start_seconds if workers is not None else 0.0
-    since_t0 = time.perf_counter() - t0
-    planning = since_t0 - worker_start
-    started = (datetime.now(UTC) - timedelta(seconds=since_t0)).isoformat(timespec="milliseconds")
-    run_id = uuid.uuid4().hex[:12]
-    run_record = {
-        "kind": kind,
-        "started_at": started,
-        "planning_seconds": round(planning, 3),
-        "planning_phases": planning_phases or {},  # plan_job's steps (a rerun plans nothing)
-        "worker_start_seconds": round(worker_start, 3),  # what starting the workers held the driver up
-        "worker_start_parts": workers.start_parts if workers is not None else {},
-        "mode": "local" if cfg.local else "ray",
-        "shards": len(tasks),
-        "rows": sum(len(t.rows) for t in tasks),
-    }
+    try:  # until run_tasks, which stops the workers itself
+        job.remove_temp_files()
+        rows = job.read_rows()
+        finished = job.finished_shards()
+        earlier = {i: job.read_shard_results(i) for i in shard_indices if i in finished}
+        # Rows a shard already settled (ok or rejected) are kept and never run again.
+        kept = {i: [r for r in results if r.status != "failed"] for i, results in earlier.items()}
+        tasks = [_task(plan, i, rows, earlier) for i in shard_indices]
+        t0 = time.perf_counter() if t0 is None else t0
+        if tasks and workers is None:
+            workers = Workers(job, cfg, ray_head)
+        worker_start = workers.start_seconds if workers is not None else 0.0
+        since_t0 = time.perf_counter() - t0
+        planning = since_t0 - worker_start
+        started = (datetime.now(UTC) - timedelta(seconds=since_t0)).isoformat(timespec="milliseconds")
+        run_id = uuid.uuid4().hex[:12]
+        run_record = {
+            "kind": kind,
+            "started_at": started,
+            "planning_seconds": round(planning, 3),
+            "planning_phases": planning_phases or {},  # plan_job's steps (a rerun plans nothing)
+            "worker_start_seconds": round(worker_start, 3),  # what starting the workers held the driver up
+            "worker_start_parts": workers.start_parts if workers is not None else {},
+            "mode": "local" if cfg.local else "ray",
+            "shards": len(tasks),
+            "rows": sum(len(t.rows) for t in tasks),
+        }
+        if tasks:
+            # Recorded before any shard runs, so that a run killed half-way still counts its time.
+            job.append_run({"event": "start", "run": run_id, **run_record})
+    except BaseException:
+        if workers is not None:
+            workers.shutdown()
+        raise
     if tasks:
-        # Recorded before any shard runs, so that a run killed half-way still counts its time.
-        job.append_run({"event": "start", "run": run_id, **run_record})
         run_tasks(job, cfg, tasks, kept, kind, run_id, t0, workers)
         job.append_run({"event": "end", "run": run_id, "finished_at": _now(), "wall_seconds": _since(t0)})
     else:  # recorded, but a run with nothing to do adds no time to the job (summary.counts_time)

@@ -66,6 +66,34 @@ def _sizer(cfg, rows):
     return lambda row: RowSize(text_tokens=10, ref_frames=20, target_frames=15)
 
 
+class RecordingWorkers:
+    """Workers that only record whether the job shut them down."""
+
+    shutdowns: list[str] = []
+
+    def __init__(self, job, cfg, ray_head=None, warm=None):
+        self.start_seconds, self.start_parts, self.started_at = 0.0, {}, 0.0
+
+    def shutdown(self, wait_for_ray=True):
+        RecordingWorkers.shutdowns.append("shutdown")
+
+
+def _disk_full(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("step", ["write_rows", "append_run"])
+def test_a_submit_that_fails_after_its_planning_stops_its_workers(tmp_path: Path, monkeypatch, step: str):
+    """The workers start beside the planning; a write that fails after it (the job's files, the run's
+    record) must stop them, as a failed planning does: else a Ray job's actors keep their devices."""
+    RecordingWorkers.shutdowns = []
+    monkeypatch.setattr(job_mod, "Workers", RecordingWorkers)
+    monkeypatch.setattr(JobDir, step, _disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        job_mod.submit(_cfg(_manifest(tmp_path / "m.parquet", 3)), tmp_path / "job", _sizer)
+    assert RecordingWorkers.shutdowns == ["shutdown"]
+
+
 class FakeRay:
     """The calls a pool makes of Ray while it starts; actors are never run."""
 
