@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from tqdm import tqdm
 
@@ -173,7 +173,7 @@ def submit(
         )
     cfg = resolve_checkpoint_names(cfg)
     table = manifest_mod.read_table(cfg.manifest)  # a missing or malformed manifest fails before any worker
-    workers = None
+    workers = held = None
     start_workers = not _complete(job)
     try:
         if start_workers and not cfg.local:
@@ -195,6 +195,7 @@ def submit(
             (plan, rows), planned_at = planning.result()
         if workers is not None and cfg.local:  # what starting them held the driver up beyond the planning
             workers.start_seconds = max(0.0, workers.started_at - planned_at)
+        held = job.hold_for_run()  # before the job's files: a run may have taken the job while this planned
         kind = "submit"
         if job.exists():
             stored = job.read_plan()
@@ -214,10 +215,12 @@ def submit(
         write_bytes_atomic(job.config_path, to_yaml(cfg).encode())
         todo = [s.index for s in plan.shards if s.index not in job.finished_shards()]
     except BaseException:
+        if held is not None:
+            held.close()
         if workers is not None:
             workers.shutdown()
         raise
-    return execute(job, cfg, plan, todo, kind, t0, workers, planning_phases=planning_phases)
+    return execute(job, cfg, plan, todo, kind, t0, workers, planning_phases=planning_phases, held=held)
 
 
 def _read_and_plan(
@@ -303,12 +306,15 @@ def execute(
     workers: Workers | None = None,
     ray_head: RayHead | None = None,
     planning_phases: dict[str, float] | None = None,
+    held: IO[str] | None = None,
 ) -> JobOutcome:
     """Run `shard_indices` and write their results; t0 (perf_counter) is when the run began, planning
     included (default: now); workers: started already (default: started here, on ray_head's Ray if given);
-    planning_phases: plan_job's phases, for the run's record. One run at a time writes into a job."""
+    planning_phases: plan_job's phases, for the run's record. One run at a time writes into a job: held is
+    its run lock where the caller took it (JobDir.hold_for_run; closed here), else it is taken here."""
     try:
-        held = job.hold_for_run()
+        if held is None:
+            held = job.hold_for_run()
     except BaseException:
         if workers is not None:
             workers.shutdown()

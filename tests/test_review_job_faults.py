@@ -4,6 +4,7 @@ with stand-ins for the engine and for Ray."""
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from engine.api import SynthResult
 from engine.errors import OVBatchError
 from pipeline.config import load_job_config
 from pipeline.plan import RowSize
-from pipeline.store import JobDir
+from pipeline.store import JobDir, JobDirError
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -130,3 +131,48 @@ def test_a_pool_refused_on_the_ray_the_job_started_shuts_that_ray_down(tmp_path:
         with pytest.raises(OVBatchError, match=r"4 actors x num_cpus=1 need 4, Ray has 2"):
             job_mod.Workers(JobDir(tmp_path / "job"), cfg)
         assert not fake.is_initialized()
+
+
+class HeldEngine(ToneEngine):
+    """Holds its run in its first batch: `running` is set once there, the batch goes on once `go` is."""
+
+    running = threading.Event()
+    go = threading.Event()
+
+    def synthesize(self, reqs):
+        HeldEngine.running.set()
+        assert HeldEngine.go.wait(30), "the test never let the run go on"
+        return super().synthesize(reqs)
+
+
+def test_a_submit_that_plans_while_another_run_takes_the_job_writes_nothing_into_it(tmp_path: Path):
+    """`refuse_if_running` is only checked before the planning; a run that takes the job meanwhile must
+    still find its files untouched by the submit refused after it (config.yaml is what a rerun runs by)."""
+    HeldEngine.running, HeldEngine.go = threading.Event(), threading.Event()
+    manifest, out = _manifest(tmp_path / "m.parquet", 3), tmp_path / "job"
+    late: list[BaseException] = []
+
+    def late_sizer(cfg, rows):  # plans once the other run holds the job
+        assert HeldEngine.running.wait(30)
+        return _sizer(cfg, rows)
+
+    def submit_late():
+        try:
+            job_mod.submit(_cfg(manifest, "writer_threads=3"), out, late_sizer)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            late.append(e)
+
+    second = threading.Thread(target=submit_late)
+    second.start()
+    first = threading.Thread(
+        target=job_mod.submit, args=(_cfg(manifest, f"engine_factory={__name__}:HeldEngine"), out, _sizer)
+    )
+    first.start()
+    second.join(30)
+    HeldEngine.go.set()
+    first.join(30)
+    assert not second.is_alive() and not first.is_alive()
+    assert len(late) == 1 and isinstance(late[0], JobDirError) and "is being run by pid" in str(late[0])
+    job = JobDir(out)
+    assert load_job_config(job.config_path).writer_threads == 2
+    assert job_mod.status(out)["complete"]
