@@ -31,6 +31,8 @@ TINY_CHECKPOINT = "tiny"
 TINY_W4A4_CHECKPOINT = "tiny-w4a4"
 _INTERPOLATION = re.compile(r"(\\*)\$\{")
 _VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# omegaconf's message for a list item it cannot convert, left unformatted: it names neither value nor key
+_UNFORMATTED = "Value '$VALUE' of type '$VALUE_TYPE'"
 
 
 @dataclass
@@ -98,7 +100,7 @@ class JobConfig:
             return OmegaConf.to_object(merged)
         except OmegaConfBaseException as e:
             raise InputError(
-                f"variants.{variant}: {first_line(e)}. Use keys of `engine:` (see jobs/ab.yaml)."
+                f"variants.{variant}: {_reason(e)}. Use keys of `engine:` (see jobs/ab.yaml)."
             ) from None
 
 
@@ -142,24 +144,33 @@ def load_job_config(
         layers += [given, OmegaConf.from_dotlist(list(overrides))]
         cfg: JobConfig = OmegaConf.to_object(OmegaConf.merge(*layers))
     except OmegaConfBaseException as e:
-        raise InputError(f"job config: {first_line(e)}") from None
+        culprit = _UNFORMATTED in str(e) and _culprit(config_file, overrides, OmegaConfBaseException)
+        raise InputError(f"job config: {f'{culprit}: ' if culprit else ''}{_reason(e)}") from None
     except TypeError:  # omegaconf's "Cannot merge incompatible container types"
         raise InputError(
-            f"job config: {_wrong_shape(config_file, overrides)} gives a list where a mapping belongs, or "
-            "the reverse: give each key the form docs/pipeline.md shows (e.g. variants.fp16.precision=fp16, "
-            "engine.buckets=[512,1024])."
+            f"job config: {_culprit(config_file, overrides, TypeError)} gives a list where a mapping "
+            "belongs, or the reverse: give each key the form docs/pipeline.md shows (e.g. "
+            "variants.fp16.precision=fp16, engine.buckets=[512,1024])."
         ) from None
     validate(cfg)
     return cfg
 
 
-def _wrong_shape(config_file: str | Path | None, overrides: list[str] | tuple[str, ...]) -> str:
-    """The override, else the config file, that gives a list where a mapping belongs (or the reverse)."""
+def _reason(e: OmegaConfBaseException) -> str:
+    return first_line(e).replace(_UNFORMATTED, "a list item")
+
+
+def _culprit(
+    config_file: str | Path | None, overrides: list[str] | tuple[str, ...], error: type[Exception]
+) -> str:
+    """The override, else the config file, whose merge raises `error` on its own."""
     for override in overrides:
         try:
             OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.from_dotlist([override]))
-        except TypeError:
+        except error:
             return repr(override)
+        except (OmegaConfBaseException, TypeError):  # wrong too, in another way
+            continue
     return f"config file {str(config_file)!r}" if config_file is not None else "a setting"
 
 

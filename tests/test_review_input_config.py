@@ -41,3 +41,35 @@ def test_variants_of_the_wrong_shape_in_a_config_file_are_one_line(tmp_path: Pat
     config.write_text("variants: [fp16, fp8]\n")
     assert main(["manifest", "check", str(tmp_path / "m.parquet"), "--config", str(config)]) == EXIT_ERROR
     assert f"config file {str(config)!r} gives a list where a mapping belongs" in _error_line(capsys)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "engine.buckets=[512,x]",
+            "job config: 'engine.buckets=[512,x]': a list item could not be converted",
+        ),
+        (
+            "engine.buckets=[512,1.5]",
+            "'engine.buckets=[512,1.5]': a list item could not be converted to Integer",
+        ),
+        ("variants.a.buckets=[1,x]", "variants.a: a list item could not be converted to Integer"),
+    ],
+)
+def test_a_bad_list_item_names_its_setting(tmp_path: Path, capsys, override: str, message: str):
+    """omegaconf leaves its message for a list item unformatted: "Value '$VALUE' of type '$VALUE_TYPE' could
+    not be converted to Integer", naming neither the value nor the key."""
+    argv = ["manifest", "check", str(tmp_path / "m.parquet"), "engine.device=cpu", override]
+    assert main(argv) == EXIT_ERROR
+    line = _error_line(capsys)
+    assert message in line and "$VALUE" not in line
+
+
+def test_a_bad_list_item_in_a_config_file_names_the_file(tmp_path: Path, capsys):
+    config = tmp_path / "job.yaml"
+    config.write_text("engine:\n  buckets: [512, x]\n")
+    assert main(["manifest", "check", str(tmp_path / "m.parquet"), "--config", str(config)]) == EXIT_ERROR
+    assert f"config file {str(config)!r}: a list item could not be converted to Integer" in _error_line(
+        capsys
+    )
