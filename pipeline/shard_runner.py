@@ -573,9 +573,13 @@ class ShardRunner:
             written = time.perf_counter()
             path = self.job.wav_path(task.variant, row.id)
             codes = getattr(out, "tokens", None)  # an engine_factory's own results may carry none
-            if codes is not None:
-                write_tokens(self.job, task.variant, row.id, codes)
-            write_wav_atomic(path, out.audio, out.sample_rate)
+            try:
+                if codes is not None:
+                    write_tokens(self.job, task.variant, row.id, codes)
+                write_wav_atomic(path, out.audio, out.sample_rate)
+            except (ValueError, TypeError) as e:  # the row's output is malformed (a full disk: the shard)
+                results.append(self._result(engine, task, row, "failed", _error_text(e), **times))
+                continue
             audio_seconds = len(out.audio) / float(out.sample_rate)
             fraction = w / total if total else 1.0 / batch
             share = _batch_seconds(getattr(out, "timings", None) or {}, part.wall) * fraction

@@ -33,6 +33,8 @@ class Output:
             raise ValueError(f"post-processing {self.text!r} failed")
         StagedEngine.finished.append(self.text)
         audio = np.full(800 + 8 * len(self.text), 0.01 * (self.seed % 50), np.float32)
+        if "BADSHAPE" in self.text:  # an engine_factory's malformed output: no wav can hold it
+            audio = audio.reshape(2, 2, -1)
         return SynthResult(
             audio, 8000, len(self.text), self.token_work, {"generate": 1.0, "postprocess": 0.1}
         )
@@ -139,6 +141,18 @@ def test_a_row_whose_post_processing_fails_fails_alone(tmp_path: Path):
     assert [r.status for r in results] == ["ok", "failed", "ok"]
     assert "post-processing 'BADAUDIO two' failed" in results[1].error and results[1].wav_path is None
     assert not (tmp_path / "wavs" / "default" / "r01.wav").exists()
+
+
+def test_a_row_whose_audio_no_wav_can_hold_fails_alone(tmp_path: Path):
+    """A malformed output is that row's fault (ValueError), not the disk's: the row fails with the reason,
+    the shard's other rows are written."""
+    StagedEngine.gate.set()
+    rows = _rows(["fine one", "BADSHAPE two", "fine three"])
+    results = ShardRunner(tmp_path, _cfg(2)).run_shard(ShardTask(0, "default", 128, 1, rows))
+    assert [r.status for r in results] == ["ok", "failed", "ok"]
+    assert "too many dimensions" in results[1].error and results[1].wav_path is None
+    assert not (tmp_path / "wavs" / "default" / "r01.wav").exists()
+    assert (tmp_path / "wavs" / "default" / "r02.wav").is_file()
 
 
 def test_a_write_that_fails_fails_the_shard_after_every_writer_stopped(tmp_path: Path, monkeypatch):
