@@ -52,6 +52,17 @@ def resolve_checkpoint(path_or_repo: str | os.PathLike) -> Path:
     )
 
 
+def check_checkpoint_path(checkpoint: str | os.PathLike | None) -> None:
+    """Refuse, without the network, what resolve_checkpoint would: a file, or a path that is neither an
+    existing directory nor a repo id. None (the embedded tiny checkpoint) and a repo id pass."""
+    if checkpoint is None:
+        return
+    path = Path(str(checkpoint)).expanduser()
+    if path.is_dir() or (not path.exists() and REPO_ID.fullmatch(str(checkpoint))):
+        return
+    resolve_checkpoint(checkpoint)
+
+
 def locate_checkpoint(checkpoint: str | os.PathLike | None) -> tuple[Path, str]:
     """(local directory, short name) of an EngineConfig.checkpoint; None is the embedded tiny checkpoint."""
     if checkpoint is None:

@@ -20,11 +20,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from engine.checkpoint import check_checkpoint_path
 from engine.config import EngineConfig
-from engine.errors import InputError
+from engine.errors import CheckpointError, InputError
 from pipeline.messages import first_line
 
 DEFAULT_VARIANT = "default"
+DEFAULT_ENGINE_FACTORY = "engine.api:Engine"
 # Checkpoint names that need no path (engine.checkpoint, variants.*.checkpoint): the embedded tiny
 # checkpoint (the same as null) and its W4A4 sibling, quantized on first use beside it.
 TINY_CHECKPOINT = "tiny"
@@ -76,7 +78,7 @@ class JobConfig:
     # most twice as many batches wait for them (a slow disk slows the job, it never queues without bound).
     writer_threads: int = 2
     ray: RayConfig = field(default_factory=RayConfig)
-    engine_factory: str = "engine.api:Engine"  # "module:callable" taking an EngineConfig
+    engine_factory: str = DEFAULT_ENGINE_FACTORY  # "module:callable" taking an EngineConfig
     progress: bool = True
     report: str = "auto"  # auto (when there are two or more variants) | always | never
     compare: CompareConfig = field(default_factory=CompareConfig)
@@ -232,7 +234,9 @@ def validate_compare(cmp: CompareConfig) -> None:
 
 def resolve_checkpoint_names(cfg: JobConfig) -> JobConfig:
     """`cfg` with the checkpoint names `tiny` (null: the engine's embedded tiny checkpoint) and `tiny-w4a4`
-    (that checkpoint quantized to W4A4, made on first use) replaced by what the engine loads."""
+    (that checkpoint quantized to W4A4, made on first use) replaced by what the engine loads. A checkpoint our
+    engine could never load (a file, a missing path) is refused here, before a job plans or writes anything:
+    its plan would tie the job to that checkpoint."""
 
     def resolve(checkpoint: Any) -> Any:
         if checkpoint == TINY_CHECKPOINT:
@@ -249,7 +253,16 @@ def resolve_checkpoint_names(cfg: JobConfig) -> JobConfig:
         for name, v in cfg.variants.items()
     }
     engine = replace(cfg.engine, checkpoint=resolve(cfg.engine.checkpoint))
-    return replace(cfg, engine=engine, variants=variants)
+    resolved = replace(cfg, engine=engine, variants=variants)
+    if cfg.engine_factory == DEFAULT_ENGINE_FACTORY:  # another engine may read the setting its own way
+        for name in resolved.variant_names():
+            checkpoint = resolved.engine_config(name).checkpoint
+            try:
+                check_checkpoint_path(checkpoint)
+            except CheckpointError as e:
+                where = f"variants.{name}.checkpoint" if cfg.variants else "engine.checkpoint"
+                raise CheckpointError(f"{where}: {e}") from None
+    return resolved
 
 
 def to_yaml(cfg: JobConfig) -> str:

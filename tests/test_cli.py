@@ -460,14 +460,16 @@ def test_the_ab_config_runs_as_it_is_on_the_tiny_checkpoints(tmp_path: Path, cap
     assert (tiny.parent / f"{tiny.name}-w4a4" / "config.json").is_file()
 
 
-def test_checkpoint_names_resolve_and_paths_stay_as_given():
+def test_checkpoint_names_resolve_and_paths_stay_as_given(tmp_path):
     from pipeline.config import load_job_config, resolve_checkpoint_names
 
+    path = tmp_path / "tiny"  # a directory named like the name: a path, kept as given
+    path.mkdir()
     cfg = load_job_config(
-        None, ["engine.checkpoint=tiny", "variants.a.checkpoint=/c/tiny", "variants.b.precision=fp32"]
+        None, ["engine.checkpoint=tiny", f"variants.a.checkpoint={path}", "variants.b.precision=fp32"]
     )
     resolved = resolve_checkpoint_names(cfg)
     assert resolved.engine.checkpoint is None  # `tiny` is null: the embedded tiny checkpoint
     assert (
-        resolved.engine_config("a").checkpoint == "/c/tiny" and resolved.engine_config("b").checkpoint is None
+        resolved.engine_config("a").checkpoint == str(path) and resolved.engine_config("b").checkpoint is None
     )
