@@ -156,8 +156,8 @@ def _check_schema(table: pa.Table, source: str) -> None:
             pa.types.is_floating(t) or pa.types.is_integer(t) or pa.types.is_null(t)
         ):
             raise ManifestError(
-                f"manifest column {name!r} has type {t}; it must be numeric (seconds or a "
-                "speed factor), or null where unset."
+                f"manifest column {name!r} has type {t}; it must hold integers or floats (seconds or a "
+                f"speed factor), null where unset (e.g. df[{name!r}] = df[{name!r}].astype('float64'))."
             )
         if name in _INT_COLUMNS and not (
             pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_null(t)

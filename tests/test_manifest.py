@@ -1,6 +1,7 @@
 """Manifest loading: whole-manifest errors refuse the file; row problems reject only that row."""
 
 import shutil
+from decimal import Decimal
 from pathlib import Path
 
 import pyarrow as pa
@@ -115,6 +116,15 @@ def test_whole_manifest_problems_refuse_the_file(tmp_path: Path, columns, needle
     m = _write(tmp_path / "m.parquet", **columns)
     with pytest.raises(ManifestError, match=needle):
         load(m)
+
+
+def test_a_decimal_duration_column_is_refused_with_the_cast_that_fixes_it(tmp_path: Path):
+    """A decimal is a number to its writer: the message says which types are taken and how to cast."""
+    duration = pa.array([Decimal("2.50")], pa.decimal128(5, 2))
+    columns = {"id": ["a"], "text": ["t"], "ref_audio": ["x.wav"], "ref_text": ["r"], "duration": duration}
+    pq.write_table(pa.table(columns), tmp_path / "m.parquet")
+    with pytest.raises(ManifestError, match=r"'duration' has type decimal128\(5, 2\).*astype\('float64'\)"):
+        load(tmp_path / "m.parquet")
 
 
 def test_unreadable_and_missing_manifests(tmp_path: Path):
