@@ -277,9 +277,10 @@ class ActorPool:
                 except Exception as e:
                     if not died(e):
                         cause = getattr(e, "cause", None) or e  # a RayTaskError's text opens with its pid
-                        raise OVBatchError(
-                            f"shard {task.index} could not run: {type(cause).__name__}: {first_line(cause)}"
-                        ) from e
+                        why = f"shard {task.index} could not run: {type(cause).__name__}: {first_line(cause)}"
+                        # A problem the worker named stays one (exit 2); a bug's or the machine's is
+                        # unexpected (exit 3, the worker's traceback chained), as in the driver's process.
+                        raise (OVBatchError if isinstance(cause, OVBatchError) else RuntimeError)(why) from e
                     if getattr(e, "actor_init_failed", False):  # every replacement would fail the same way
                         raise OVBatchError(
                             f"the shard actor could not start on a worker: {_last_line(e)}"

@@ -320,6 +320,33 @@ def test_an_error_inside_an_actor_is_reported_by_its_own_message(ray_session, tm
         submit(cfg, tmp_path / "job", lambda cfg, rows: lambda row: RowSize(10, 20, 30))
 
 
+class UnwritableEngine:
+    """Audio at sample rate 0, which no wav holds: the shard's write fails (an OSError, as a full disk's)."""
+
+    sample_rate, model_id, precision, device = 0, "unwritable@000000000000", "fp32", None
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def synthesize(self, reqs):
+        from engine.api import SynthResult
+
+        return [SynthResult(np.zeros(800, np.float32), 0, 10, 320) for _ in reqs]
+
+
+def test_an_unexpected_error_inside_an_actor_stops_the_job_as_unexpected(ray_session, tmp_path: Path):
+    """Not an input problem the worker named (OVBatchError, exit 2) but a bug's or the machine's: exit 3 with
+    the worker's traceback chained, as the same error in the driver's process would."""
+    manifest = write_manifest(tmp_path / "m.parquet", ["short"])
+    factory = f"tests.{Path(__file__).stem}:UnwritableEngine"
+    cfg = load_job_config(
+        None, [f"manifest={manifest}", f"engine_factory={factory}", "ray.num_actors=1", "progress=false"]
+    )
+    with pytest.raises(Exception, match=r"shard 0 could not run: OSError: cannot write") as raised:
+        submit(cfg, tmp_path / "job", lambda cfg, rows: lambda row: RowSize(10, 20, 30))
+    assert not isinstance(raised.value, OVBatchError)
+
+
 def test_an_actor_that_cannot_start_stops_the_job_with_the_cause(ray_session, tmp_path: Path):
     cfg = load_job_config(None, ["engine_factory=no_such_module:Engine", "ray.num_actors=1"])
     pool = ActorPool(str(tmp_path), cfg)
