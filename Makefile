@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(if $(TORCH_WHEELS),--find-links $(TORCH_WHEELS)) "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[test]"
+	# A CPU torch brings no Triton: tests/test_triton_interpret.py runs the Triton GEMMs under its interpreter.
+	if $(PY) -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
+	  $(PY) -m pip install -q "triton>=3.9" || echo "Triton not installed: tests/test_triton_interpret.py will skip"; \
+	fi
 	touch $(STAMP)
 
 demo: setup

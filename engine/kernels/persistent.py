@@ -38,6 +38,11 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Off CUDA (Triton's interpreter, tests/test_triton_interpret.py) a few programs, so that each walks several
+# tiles as on a GPU.
+INTERPRETER_PROGRAMS = 3
+
+
 def programs(device: torch.device, tiles: int) -> int:
-    """How many persistent programs to launch for `tiles` output tiles."""
-    return min(_multiprocessors(device), tiles)
+    """How many persistent programs to launch for `tiles` output tiles: one per multiprocessor."""
+    return min(_multiprocessors(device) if device.type == "cuda" else INTERPRETER_PROGRAMS, tiles)
