@@ -201,10 +201,11 @@ class _StatsHook:
 
 
 def run_layer(layer: nn.Module, inputs: list[LayerInput]) -> None:
-    """Run a decoder layer on every kept input, replacing each hidden state by the layer's output."""
+    """Run a decoder layer on every kept input, replacing each hidden state by the layer's output: the
+    residual stream x + delta (a layer returns its last block's output apart, for the next norm to add)."""
     for inp in inputs:
-        out = layer(inp.hidden, *inp.args, **inp.kwargs)
-        inp.hidden = out[0] if isinstance(out, tuple) else out
+        x, delta = layer(inp.hidden, *inp.args, **inp.kwargs)
+        inp.hidden = x if delta is None else x + delta
 
 
 @torch.inference_mode()
@@ -227,8 +228,8 @@ def calibrate_layers(
         }
         handles = [lin.register_forward_pre_hook(hooks[name]) for name, lin in linears.items()]
         try:
-            for inp in inputs:
-                layer(inp.hidden, *inp.args, **inp.kwargs)
+            for inp in inputs:  # on a copy: the layer adds its attention output into x in place
+                layer(inp.hidden.clone(), *inp.args, **inp.kwargs)
         finally:
             for handle in handles:
                 handle.remove()
