@@ -285,4 +285,11 @@ def read_w4a4_safetensors(
             raise QuantError(f"{path}: header metadata differs from config.json['quantization']; {redo}")
     if tensors_checksum(tensors) != header.get(HEADER_CHECKSUM_KEY):
         raise QuantError(f"{path}: tensor data fails its checksum (the file is corrupt); {redo}")
+    for name in meta.layers:
+        down = tensors.get(f"{name}.proj_down")
+        if down is not None and down.dim() == 2 and down.shape[1] != meta.rank:
+            raise QuantError(
+                f"{path}: {name}.proj_down has rank {down.shape[1]}, but the metadata says rank {meta.rank}; "
+                f"{redo}"
+            )
     return tensors, meta
