@@ -1,6 +1,7 @@
-"""The Triton GEMMs' code checked on the CPU: tests/interpret_kernels.py runs them under Triton's interpreter
-(Triton 3.9 on: an older interpreter fails on numpy 2's scalars) in a process of its own, against float64.
-Where Triton is missing this skips, saying why, except in CI (CI=true), where `make setup` installs it."""
+"""The Triton kernels' code checked on the CPU: tests/interpret_kernels.py runs them under Triton's
+interpreter (Triton 3.9 on: an older one fails on numpy 2's scalars) in a process of its own, against their
+references. Where Triton is missing this skips, saying why, except in CI (CI=true), where `make setup`
+installs it."""
 
 import os
 import subprocess
@@ -21,8 +22,8 @@ def triton_version() -> tuple[int, ...] | None:
     return tuple(int(part) for part in triton.__version__.split(".")[:2])
 
 
-@pytest.mark.parametrize("kernel", ("swiglu", "qkv_rope"))
-def test_the_kernel_under_the_interpreter_against_float64(kernel):
+@pytest.mark.parametrize("kernel", ("swiglu", "qkv_rope", "guided_argmax"))
+def test_the_kernel_under_the_interpreter_against_its_reference(kernel):
     version = triton_version()
     if version is None or version < MIN_TRITON:
         why = f"Triton {'missing' if version is None else version} (3.9 on runs these kernels' interpreter)"
