@@ -172,6 +172,9 @@ def test_an_out_inside_the_source_or_under_a_file_and_bad_counts_are_refused_bef
         with pytest.raises(QuantError, match=f"{flag} 0: it must be at least 1"):
             quantize_command.main([str(src), "--out", str(tmp_path / "q"), flag, "0"])
     assert not (tmp_path / "q").exists()
+    with pytest.raises(QuantError, match="--device tpu"):
+        quantize_command.main([str(src), "--out", str(tmp_path / "new" / "q"), "--device", "tpu"])
+    assert not (tmp_path / "new").exists()  # refused before --out's folders were made
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")

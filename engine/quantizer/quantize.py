@@ -256,8 +256,8 @@ def quantize_checkpoint(
     options = options or QuantizeOptions()
     started = time.perf_counter()
     src, out = resolve_checkpoint(source), Path(out)
+    device, dtype = device_and_dtype(options.device, options.dtype)  # before check_source makes folders
     raw, _ = check_source(src, out, options.rank)
-    device, dtype = device_and_dtype(options.device, options.dtype)
     source_hash = checkpoint_fingerprint(src)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
