@@ -76,18 +76,22 @@ def _manifest_requests(location: str, load_manifest: Callable | None, clip_dir: 
         for r in manifest.rows
         if r.ref_audio and r.ref_text
     ]
-    reasons = "; ".join(f"row {r.row_index}: {r.reason}" for r in manifest.rejected[:3])
+    unreferenced = len(manifest.rows) - len(requests)
+    reasons = [f"row {r.row_index}: {r.reason}" for r in manifest.rejected[:3]]
+    if unreferenced:  # a valid row for submit (no voice to clone), but calibration clones voices
+        reasons.insert(0, f"{unreferenced} without a reference clip and its transcript")
     if not requests:
+        why = "; ".join(reasons) or "no rows"
         raise QuantError(
-            f"calibration manifest {location} has no usable rows ({reasons or 'no rows'}). Fix the rows or "
-            "leave --calib out to calibrate on generated prompts."
+            f"calibration manifest {location} has no usable rows ({why}). Fix the rows or leave --calib out "
+            "to calibrate on generated prompts."
         )
-    if manifest.rejected:
+    if manifest.rejected or unreferenced:
         log.warning(
             "calibration manifest %s: %d row(s) left out (%s%s)",
             location,
-            len(manifest.rejected),
-            reasons,
+            len(manifest.rejected) + unreferenced,
+            "; ".join(reasons),
             "; ..." if len(manifest.rejected) > 3 else "",
         )
     return requests

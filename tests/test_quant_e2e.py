@@ -313,17 +313,18 @@ def test_calibration_from_a_manifest(tiny, tmp_path, monkeypatch, caplog):
     remote = "s3://bucket/voices/en_8k_mono.wav"
     reads = _remote_clips(monkeypatch, {remote: (data / names[2]).read_bytes()})
     rows = {
-        "id": ["a", "b", "c", "gone", "unreachable"],
+        "id": ["a", "b", "c", "gone", "unreachable", "no-voice"],
         "text": [
             "Good morning to all of you.",
             "The river runs past the old mill.",
             "We walked home in the rain.",
             "Hello.",
             "Hi there.",
+            "A voice of its own.",
         ],
         "ref_audio": [str(data / n) for n in names[:2]]
-        + [remote, str(data / "missing.wav"), "s3://bucket/gone.wav"],
-        "ref_text": [clips[n]["transcript"] for n in names] + ["Hi.", "Hello."],
+        + [remote, str(data / "missing.wav"), "s3://bucket/gone.wav", None],
+        "ref_text": [clips[n]["transcript"] for n in names] + ["Hi.", "Hello.", None],
     }
     manifest = tmp_path / "calib.parquet"
     pq.write_table(pa.table(rows), manifest)
@@ -338,7 +339,8 @@ def test_calibration_from_a_manifest(tiny, tmp_path, monkeypatch, caplog):
     assert reads.count(remote) == 1
     assert report["summary"]["mean_error"]["final"] < report["summary"]["mean_error"]["rtn"]
     warned = caplog.text
-    assert "2 row(s)" in warned and "s3://bucket/gone.wav" in warned and "missing.wav" in warned
+    assert "3 row(s)" in warned and "s3://bucket/gone.wav" in warned and "missing.wav" in warned
+    assert "1 without a reference clip" in warned
 
 
 def test_calibration_manifest_whose_clips_cannot_be_fetched(tiny, tmp_path, monkeypatch):
