@@ -36,7 +36,7 @@ bucket, the rows' shares of generation, preparation ahead and that idle), and se
 that measured it: $OVBATCH_SESSION, which bench/gpu_session.sh sets once per machine, else this run's start;
 README's "vs engine" compares a job with the engine of its own session). Each part starts from an empty
 prompt cache. A device command is limited to 10 minutes: run some parts or precisions per call; entries merge
-into --out by variant name.
+into --out by variant name, each with the environment (machine, versions) that measured it.
 
     python bench/e2e.py [--parts official,engine,job_local,job_ray | setup] [--precisions bf16,w4a4,fp8]
                         [--rows 2000] [--official-rows 512] [--size full|tiny] [--device auto]
@@ -390,6 +390,8 @@ def checkpoint_and_manifest(work: Path, size: str, rows: int) -> tuple[Path, Pat
 def merge(out: Path, new: list[dict], meta: dict) -> dict:
     report = json.loads(out.read_text()) if out.is_file() else {"bench": "e2e", "entries": []}
     names = {e["variant"] for e in new}
+    if "environment" in meta:  # each entry keeps the machine and versions that measured it; the top level's
+        new = [{**e, "environment": meta["environment"]} for e in new]  # are the last call's only
     report["entries"] = [e for e in report["entries"] if e["variant"] not in names] + new
     report.update(meta)
     return report
