@@ -12,6 +12,11 @@ from pathlib import Path
 
 import torch
 
+# Packages whose kernels the engine runs on the GPU beside torch's, recorded by every GPU benchmark: the
+# attention backends attention=auto picks first (flash4, then flash: engine/model/attention.py) and Triton
+# (the bf16 GEMM epilogues, the guided argmax).
+GPU_PACKAGES = ("flash-attn-4", "flash-attn", "triton")
+
 
 def _driver() -> str:
     query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
@@ -23,14 +28,15 @@ def _driver() -> str:
 
 
 def environment(*packages: str) -> dict:
-    """Python, torch, CUDA, the GPU and its driver, the date, and the versions of `packages`."""
+    """Python, torch, CUDA, the GPU and its driver, the date, and the versions of `packages` (on a GPU, of
+    GPU_PACKAGES too)."""
     env = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    for name in packages:
+    for name in (*packages, *(GPU_PACKAGES if torch.cuda.is_available() else ())):
         try:
             env[name] = version(name)
         except PackageNotFoundError:

@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
         print_table(case, variants)
     report = {
         "bench": "profile_generate",
-        "environment": environment("transformers", "flash_attn"),
+        "environment": environment("transformers"),
         "attention_backend": model.attention_backend(torch.device("cuda"), torch.bfloat16).name,
         "num_step": gen.num_step,
         "note": "busy = union of device activity intervals; graph_kernels_recorded False means the profiler "
