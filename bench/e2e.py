@@ -21,8 +21,9 @@ from the process's start to then, and tail_seconds, from then until it exited (t
 run's end event, tail_after_run_seconds after it: the summary and the exit); launch_seconds, from its start
 until submit() began), padding_fraction (token-weighted share of each batch's graph bucket that holds no row),
 mean_sm_clock_mhz, attention_backend (the engine's; for jobs, what attention=auto picks in the bench's
-process, whose environment the job's workers inherit), startup_seconds (jobs: from the end of planning until
-the engines are loaded and their CUDA graphs captured; capture_seconds of it; the CUDA extension is built
+process, whose environment the job's workers inherit), startup_seconds (jobs: the time to the engines loaded
+and their CUDA graphs captured that the planning did not hide, ready minus planning, so a Ray job's start of
+Ray before its planning counts in it; capture_seconds of it; the CUDA extension is built
 before the first part, as a machine that has run a job before has it), planning_seconds (and planning_phases:
 plan_job's manifest, clips, rows and cut); the engine's load by
 phase (load_breakdown, Engine.load_timings: weights, merge, codec, ...; jobs: of the slowest actor, beside its
