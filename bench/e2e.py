@@ -87,13 +87,15 @@ SETTINGS = {
 
 
 def gpu_fields(gpu: GpuSampler) -> dict:
-    """gpu_busy and mean_sm_clock_mhz of the busiest GPU over an entry (None without nvidia-smi)."""
+    """gpu_busy and mean_sm_clock_mhz of the busiest GPU over an entry (None without nvidia-smi), and the
+    nvidia-smi queries that gave no sample (the means are over the others)."""
     if not gpu.by_gpu:
-        return {"gpu_busy": None, "mean_sm_clock_mhz": None}
+        return {"gpu_busy": None, "mean_sm_clock_mhz": None, "gpu_samples_missed": gpu.missed}
     busiest = max(gpu.by_gpu, key=lambda i: statistics.fmean(gpu.by_gpu[i]))
     return {
         "gpu_busy": round(statistics.fmean(gpu.by_gpu[busiest]) / 100, 3),
         "mean_sm_clock_mhz": round(statistics.fmean(gpu.sm_mhz[busiest]), 1),
+        "gpu_samples_missed": gpu.missed,
     }
 
 

@@ -114,29 +114,38 @@ def parse_gpu_samples(text: str) -> dict[int, tuple[float, float]]:
     return samples
 
 
+SAMPLE_SECONDS = 0.5
+
+
 class GpuSampler:
-    """nvidia-smi utilization.gpu and SM clock of every GPU every 0.5 s while a run lasts (empty without
-    nvidia-smi), and when each sample was taken (time.perf_counter)."""
+    """nvidia-smi utilization.gpu and SM clock of every GPU every SAMPLE_SECONDS while a run lasts (empty
+    without nvidia-smi), and when each sample was taken (time.perf_counter); `missed`: queries that timed out
+    or read as no sample, each skipped."""
 
     def __init__(self):
         self.by_gpu: dict[int, list[float]] = {}  # utilization percent
         self.sm_mhz: dict[int, list[float]] = {}
         self.times: dict[int, list[float]] = {}
+        self.missed = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         query = ["nvidia-smi", "--query-gpu=index,utilization.gpu,clocks.sm", "--format=csv,noheader,nounits"]
-        while not self._stop.wait(0.5):
+        while not self._stop.wait(SAMPLE_SECONDS):
             try:
                 out = subprocess.run(query, capture_output=True, text=True, timeout=5).stdout
-                now = time.perf_counter()
-                for index, (percent, mhz) in parse_gpu_samples(out).items():
-                    self.by_gpu.setdefault(index, []).append(percent)
-                    self.sm_mhz.setdefault(index, []).append(mhz)
-                    self.times.setdefault(index, []).append(now)
-            except (OSError, ValueError, subprocess.TimeoutExpired):
+                samples = parse_gpu_samples(out)
+            except OSError:  # no nvidia-smi here
                 return
+            except (ValueError, subprocess.TimeoutExpired):
+                self.missed += 1
+                continue
+            now = time.perf_counter()
+            for index, (percent, mhz) in samples.items():
+                self.by_gpu.setdefault(index, []).append(percent)
+                self.sm_mhz.setdefault(index, []).append(mhz)
+                self.times.setdefault(index, []).append(now)
 
     def __enter__(self) -> GpuSampler:
         self._thread.start()

@@ -40,9 +40,35 @@ def test_gpu_fields_read_the_busiest_gpu():
     from bench.pipeline import GpuSampler
 
     gpu = GpuSampler()
-    assert gpu_fields(gpu) == {"gpu_busy": None, "mean_sm_clock_mhz": None}
+    assert gpu_fields(gpu) == {"gpu_busy": None, "mean_sm_clock_mhz": None, "gpu_samples_missed": 0}
     gpu.by_gpu, gpu.sm_mhz = {0: [2.0, 4.0], 1: [90.0, 100.0]}, {0: [300.0, 300.0], 1: [1900.0, 1980.0]}
-    assert gpu_fields(gpu) == {"gpu_busy": 0.95, "mean_sm_clock_mhz": 1940.0}
+    gpu.missed = 1
+    assert gpu_fields(gpu) == {"gpu_busy": 0.95, "mean_sm_clock_mhz": 1940.0, "gpu_samples_missed": 1}
+
+
+def test_a_query_that_times_out_or_reads_garbage_skips_one_sample_not_the_rest(monkeypatch):
+    """A long run's busy fractions are means over its samples: a sampler that stopped at the first slow
+    nvidia-smi would average the run's first minutes only, without a word."""
+    import subprocess
+    import time
+
+    from bench import pipeline
+
+    replies = iter(["timeout", "garbage", *["0, 97, 1980\n"] * 1000])
+
+    def fake_run(query, **kwargs):
+        reply = next(replies)
+        if reply == "timeout":
+            raise subprocess.TimeoutExpired(query, 5)
+        return subprocess.CompletedProcess(query, 0, stdout=reply, stderr="")
+
+    monkeypatch.setattr(pipeline.subprocess, "run", fake_run)
+    monkeypatch.setattr(pipeline, "SAMPLE_SECONDS", 0.01)
+    with pipeline.GpuSampler() as gpu:
+        deadline = time.monotonic() + 10
+        while len(gpu.by_gpu.get(0, [])) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert gpu.by_gpu[0][:3] == [97.0, 97.0, 97.0] and gpu.missed == 2
 
 
 def test_busy_since_reads_the_samples_after_the_ready_event():
