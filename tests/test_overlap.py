@@ -134,23 +134,18 @@ def test_a_shard_returns_once_its_rows_are_written_and_its_prompts_flushed(tmp_p
     assert len(results) == 5 and FlushingEngine.flushed_after == [5]
 
 
-def test_a_row_whose_post_processing_fails_fails_alone(tmp_path: Path):
+@pytest.mark.parametrize(
+    "text, error",
+    [("BADAUDIO two", "post-processing 'BADAUDIO two' failed"), ("BADSHAPE two", "too many dimensions")],
+)
+def test_a_row_whose_post_processing_or_wav_fails_fails_alone(tmp_path: Path, text: str, error: str):
+    """Its post-processing raised, or its audio is malformed (a ValueError from the wav writer: the row's
+    fault, not the disk's): the row fails with the reason, the shard's other rows are written."""
     StagedEngine.gate.set()
-    rows = _rows(["fine one", "BADAUDIO two", "fine three"])
+    rows = _rows(["fine one", text, "fine three"])
     results = ShardRunner(tmp_path, _cfg(2)).run_shard(ShardTask(0, "default", 128, 1, rows))
     assert [r.status for r in results] == ["ok", "failed", "ok"]
-    assert "post-processing 'BADAUDIO two' failed" in results[1].error and results[1].wav_path is None
-    assert not (tmp_path / "wavs" / "default" / "r01.wav").exists()
-
-
-def test_a_row_whose_audio_no_wav_can_hold_fails_alone(tmp_path: Path):
-    """A malformed output is that row's fault (ValueError), not the disk's: the row fails with the reason,
-    the shard's other rows are written."""
-    StagedEngine.gate.set()
-    rows = _rows(["fine one", "BADSHAPE two", "fine three"])
-    results = ShardRunner(tmp_path, _cfg(2)).run_shard(ShardTask(0, "default", 128, 1, rows))
-    assert [r.status for r in results] == ["ok", "failed", "ok"]
-    assert "too many dimensions" in results[1].error and results[1].wav_path is None
+    assert error in results[1].error and results[1].wav_path is None
     assert not (tmp_path / "wavs" / "default" / "r01.wav").exists()
     assert (tmp_path / "wavs" / "default" / "r02.wav").is_file()
 

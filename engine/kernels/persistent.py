@@ -46,3 +46,9 @@ INTERPRETER_PROGRAMS = 3
 def programs(device: torch.device, tiles: int) -> int:
     """How many persistent programs to launch for `tiles` output tiles: one per multiprocessor."""
     return min(_multiprocessors(device) if device.type == "cuda" else INTERPRETER_PROGRAMS, tiles)
+
+
+def launch(kernel, device: torch.device, tiles: int, *args, **meta) -> None:
+    """Run a persistent kernel over `tiles` output tiles: `args`, then the number of programs launched."""
+    launched = programs(device, tiles)
+    kernel[(launched,)](*args, launched, **meta)

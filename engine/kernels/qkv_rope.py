@@ -18,10 +18,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from engine.kernels.persistent import OUT_TYPES, programs, takes, tile_origin
+from engine.kernels.persistent import OUT_TYPES, launch, takes, tile_origin
 
-# Measured on an H100 at K = 1024, 16 + 8 + 8 heads of 128, M = 8,192 and 18,944 (docs/kernels.md):
-# 128 x 256 tiles, 64-deep k steps, 3 stages, 8 warps (128 x 128 tiles 11-14% slower; 4 stages do not fit).
+# The fastest tile on an H100 at OmniVoice's shapes (docs/kernels.md, tried and not kept).
 BLOCK_M, BLOCK_N, BLOCK_K, STAGES, WARPS, GROUP_M = 128, 256, 64, 3, 8, 8
 HEAD_DIMS = (64, 128)
 
@@ -90,13 +89,13 @@ def qkv_rope_gemm(
     out = torch.empty(m, n, device=x.device, dtype=weight.dtype)
     if m == 0:
         return out
-    launched = programs(x.device, triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N))
-    _qkv_rope_gemm_kernel[(launched,)](
+    launch(
+        _qkv_rope_gemm_kernel, x.device, triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),
         TensorDescriptor.from_tensor(x, [BLOCK_M, BLOCK_K]),
         TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K]),
         TensorDescriptor.from_tensor(out, [BLOCK_M, BLOCK_N]),
         q_weight, k_weight, cos.contiguous(), sin.contiguous(), m, n, k,
-        q_heads * d, (q_heads + kv_heads) * d, eps, launched,
+        q_heads * d, (q_heads + kv_heads) * d, eps,
         BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, D=d, GROUP=GROUP_M, OUT=OUT_TYPES[weight.dtype],
         num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip

@@ -17,10 +17,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from engine.kernels.persistent import OUT_TYPES, programs, takes, tile_origin
+from engine.kernels.persistent import OUT_TYPES, launch, takes, tile_origin
 
-# The fastest tile tried on an H100 at K = 1024, I = 3072, M = 8,192 and 18,944 (docs/kernels.md): 128 rows
-# x (128 gate + 128 up) outputs, 64-deep k steps, 3 stages, 8 warps.
+# 128 rows x (128 gate + 128 up) outputs: the fastest tile on an H100 at OmniVoice's shapes (docs/kernels.md,
+# tried and not kept).
 BLOCK_M, HALF_N, BLOCK_K, STAGES, WARPS, GROUP_M = 128, 128, 64, 3, 8, 8
 
 
@@ -55,12 +55,12 @@ def swiglu_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     h = torch.empty(m, width, device=x.device, dtype=weight.dtype)
     if m == 0:
         return h
-    launched = programs(x.device, triton.cdiv(m, BLOCK_M) * triton.cdiv(width, HALF_N))
-    _swiglu_gemm_kernel[(launched,)](
+    launch(
+        _swiglu_gemm_kernel, x.device, triton.cdiv(m, BLOCK_M) * triton.cdiv(width, HALF_N),
         TensorDescriptor.from_tensor(x, [BLOCK_M, BLOCK_K]),
         TensorDescriptor.from_tensor(weight.view(2, width, k), [2, HALF_N, BLOCK_K]),
         TensorDescriptor.from_tensor(h, [BLOCK_M, HALF_N]),
-        m, width, k, launched,
+        m, width, k,
         BM=BLOCK_M, HALF=HALF_N, BK=BLOCK_K, GROUP=GROUP_M, OUT=OUT_TYPES[weight.dtype],
         num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip
