@@ -101,23 +101,6 @@ def kernel_summary_rows(result: dict) -> list[str]:
     ]
 
 
-def kernel_rows(result: dict) -> list[str]:
-    """docs/kernels.md: the current numbers, one row per M and layer: times, then speed relative to cuBLAS
-    bf16 of the whole W4A4 linear, the W4A4 GEMM alone and FP8 `_scaled_mm`, beside the target."""
-    return [
-        row(
-            r["M"],
-            r["layer"],
-            *(f"{r[k]:.1f}" for k in ("w4a4_us", "quantize_us", "gemm_us", "bf16_us", "fp8_us")),
-            f"{r['speedup_vs_bf16']:.2f}x",
-            f"{r['bf16_us'] / r['gemm_us']:.2f}x",
-            f"{r['bf16_us'] / r['fp8_us']:.2f}x",
-            "1x" if r["M"] < 2048 else "1.5x",
-        )
-        for r in result["rows"]
-    ]
-
-
 def floor_rows(result: dict) -> list[str]:
     """docs/kernels.md: the two kernels' floors (bytes, tensor-core time, loop instructions at full issue
     rate) against the 1.5x-over-bf16 target's budget, and each kernel's measured time over its floor."""
@@ -154,7 +137,7 @@ def _token_counts(result: dict) -> list[int]:
 
 
 def fused_rows(result: dict) -> list[str]:
-    """docs/kernels.md: the fused kernels against torch, and RMSNorm + qkv."""
+    """docs/benchmarks.md: the fused kernels against torch, and RMSNorm + qkv."""
     rows = []
     for m in _token_counts(result):
         qkv = _fused_case(result, m, "norm_qkv")
@@ -171,7 +154,7 @@ def fused_rows(result: dict) -> list[str]:
 
 
 def snake_rows(result: dict) -> list[str]:
-    """docs/kernels.md: the codec's Snake kernel against torch's five ops (float32)."""
+    """docs/benchmarks.md: the codec's Snake kernel against torch's five ops (float32)."""
     return [
         row(" x ".join(map(str, r["shape"])), torch_vs_ours(r, 2), f"{r['rel_err_fused_vs_torch']:.1g}")
         for r in result["rows"]
@@ -180,7 +163,7 @@ def snake_rows(result: dict) -> list[str]:
 
 
 def group_rows(result: dict) -> list[str]:
-    """docs/kernels.md: q/k/v and gate/up one by one and as one GEMM, bf16 and W4A4."""
+    """docs/benchmarks.md: q/k/v and gate/up one by one and as one GEMM, bf16 and W4A4."""
     rows = []
     for m in _token_counts(result):
         for case, label in (("group_qkv", "qkv"), ("group_gate_up", "gate_up")):
@@ -201,7 +184,7 @@ def group_rows(result: dict) -> list[str]:
 
 
 def swiglu_rows(result: dict) -> list[str]:
-    """docs/kernels.md: RMSNorm -> silu(gate) * up, bf16, W4A4 grouped + silu_mul and the SwiGLU GEMM."""
+    """docs/benchmarks.md: RMSNorm -> silu(gate) * up, bf16, W4A4 grouped + silu_mul and the SwiGLU GEMM."""
     rows = []
     for m in _token_counts(result):
         r = _fused_case(result, m, "swiglu")
@@ -218,7 +201,7 @@ def swiglu_rows(result: dict) -> list[str]:
 
 
 def residual_rows(result: dict) -> list[str]:
-    """docs/kernels.md: x + linear(h) for o and down: bf16, W4A4 + torch's add, the add in the epilogue."""
+    """docs/benchmarks.md: x + linear(h) for o and down: bf16, W4A4 + torch's add, the add in the epilogue."""
     rows = []
     for m in _token_counts(result):
         for case, label in (("residual_o", "o"), ("residual_down", "down")):
@@ -270,8 +253,8 @@ def fp8_noise_rows(result: dict) -> list[str]:
 
 
 def gemm_epilogue_rows(result: dict, case: str) -> list[str]:
-    """docs/kernels.md: one bf16 Triton GEMM with its epilogue against cuBLAS + the kernel it replaced, per M,
-    and over a generation."""
+    """docs/benchmarks.md: one bf16 Triton GEMM with its epilogue against cuBLAS + the kernel it replaced,
+    per M, and over a generation."""
     out = [
         row(
             f"{r['M']:,}",
@@ -391,16 +374,15 @@ def tables() -> dict[str, tuple[str, list[str]]]:
         "planning": ("docs/benchmarks.md", plan_rows(load("plan-cpu.json"))),
         "end to end": ("README.md", e2e_rows(load("e2e-h200.json"))),
         "end to end on the H100": ("README.md", e2e_rows(load("e2e-h100.json"))),
-        "current kernel numbers": ("docs/kernels.md", kernel_rows(kernels)),
         "floors": ("docs/kernels.md", floor_rows(kernels)),
-        "fused kernels": ("docs/kernels.md", fused_rows(fused)),
-        "snake": ("docs/kernels.md", snake_rows(fused)),
-        "groups": ("docs/kernels.md", group_rows(fused)),
-        "swiglu": ("docs/kernels.md", swiglu_rows(fused)),
-        "residual": ("docs/kernels.md", residual_rows(fused)),
+        "fused kernels": ("docs/benchmarks.md", fused_rows(fused)),
+        "snake": ("docs/benchmarks.md", snake_rows(fused)),
+        "groups": ("docs/benchmarks.md", group_rows(fused)),
+        "swiglu": ("docs/benchmarks.md", swiglu_rows(fused)),
+        "residual": ("docs/benchmarks.md", residual_rows(fused)),
         "fp8 noise": ("docs/quantization.md", fp8_noise_rows(load("fp8-noise-cpu.json"))),
-        "bf16 swiglu gemm": ("docs/kernels.md", gemm_epilogue_rows(epilogues, "swiglu")),
-        "bf16 qkv rope gemm": ("docs/kernels.md", gemm_epilogue_rows(epilogues, "qkv_rope")),
+        "bf16 swiglu gemm": ("docs/benchmarks.md", gemm_epilogue_rows(epilogues, "swiglu")),
+        "bf16 qkv rope gemm": ("docs/benchmarks.md", gemm_epilogue_rows(epilogues, "qkv_rope")),
         "fp8 accumulation": ("docs/ARCHITECTURE.md", fp8_accumulation_gemm_rows(accumulation)),
         "fp8 gate/up": ("docs/ARCHITECTURE.md", fp8_accumulation_gate_up_rows(accumulation)),
         "fp8 sums per generation": ("docs/ARCHITECTURE.md", fp8_accumulation_generation_rows(accumulation)),
